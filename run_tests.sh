@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Run the test suite: ./run_tests.sh [pytest args]   (add "-m slow" for the 4-process cases)
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/bootstrap.sh
+exec python -m pytest -q "$@"

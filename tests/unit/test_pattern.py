@@ -1,0 +1,321 @@
+"""Tests for the hybrid layer pattern grammar (titan_hybrid.pattern)."""
+
+import re
+
+import pytest
+
+from titan_hybrid.pattern import (
+    SYMBOL_NAMES,
+    HybridPattern,
+    PipelineStage,
+    parse_hybrid_pattern,
+    physical_symbols,
+)
+
+
+def _raises(pattern, *fragments):
+    """Parse `pattern`, expect a ValueError whose message holds every fragment."""
+    with pytest.raises(ValueError) as info:
+        parse_hybrid_pattern(pattern)
+    message = str(info.value)
+    assert f"hybrid pattern {pattern!r}" in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+# --- parse results ------------------------------------------------------------
+
+def test_symbol_names():
+    assert SYMBOL_NAMES == {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def test_physical_symbols():
+    assert physical_symbols("M") == ("M",)
+    assert physical_symbols(("M", "*")) == ("M", "*")
+
+
+def test_flat_pattern():
+    p = parse_hybrid_pattern("M*M-E")
+    assert isinstance(p, HybridPattern)
+    assert p.text == "M*M-E"
+    assert p.main == ["M", "*", "M", "-", "E"]
+    assert p.mtp == [] and p.mtp_depths == 0
+    assert p.segments == [p.main]
+    assert p.num_logical_layers == 5 and p.num_physical_layers == 5
+
+
+def test_all_symbols_accepted():
+    assert parse_hybrid_pattern("MG*-E").main == ["M", "G", "*", "-", "E"]
+
+
+def test_lists_are_lists():
+    p = parse_hybrid_pattern("M[M*]-|E/*-")
+    assert type(p.main) is list and type(p.mtp) is list and type(p.segments) is list
+    assert all(type(segment) is list for segment in p.segments)
+
+
+def test_group_is_one_logical_layer():
+    p = parse_hybrid_pattern("M[M*]-")
+    assert p.main == ["M", ("M", "*"), "-"]
+    assert p.num_logical_layers == 3
+    assert p.num_physical_layers == 4
+
+
+def test_whole_pattern_group_with_moe_last():
+    p = parse_hybrid_pattern("[M*E]")
+    assert p.main == [("M", "*", "E")]
+    assert p.num_logical_layers == 1 and p.num_physical_layers == 3
+
+
+def test_single_symbol_group_is_a_tuple():
+    p = parse_hybrid_pattern("[M]*")
+    assert p.main == [("M",), "*"]
+    assert p.num_logical_layers == 2 and p.num_physical_layers == 2
+
+
+def test_moe_last_in_group_is_fine():
+    assert parse_hybrid_pattern("[*E]").main == [("*", "E")]
+    assert parse_hybrid_pattern("[E]").main == [("E",)]
+
+
+def test_mtp_two_depths():
+    p = parse_hybrid_pattern("M*-/*-/*-")
+    assert p.main == ["M", "*", "-"]
+    assert p.mtp == ["*", "-"]
+    assert p.mtp_depths == 2
+    assert p.num_physical_layers == 3  # MTP layers are not main layers
+
+
+def test_mtp_one_depth():
+    p = parse_hybrid_pattern("M*/E")
+    assert p.mtp == ["E"] and p.mtp_depths == 1
+
+
+def test_trailing_slash_means_zero_depths():
+    p = parse_hybrid_pattern("M*-/")
+    assert p.main == ["M", "*", "-"]
+    assert p.mtp == [] and p.mtp_depths == 0
+
+
+def test_segments_split_at_pipes():
+    p = parse_hybrid_pattern("M*|M[M*]E")
+    assert p.main == ["M", "*", "M", ("M", "*"), "E"]
+    assert p.segments == [["M", "*"], ["M", ("M", "*"), "E"]]
+
+
+def test_empty_segments_allowed():
+    assert parse_hybrid_pattern("M||*").segments == [["M"], [], ["*"]]
+    assert parse_hybrid_pattern("|M").segments == [[], ["M"]]
+    assert parse_hybrid_pattern("M|").segments == [["M"], []]
+
+
+def test_segments_with_mtp():
+    p = parse_hybrid_pattern("M|*/-/-")
+    assert p.segments == [["M"], ["*"]]
+    assert p.mtp == ["-"] and p.mtp_depths == 2
+
+
+def test_equal_and_hashable():
+    a, b = parse_hybrid_pattern("M[M*]"), parse_hybrid_pattern("M[M*]")
+    assert a == b and hash(a) == hash(b)
+    assert a != parse_hybrid_pattern("M[*M]")
+    assert len({a, b}) == 1
+
+
+# --- parse errors -------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern, char, pos", [("MD*", "D", 1), ("M*+", "+", 2),
+                                                 ("M/D", "D", 2)])
+def test_unsupported_symbols(pattern, char, pos):
+    _raises(pattern, f"'{char}' at position {pos}", "not supported")
+
+
+@pytest.mark.parametrize("pattern, char, pos", [("M*x", "x", 2), ("Ma", "a", 1),
+                                                 ("m", "m", 0), ("M/*?", "?", 3)])
+def test_unknown_characters(pattern, char, pos):
+    _raises(pattern, f"'{char}' at position {pos}", "not a known symbol")
+
+
+@pytest.mark.parametrize("pattern, pos", [("M *", 1), ("M*\t", 2), (" M", 0), ("M\n", 1)])
+def test_whitespace_rejected(pattern, pos):
+    _raises(pattern, f"at position {pos}", "whitespace")
+
+
+@pytest.mark.parametrize("pattern", ["", "|", "||", "/", "/M", "|/*"])
+def test_main_must_have_a_layer(pattern):
+    _raises(pattern, "main part", "at least one layer")
+
+
+def test_empty_main_names_the_slash():
+    _raises("|/*", "before '/' at position 1")
+
+
+def test_unmatched_open_bracket():
+    _raises("M[M*", "'[' at position 1", "unmatched")
+    _raises("[M*/*", "'[' at position 0", "unmatched", "'/' at position 3")
+
+
+def test_empty_group():
+    _raises("M[]*", "']' at position 2", "empty group")
+
+
+def test_nested_group():
+    _raises("[M[*]]", "'[' at position 2", "nested", "position 0")
+
+
+@pytest.mark.parametrize("pattern, pos", [("M]", 1), ("]M", 0), ("[M]]", 3), ("M/*]", 3)])
+def test_stray_close_bracket(pattern, pos):
+    _raises(pattern, f"']' at position {pos}", "stray")
+
+
+@pytest.mark.parametrize("pattern, pos", [("[E*]", 1), ("M[*E-]", 3), ("[EE]", 1)])
+def test_moe_must_close_group(pattern, pos):
+    _raises(pattern, f"'E' at position {pos} must be the last symbol of a group")
+
+
+def test_moe_error_message_exact():
+    # 0-based: M=0 [=1 *=2 E=3 -=4.
+    with pytest.raises(ValueError, match=re.escape(
+            "hybrid pattern 'M[*E-]': 'E' at position 3 must be the last symbol of a group")):
+        parse_hybrid_pattern("M[*E-]")
+
+
+def test_pipe_inside_group():
+    _raises("M[M|*]", "'|' at position 3", "inside a group")
+
+
+def test_pipe_in_mtp():
+    _raises("M*/*|-", "'|' at position 4", "MTP")
+
+
+@pytest.mark.parametrize("pattern, pos", [("M*/[*-]", 3), ("M/*/[*]", 4)])
+def test_group_in_mtp(pattern, pos):
+    _raises(pattern, f"'[' at position {pos}", "not allowed in MTP")
+
+
+def test_mismatched_mtp_depths():
+    _raises("M*-/*-/*", "'/' at position 6", "'*'", "'*-'", "identical")
+    _raises("M/*-/-*", "'/' at position 4", "identical")
+
+
+@pytest.mark.parametrize("pattern, pos", [("M//-", 1), ("M/-//", 3), ("M/-/", 3),
+                                          ("M//", 1)])
+def test_empty_mtp_depth(pattern, pos):
+    _raises(pattern, f"'/' at position {pos}", "empty MTP depth")
+
+
+def test_non_string_rejected():
+    with pytest.raises(TypeError):
+        parse_hybrid_pattern(None)
+
+
+# --- pipeline stages ----------------------------------------------------------
+
+def _summary(stages):
+    return [(s.index, s.pp_rank, s.virtual_stage, s.items, s.first_logical_index,
+             s.first_physical_index) for s in stages]
+
+
+def test_pipe_segments_one_per_rank():
+    stages = parse_hybrid_pattern("M*|[M*]E").pipeline_stages(2)
+    assert all(isinstance(s, PipelineStage) for s in stages)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "*"], 0, 0),
+        (1, 1, 0, [("M", "*"), "E"], 2, 2),
+    ]
+
+
+def test_pipe_segments_virtual_stages():
+    p = parse_hybrid_pattern("M[M*]|*|E|[GE]-")
+    assert _summary(p.pipeline_stages(2)) == [
+        (0, 0, 0, ["M", ("M", "*")], 0, 0),
+        (1, 1, 0, ["*"], 2, 3),
+        (2, 0, 1, ["E"], 3, 4),
+        (3, 1, 1, [("G", "E"), "-"], 4, 5),
+    ]
+    assert _summary(p.pipeline_stages(2, num_virtual_stages=2)) == _summary(
+        p.pipeline_stages(2))
+    # pp 1 with 4 segments: 4 virtual stages, all on rank 0.
+    stages = p.pipeline_stages(1)
+    assert [(s.pp_rank, s.virtual_stage) for s in stages] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
+def test_pipe_empty_segments_are_empty_stages():
+    stages = parse_hybrid_pattern("M||*|").pipeline_stages(4)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M"], 0, 0),
+        (1, 1, 0, [], 1, 1),
+        (2, 2, 0, ["*"], 1, 1),
+        (3, 3, 0, [], 2, 2),
+    ]
+
+
+def test_pipe_segments_ignore_mtp():
+    stages = parse_hybrid_pattern("M|*/-/-").pipeline_stages(2)
+    assert [s.items for s in stages] == [["M"], ["*"]]
+
+
+def test_pipe_segments_not_divisible():
+    p = parse_hybrid_pattern("M|*|-")
+    with pytest.raises(ValueError, match=r"3 pipeline segments.*pp_size=2.*divisible"):
+        p.pipeline_stages(2)
+
+
+def test_pipe_segments_wrong_virtual_stages():
+    p = parse_hybrid_pattern("M|*|-|E")
+    with pytest.raises(ValueError, match=r"num_virtual_stages=1.*4 segments.*pp_size=2.*2"):
+        p.pipeline_stages(2, num_virtual_stages=1)
+
+
+def test_even_split():
+    stages = parse_hybrid_pattern("M*M-[M*]E-").pipeline_stages(2)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "*", "M", "-"], 0, 0),
+        (1, 1, 0, [("M", "*"), "E", "-"], 4, 4),
+    ]
+
+
+def test_even_split_single_stage():
+    p = parse_hybrid_pattern("M[M*]-")
+    assert _summary(p.pipeline_stages(1)) == [(0, 0, 0, ["M", ("M", "*"), "-"], 0, 0)]
+
+
+def test_even_split_virtual_stages():
+    stages = parse_hybrid_pattern("MM[*E]-*G-").pipeline_stages(2, num_virtual_stages=2)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "M"], 0, 0),
+        (1, 1, 0, [("*", "E")], 2, 2),
+        (2, 0, 1, ["-", "*"], 3, 4),
+        (3, 1, 1, ["G", "-"], 5, 6),
+    ]
+
+
+def test_even_split_uneven_error():
+    p = parse_hybrid_pattern("M*-M*")
+    with pytest.raises(ValueError, match=r"5 physical layers.*2 pipeline stages.*'\|'"):
+        p.pipeline_stages(2)
+    with pytest.raises(ValueError, match=r"5 physical layers.*6 pipeline stages"):
+        p.pipeline_stages(3, num_virtual_stages=2)
+
+
+def test_even_split_counts_physical_layers():
+    # 3 logical but 4 physical layers: splits by physical count.
+    stages = parse_hybrid_pattern("[M*]-E").pipeline_stages(2)
+    assert [s.items for s in stages] == [[("M", "*")], ["-", "E"]]
+    with pytest.raises(ValueError, match="4 physical layers"):
+        parse_hybrid_pattern("[M*]-E").pipeline_stages(3)
+
+
+def test_even_split_through_group_error():
+    p = parse_hybrid_pattern("M[M*]-")
+    with pytest.raises(ValueError, match=r"'\[' at position 1.*\|.*explicitly"):
+        p.pipeline_stages(2)
+
+
+def test_bad_pp_size():
+    p = parse_hybrid_pattern("M*")
+    with pytest.raises(ValueError, match="pp_size"):
+        p.pipeline_stages(0)
+    with pytest.raises(ValueError, match="num_virtual_stages"):
+        p.pipeline_stages(1, num_virtual_stages=0)

@@ -1,0 +1,186 @@
+"""Layout-independent text batches: every data-parallel layout sees the same global batches.
+
+torchtitan's loader gives each data-parallel rank its own shard of the documents, so the global
+batch depends on the data-parallel degree. Comparing loss curves across parallel layouts (and
+resuming under a different layout) needs the opposite: one global stream of fixed-length windows,
+cut into slabs of `dp_world_size * local_batch_size` windows, of which rank r takes windows
+[r*b, (r+1)*b). A training step of global batch G then always consumes windows
+[step*G, (step+1)*G), whatever the split between data-parallel ranks and gradient accumulation.
+
+Every rank reads and tokenizes the whole stream (cheap next to a training step) so the loader
+state is the same on every rank: a global position that DCP saves once and any layout reloads.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.hf_datasets import DatasetConfig
+from torchtitan.hf_datasets import text_datasets
+from torchtitan.tools.logging import logger
+
+from titan_hybrid.data.corpus import pydoc_documents
+
+PYDOC_DATASET = "pydoc"
+_STATE_KEY = "global_text_position"
+
+
+def _load_pydoc(path: str) -> list[dict[str, str]]:
+    del path  # the corpus ships with Python; the field exists only for torchtitan's interface
+    return [{"text": text} for text in pydoc_documents()]
+
+
+def register_pydoc_dataset() -> None:
+    """Make "pydoc" usable by torchtitan's own loader too (e.g. for llama3 baselines)."""
+    text_datasets.DATASETS.setdefault(
+        PYDOC_DATASET,
+        DatasetConfig(path="pydoc_data.topics", loader=_load_pydoc,
+                      sample_processor=lambda sample: sample["text"]),
+    )
+
+
+class GlobalBatchTextLoader(BaseDataLoader):
+    """Yields `({"input": [b, seq_len]}, labels [b, seq_len])` for one data-parallel rank."""
+
+    def __init__(
+        self,
+        *,
+        documents: Callable[[], Iterable[Any]],
+        text_of: Callable[[Any], str],
+        tokenizer: BaseTokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_world_size: int,
+        infinite: bool = True,
+        name: str = "",
+    ) -> None:
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
+        self._documents = documents
+        self._text_of = text_of
+        self._tokenizer = tokenizer
+        self._seq_len = seq_len
+        self._local_batch_size = local_batch_size
+        self._dp_rank = dp_rank
+        self._dp_world_size = dp_world_size
+        self._infinite = infinite
+        self._name = name
+        # Global position, identical on every rank: documents consumed in the current pass,
+        # tokens read but not yet windowed, and the pass number.
+        self._position = {"documents": 0, "token_buffer": [], "epoch": 0}
+
+    def _windows(self) -> Iterator[list[int]]:
+        """Global stream of (seq_len + 1)-token windows from the saved position onwards."""
+        window_len = self._seq_len + 1
+        pos = self._position
+        while True:
+            buffer = list(pos["token_buffer"])
+            for index, sample in enumerate(self._documents()):
+                if index < pos["documents"]:
+                    continue
+                buffer.extend(self._tokenizer.encode(self._text_of(sample), add_bos=True,
+                                                     add_eos=True))
+                pos["documents"] = index + 1
+                while len(buffer) >= window_len:
+                    window, buffer = buffer[:window_len], buffer[window_len:]
+                    pos["token_buffer"] = buffer
+                    yield window
+                pos["token_buffer"] = buffer
+            if not self._infinite:
+                return
+            logger.info(f"Dataset {self._name} is being re-looped (epoch {pos['epoch'] + 1})")
+            pos["documents"], pos["epoch"] = 0, pos["epoch"] + 1
+            pos["token_buffer"] = buffer
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        slab_size = self._dp_world_size * self._local_batch_size
+        mine = slice(self._dp_rank * self._local_batch_size,
+                     (self._dp_rank + 1) * self._local_batch_size)
+        windows = self._windows()
+        while True:
+            slab = []
+            for _ in range(slab_size):
+                window = next(windows, None)
+                if window is None:
+                    return  # a partial slab would make ranks disagree on the step count
+                slab.append(window)
+            # Snapshot after the whole slab: state_dict() between batches is a slab boundary.
+            self._saved = pickle.dumps(self._position)
+            tokens = torch.tensor(slab[mine], dtype=torch.long)
+            yield {"input": tokens[:, :-1]}, tokens[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        # Same key and bytes on every rank: DCP stores one copy that any layout can reload.
+        return {_STATE_KEY: getattr(self, "_saved", pickle.dumps(self._position))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if _STATE_KEY not in state_dict:
+            raise ValueError(
+                f"dataloader state has keys {sorted(state_dict)}, expected '{_STATE_KEY}': "
+                "the checkpoint was not written by titan_hybrid's GlobalBatchTextLoader"
+            )
+        self._position = pickle.loads(state_dict[_STATE_KEY])
+        self._saved = state_dict[_STATE_KEY]
+
+
+def _dataset_source(job_config: JobConfig) -> tuple[Callable[[], Iterable[Any]], Callable]:
+    name = job_config.training.dataset.lower()
+    if name == PYDOC_DATASET:
+        documents = pydoc_documents()
+        return (lambda: documents), (lambda text: text)
+    if name not in text_datasets.DATASETS:
+        raise ValueError(
+            f"training.dataset '{job_config.training.dataset}' is unknown: use '{PYDOC_DATASET}' "
+            f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
+        )
+    config = text_datasets.DATASETS[name]
+    path = job_config.training.dataset_path or config.path
+    dataset = config.loader(path)
+    return (lambda: iter(dataset)), config.sample_processor
+
+
+def validate_dataset_config(job_config: JobConfig) -> None:
+    """Cheap checks that must fail before any model is built."""
+    import os
+
+    name = job_config.training.dataset.lower()
+    if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
+        raise ValueError(
+            f"training.dataset '{job_config.training.dataset}' is unknown: use '{PYDOC_DATASET}' "
+            f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
+        )
+    path = job_config.training.dataset_path
+    if path and not os.path.exists(path) and "/" in path and path.startswith((".", "/")):
+        raise ValueError(f"training.dataset_path '{path}' does not exist")
+
+
+def build_global_batch_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: BaseTokenizer,
+    job_config: JobConfig,
+    infinite: bool = True,
+) -> GlobalBatchTextLoader:
+    validate_dataset_config(job_config)
+    documents, text_of = _dataset_source(job_config)
+    return GlobalBatchTextLoader(
+        documents=documents,
+        text_of=text_of,
+        tokenizer=tokenizer,
+        seq_len=job_config.training.seq_len,
+        local_batch_size=job_config.training.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+        name=job_config.training.dataset,
+    )

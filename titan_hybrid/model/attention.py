@@ -1,0 +1,58 @@
+"""Causal grouped-query self-attention with rotary position embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.args import AttentionArgs
+from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+
+
+def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """[max_seq_len, head_dim // 2, 2] cos/sin table (fp32: angles of long positions need it)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rotary(x_BTHD: torch.Tensor, table_TD2: torch.Tensor) -> torch.Tensor:
+    # Rotate interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
+    pairs = x_BTHD.float().unflatten(-1, (-1, 2))
+    cos, sin = table_TD2[None, :, None, :, 0], table_TD2[None, :, None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x_BTHD)
+
+
+class Attention(nn.Module):
+    def __init__(self, *, dim: int, args: AttentionArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        for column_parallel in (self.wq, self.wk, self.wv):  # split by (kv) heads
+            annotate_tensor_parallel(column_parallel.weight, partition_dim=0)
+        annotate_tensor_parallel(self.wo.weight, partition_dim=1)
+
+    def forward(self, x_BTD: torch.Tensor, rope_TD2: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x_BTD.shape
+        # -1 instead of the head count: under tensor parallelism each rank holds fewer heads.
+        q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, rope_TD2), apply_rotary(k, rope_TD2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init_linear(linear, std=init_std)
+        init_linear(self.wo, std=out_std)

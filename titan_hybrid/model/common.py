@@ -1,0 +1,45 @@
+"""Helpers shared by the layer modules: parameter layout annotations and init."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def annotate_tensor_parallel(
+    param: nn.Parameter, *, partition_dim: int = 0, partition_sizes: tuple[int, ...] | None = None
+) -> None:
+    """Record on the PARAMETER how tensor parallelism splits it (Megatron's attribute names).
+
+    `partition_sizes` lists the components of a fused tensor along `partition_dim`: each TP rank
+    holds its own slice of every component, so the plan must split each component separately.
+    The TP plan reads these attributes before any name-based rule.
+    """
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    if partition_sizes is not None:
+        assert sum(partition_sizes) == param.shape[partition_dim], (partition_sizes, param.shape)
+        param.partition_sizes = tuple(partition_sizes)
+
+
+def init_linear(linear: nn.Linear, *, std: float) -> None:
+    nn.init.trunc_normal_(linear.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+def init_depthwise_conv(conv: nn.Conv1d) -> None:
+    # nn.Conv1d's own default (kaiming-uniform over the fan-in of one channel), made explicit so
+    # that meta-device construction followed by init_weights() gives the usual distribution.
+    fan_in = conv.weight.shape[1] * conv.weight.shape[2]
+    bound = 1.0 / math.sqrt(fan_in)
+    nn.init.uniform_(conv.weight, -bound, bound)
+    if conv.bias is not None:
+        nn.init.uniform_(conv.bias, -bound, bound)
+
+
+def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    # softplus(y) = x  <=>  y = x + log(-expm1(-x)); expm1 keeps it exact for small x.
+    return x + torch.log(-torch.expm1(-x))

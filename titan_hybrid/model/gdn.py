@@ -1,0 +1,99 @@
+"""Gated DeltaNet mixer (Qwen3-Next / Megatron layout).
+
+in_proj: hidden -> [q | k | v | z | beta | alpha] (Hk*K, Hk*K, Hv*V, Hv*V, Hv, Hv); depthwise
+causal conv over [q | k | v] then SiLU; q, k L2-normalised and repeated to the value heads;
+g = -exp(A_log) * softplus(alpha + dt_bias) in fp32; beta = sigmoid(beta); gated delta rule;
+per-head gated RMSNorm; out_proj. Legend: B batch, T time, Hk/Hv key/value heads, K/V head dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.args import GDNArgs
+from titan_hybrid.model.common import (
+    annotate_tensor_parallel,
+    init_depthwise_conv,
+    init_linear,
+    inverse_softplus,
+)
+from titan_hybrid.model.norms import HeadGatedRMSNorm
+from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, *, dim: int, args: GDNArgs, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.args = args
+        key_dim = args.n_key_heads * args.key_head_dim
+        value_dim = args.n_value_heads * args.value_head_dim
+        in_sizes = (key_dim, key_dim, value_dim, value_dim, args.n_value_heads,
+                    args.n_value_heads)
+        conv_sizes = (key_dim, key_dim, value_dim)
+
+        self.in_proj = nn.Linear(dim, sum(in_sizes), bias=False)
+        self.conv1d = nn.Conv1d(sum(conv_sizes), sum(conv_sizes), args.conv_width,
+                                groups=sum(conv_sizes), bias=False)
+        self.A_log = nn.Parameter(torch.empty(args.n_value_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(args.n_value_heads))
+        self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+        annotate_tensor_parallel(self.in_proj.weight, partition_sizes=in_sizes)
+        annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
+        annotate_tensor_parallel(self.conv1d.weight, partition_sizes=conv_sizes)
+        annotate_tensor_parallel(self.A_log)
+        annotate_tensor_parallel(self.dt_bias)
+
+    def forward(self, x_BTD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        args = self.args
+        n_value_heads = self.A_log.shape[0]  # local count under TP
+        n_key_heads = n_value_heads * args.n_key_heads // args.n_value_heads
+        key_dim, value_dim = n_key_heads * args.key_head_dim, n_value_heads * args.value_head_dim
+        q, k, v, z, beta, alpha = self.in_proj(x_BTD).split(
+            [key_dim, key_dim, value_dim, value_dim, n_value_heads, n_value_heads], -1)
+        qkv = causal_depthwise_conv1d(torch.cat((q, k, v), -1), self.conv1d.weight.squeeze(1),
+                                      seq_idx=seq_idx, activation="silu")
+        q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
+        batch, seq_len, _ = x_BTD.shape
+        repeat = n_value_heads // n_key_heads
+        q_BTHK = q.view(batch, seq_len, n_key_heads, -1).repeat_interleave(repeat, dim=2)
+        k_BTHK = k.view(batch, seq_len, n_key_heads, -1).repeat_interleave(repeat, dim=2)
+        v_BTHV = v.view(batch, seq_len, n_value_heads, -1)
+        # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
+        g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())
+        cu_seqlens = None
+        if seq_idx is not None:
+            cu_seqlens = _cu_seqlens_from_seq_idx(seq_idx)
+            q_BTHK, k_BTHK, v_BTHV = (t.flatten(0, 1).unsqueeze(0) for t in (q_BTHK, k_BTHK, v_BTHV))
+            g, beta = g.flatten(0, 1).unsqueeze(0), beta.flatten(0, 1).unsqueeze(0)
+        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, torch.sigmoid(beta),
+                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        o_BTHV = o_BTHV.reshape(batch, seq_len, n_value_heads, -1)
+        out = self.norm(o_BTHV, z.view_as(o_BTHV))
+        return self.out_proj(out.flatten(-2))
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        init_linear(self.in_proj, std=init_std)
+        init_linear(self.out_proj, std=out_std)
+        init_depthwise_conv(self.conv1d)
+        nn.init.uniform_(self.A_log, 1.0, 16.0)
+        self.A_log.copy_(torch.log(self.A_log))
+        nn.init.uniform_(self.dt_bias, math.log(1e-3), math.log(0.1))
+        self.dt_bias.copy_(inverse_softplus(torch.exp(self.dt_bias.float()).clamp(min=1e-4)))
+        self.norm.init_weights()
+
+
+def _cu_seqlens_from_seq_idx(seq_idx_BT: torch.Tensor) -> torch.Tensor:
+    """Document boundaries of the flattened batch: a new document at every id change or row."""
+    flat = seq_idx_BT.flatten()
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts.view_as(seq_idx_BT)[:, 0] = True
+    boundaries = torch.nonzero(starts).flatten()
+    return torch.cat((boundaries, boundaries.new_tensor([flat.numel()]))).to(torch.int32)

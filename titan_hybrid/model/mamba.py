@@ -1,0 +1,96 @@
+"""Mamba2 mixer (Megatron / mamba_ssm layout).
+
+in_proj: hidden -> [z | x | B | C | dt] (d_inner, d_inner, G*N, G*N, H), depthwise causal conv
+over [x | B | C] then SiLU, SSD scan, gated grouped RMSNorm norm(y * silu(z)), out_proj.
+Legend: B batch, T time, D hidden, H heads, P head dim, G groups, N state size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from titan_hybrid.model.args import MambaArgs
+from titan_hybrid.model.common import (
+    annotate_tensor_parallel,
+    init_depthwise_conv,
+    init_linear,
+    inverse_softplus,
+)
+from titan_hybrid.model.norms import GatedGroupRMSNorm
+from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, *, dim: int, args: MambaArgs, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.args = args
+        self.d_inner = args.expand * dim
+        self.n_heads = self.d_inner // args.head_dim
+        group_state = args.n_groups * args.d_state
+        in_sizes = (self.d_inner, self.d_inner, group_state, group_state, self.n_heads)
+        conv_sizes = (self.d_inner, group_state, group_state)
+
+        self.in_proj = nn.Linear(dim, sum(in_sizes), bias=False)
+        self.conv1d = nn.Conv1d(sum(conv_sizes), sum(conv_sizes), args.conv_width,
+                                groups=sum(conv_sizes), bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
+        self.norm = GatedGroupRMSNorm(self.d_inner, group_size=self.d_inner // args.n_groups,
+                                      eps=norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
+
+        # Every per-channel / per-head tensor is split with the heads under TP, including the
+        # norm weight (a norm by name, but sharded).
+        annotate_tensor_parallel(self.in_proj.weight, partition_sizes=in_sizes)
+        annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
+        annotate_tensor_parallel(self.conv1d.weight, partition_sizes=conv_sizes)
+        annotate_tensor_parallel(self.conv1d.bias, partition_sizes=conv_sizes)
+        for param in (self.A_log, self.D, self.dt_bias, self.norm.weight):
+            annotate_tensor_parallel(param)
+
+    def forward(self, x_BTD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        args = self.args
+        zxbcdt = self.in_proj(x_BTD)
+        # Local sizes derive from the local tensors, so the same code runs on a TP shard.
+        n_heads = self.A_log.shape[0]
+        d_inner = n_heads * args.head_dim
+        n_groups = n_heads * args.n_groups // self.n_heads
+        z, xbc, dt = zxbcdt.split([d_inner, d_inner + 2 * n_groups * args.d_state, n_heads], -1)
+        xbc = causal_depthwise_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                      seq_idx=seq_idx, activation="silu")
+        x, b, c = xbc.split([d_inner, n_groups * args.d_state, n_groups * args.d_state], -1)
+        batch, seq_len, _ = x.shape
+        y_BTHP = mamba_chunk_scan_combined(
+            x.view(batch, seq_len, n_heads, args.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            b.view(batch, seq_len, n_groups, args.d_state),
+            c.view(batch, seq_len, n_groups, args.d_state),
+            args.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            seq_idx=seq_idx,
+            dt_softplus=True,
+        )
+        y = self.norm(y_BTHP.reshape(batch, seq_len, d_inner), z)
+        return self.out_proj(y)
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        args = self.args
+        init_linear(self.in_proj, std=init_std)
+        init_linear(self.out_proj, std=out_std)
+        init_depthwise_conv(self.conv1d)
+        low, high = args.a_init_range
+        nn.init.uniform_(self.A_log, low, high)
+        self.A_log.copy_(torch.log(self.A_log))
+        # dt log-uniform in [dt_min, dt_max], floored, stored so that softplus(dt_bias) = dt.
+        nn.init.uniform_(self.dt_bias, math.log(args.dt_min), math.log(args.dt_max))
+        dt = torch.exp(self.dt_bias.float()).clamp(min=args.dt_init_floor)
+        self.dt_bias.copy_(inverse_softplus(dt))
+        nn.init.ones_(self.D)
+        self.norm.init_weights()

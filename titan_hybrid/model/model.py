@@ -1,0 +1,176 @@
+"""HybridModel: embedding, a stack of hybrid layers given by the pattern, final norm, LM head,
+and optional multi-token-prediction (MTP) depths.
+
+Every physical layer is a pre-norm residual block `h + mixer(norm(h))`. A bracket group is a
+nested HybridStack: a scheduling / sharding / checkpoint unit that computes exactly what the same
+layers computed flat. Layers are kept in ModuleDicts keyed by their index so that pipeline stages
+can drop layers without renaming the others (torchtitan's convention).
+
+Forward returns the logits, or a tuple `(logits, aux_loss, *mtp_logits)` when the pattern has MoE
+layers or MTP depths; `titan_hybrid.loss` turns either into the training loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.attention import Attention, rotary_tables
+from titan_hybrid.model.gdn import GatedDeltaNet
+from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.mlp import SwiGLU
+from titan_hybrid.model.moe import MoE
+from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.pattern import SYMBOL_NAMES, Item, parse_hybrid_pattern
+from torchtitan.protocols.model import ModelProtocol
+
+
+def build_mixer(symbol: str, args: HybridModelArgs) -> nn.Module:
+    dim = args.dim
+    if symbol == "M":
+        return Mamba2Mixer(dim=dim, args=args.mamba, norm_eps=args.norm_eps)
+    if symbol == "G":
+        return GatedDeltaNet(dim=dim, args=args.gdn, norm_eps=args.norm_eps)
+    if symbol == "*":
+        return Attention(dim=dim, args=args.attention)
+    if symbol == "-":
+        return SwiGLU(dim=dim, hidden_dim=args.mlp.hidden_dim)
+    if symbol == "E":
+        return MoE(dim=dim, args=args.moe)
+    raise ValueError(f"unknown layer symbol '{symbol}'")
+
+
+class HybridLayer(nn.Module):
+    """One physical layer. Submodules are named by kind (`attention_norm`, `attention`, ...)
+    so that checkpoint keys say what a layer is, as Megatron's do."""
+
+    def __init__(self, symbol: str, args: HybridModelArgs) -> None:
+        super().__init__()
+        self.symbol = symbol
+        self.kind = SYMBOL_NAMES[symbol]
+        self.add_module(f"{self.kind}_norm", RMSNorm(args.dim, eps=args.norm_eps))
+        self.add_module(self.kind, build_mixer(symbol, args))
+
+    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, rope: torch.Tensor):
+        mixer = getattr(self, self.kind)
+        x = getattr(self, f"{self.kind}_norm")(h)
+        if self.symbol == "*":
+            out = mixer(x, rope)
+        elif self.symbol == "E":
+            out, layer_aux_loss = mixer(x)
+            aux_loss = aux_loss + layer_aux_loss
+        else:
+            out = mixer(x)
+        return h + out, aux_loss
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        getattr(self, f"{self.kind}_norm").init_weights()
+        getattr(self, self.kind).init_weights(init_std=init_std, out_std=out_std)
+
+
+class HybridStack(nn.Module):
+    """A sequence of pattern items; a bracket group becomes a nested HybridStack."""
+
+    def __init__(self, items: list[Item], args: HybridModelArgs, *, first_index: int = 0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for offset, item in enumerate(items):
+            layer = (HybridStack(list(item), args) if isinstance(item, tuple)
+                     else HybridLayer(item, args))
+            self.layers[str(first_index + offset)] = layer
+
+    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, rope: torch.Tensor):
+        for layer in self.layers.values():
+            h, aux_loss = layer(h, aux_loss, rope)
+        return h, aux_loss
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        for layer in self.layers.values():
+            layer.init_weights(init_std=init_std, out_std=out_std)
+
+
+class MTPDepth(nn.Module):
+    """One MTP depth (DeepSeek-V3 style): combine the previous depth's hidden state with the
+    embedding of the token k steps ahead, run the MTP layers, and predict one token further."""
+
+    def __init__(self, items: list[Item], args: HybridModelArgs) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.embedding_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = HybridStack(items, args)
+        self.final_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, h, future_embedding, aux_loss, rope):
+        x = self.eh_proj(torch.cat((self.hidden_norm(h), self.embedding_norm(future_embedding)), -1))
+        x, aux_loss = self.block(x, aux_loss, rope)
+        return x, aux_loss
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        for norm in (self.hidden_norm, self.embedding_norm, self.final_norm):
+            norm.init_weights()
+        nn.init.trunc_normal_(self.eh_proj.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        self.block.init_weights(init_std=init_std, out_std=out_std)
+
+
+class HybridModel(ModelProtocol):
+    def __init__(self, model_args: HybridModelArgs) -> None:
+        super().__init__(model_args)
+        model_args.validate()
+        self.model_args = model_args
+        pattern = parse_hybrid_pattern(model_args.pattern)
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = HybridStack(pattern.main, model_args).layers
+        self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPDepth(pattern.mtp, model_args)
+                                 for _ in range(pattern.mtp_depths))
+        self.has_aux_loss = "E" in model_args.symbols()
+        self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def _rope_table(self) -> torch.Tensor:
+        args = self.model_args
+        return rotary_tables(head_dim=args.attention.head_dim, max_seq_len=args.max_seq_len,
+                             theta=args.attention.rope_theta)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        args = self.model_args
+        with torch.device(buffer_device or self.rope.device):
+            self.rope = self._rope_table()
+        # Output projections of residual branches shrink with depth (GPT-2 / Megatron scaling)
+        # so the residual stream's variance does not grow with the number of layers.
+        num_layers = parse_hybrid_pattern(args.pattern).num_physical_layers
+        out_std = args.init_std / math.sqrt(2 * max(1, num_layers))
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(init_std=args.init_std, out_std=out_std)
+        for depth in self.mtp:
+            depth.init_weights(init_std=args.init_std, out_std=out_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None:
+            cutoff = 3 / math.sqrt(args.dim)
+            nn.init.trunc_normal_(self.output.weight, std=args.dim**-0.5, a=-cutoff, b=cutoff)
+
+    def forward(self, tokens: torch.Tensor):
+        seq_len = tokens.shape[1]
+        rope = self.rope[:seq_len]
+        h = self.tok_embeddings(tokens)
+        aux_loss = h.new_zeros((), dtype=torch.float32)
+        for layer in self.layers.values():
+            h, aux_loss = layer(h, aux_loss, rope)
+        logits = self.output(self.norm(h))
+        if not self.mtp and not self.has_aux_loss:
+            return logits
+        mtp_logits = []
+        for depth, mtp_depth in enumerate(self.mtp, start=1):
+            # Depth k sees the embedding of token t+k; the last k positions have no such token
+            # (their targets are ignored by the loss), so they read a padding token 0.
+            future = torch.nn.functional.pad(tokens[:, depth:], (0, depth))
+            h, aux_loss = mtp_depth(h, self.tok_embeddings(future), aux_loss, rope)
+            mtp_logits.append(self.output(mtp_depth.final_norm(h)))
+        return (logits, aux_loss, *mtp_logits)

@@ -1,0 +1,97 @@
+"""Dropless top-k mixture of experts with fused-fc1 SwiGLU experts and a load-balancing loss.
+
+Legend: N tokens, D hidden, E experts, H expert hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.args import MoEArgs
+from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+from titan_hybrid.model.mlp import SwiGLU
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, *, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, K], expert ids [N, K], load-balancing loss)."""
+        # Routing in fp32: near-ties between experts flip under bf16 logits.
+        logits = self.gate(x_ND).float()
+        if self.args.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            weights, experts = scores.topk(self.args.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            weights, experts = scores.topk(self.args.top_k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
+        num_experts = self.args.num_experts
+        slot_share = torch.bincount(experts.flatten(), minlength=num_experts).float()
+        slot_share = slot_share / experts.numel()
+        aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
+        return weights, experts, aux_loss
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts; fc1[e] holds [W_e ; V_e] like the dense MLP."""
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.fc2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        annotate_tensor_parallel(self.fc1, partition_dim=1, partition_sizes=(hidden_dim, hidden_dim))
+        annotate_tensor_parallel(self.fc2, partition_dim=2)
+
+    def forward(self, x_sorted_ND: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        outputs = []
+        for expert, x in enumerate(x_sorted_ND.split(tokens_per_expert)):
+            gate, up = (x @ self.fc1[expert].t()).chunk(2, dim=-1)
+            outputs.append((F.silu(gate) * up) @ self.fc2[expert].t())
+        return torch.cat(outputs)
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.fc1, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.fc2, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class MoE(nn.Module):
+    def __init__(self, *, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = TopKRouter(dim=dim, args=args)
+        self.experts = GroupedExperts(dim=dim, hidden_dim=args.hidden_dim,
+                                      num_experts=args.num_experts)
+        self.shared_expert = (SwiGLU(dim=dim, hidden_dim=args.shared_expert_hidden_dim)
+                              if args.shared_expert_hidden_dim > 0 else None)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output, this layer's load-balancing loss times its coefficient)."""
+        x_ND = x_BTD.flatten(0, 1)
+        weights_NK, experts_NK, aux_loss = self.router(x_ND)
+        # Dropless dispatch: sort the N*K (token, expert) slots by expert, run each expert on
+        # its contiguous block, scatter-add the weighted results back to their tokens.
+        slot_order = experts_NK.flatten().argsort(stable=True)
+        token_of_slot = slot_order // self.args.top_k
+        tokens_per_expert = torch.bincount(experts_NK.flatten(),
+                                           minlength=self.args.num_experts).tolist()
+        expert_out = self.experts(x_ND[token_of_slot], tokens_per_expert)
+        slot_weights = weights_NK.flatten()[slot_order].unsqueeze(-1)
+        out_ND = torch.zeros_like(x_ND).index_add_(
+            0, token_of_slot, (expert_out.float() * slot_weights).type_as(x_ND))
+        if self.shared_expert is not None:
+            out_ND = out_ND + self.shared_expert(x_ND)
+        return out_ND.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        init_linear(self.router.gate, std=init_std)
+        self.experts.init_weights(init_std=init_std, out_std=out_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std=init_std, out_std=out_std)

@@ -1,0 +1,68 @@
+"""RMS norms: the plain one and Mamba's gated, grouped one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: the mean of squares loses precision in bf16.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * self.weight.float()).type_as(x)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """norm(y * silu(z)) with the RMS taken over groups of `group_size` channels.
+
+    Mamba2's norm: each group of channels (one per SSM group) is normalised on its own, so the
+    result does not depend on how the channels are split across tensor-parallel ranks as long as
+    a rank holds whole groups. Its weight is sharded with the channels, unlike ordinary norms.
+    """
+
+    def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if dim % group_size != 0:
+            raise ValueError(f"gated norm: dim {dim} is not a multiple of group_size {group_size}")
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.unflatten(-1, (-1, self.group_size))
+        normed = F.rms_norm(grouped, (self.group_size,), eps=self.eps).flatten(-2)
+        return (normed * self.weight.float()).type_as(y)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """Gated DeltaNet's output norm: rms_norm(o) * weight * silu(z), over each head's channels.
+
+    The weight has one entry per head channel and is shared by all heads, so it stays replicated
+    under tensor parallelism (its gradient must then be summed over the TP group).
+    """
+
+    def __init__(self, head_dim: int, *, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(head_dim))
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(o.float(), (o.shape[-1],), eps=self.eps) * self.weight.float()
+        return (normed * F.silu(z.float())).type_as(o)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)

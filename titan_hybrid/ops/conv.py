@@ -1,0 +1,61 @@
+"""Causal depthwise 1-D convolution over the time axis, with packed-document masking.
+
+x `[b, l, c]` (channels last, as the mixers produce it), weight `[c, w]`, bias `[c]`,
+seq_idx `[b, l]` (document id per position; taps never reach into an earlier document).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _causal_conv1d_cuda(x_BLC, weight_CW, bias_C, seq_idx_BL, activation):
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        return None
+    out = causal_conv1d_fn(x_BLC.transpose(1, 2), weight_CW, bias_C,
+                           seq_idx=None if seq_idx_BL is None else seq_idx_BL.to(torch.int32),
+                           activation=activation)
+    return out.transpose(1, 2)
+
+
+def causal_depthwise_conv1d(
+    x_BLC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    *,
+    seq_idx: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    if x_BLC.is_cuda:
+        out = _causal_conv1d_cuda(x_BLC, weight_CW, bias_C, seq_idx, activation)
+        if out is not None:
+            return out
+    return causal_depthwise_conv1d_torch(x_BLC, weight_CW, bias_C, seq_idx=seq_idx,
+                                         activation=activation)
+
+
+def causal_depthwise_conv1d_torch(x_BLC, weight_CW, bias_C=None, *, seq_idx=None,
+                                  activation=None):
+    width = weight_CW.shape[-1]
+    if seq_idx is None:
+        out = F.conv1d(x_BLC.transpose(1, 2), weight_CW.unsqueeze(1), bias_C,
+                       padding=width - 1, groups=x_BLC.shape[-1])
+        out = out[..., : x_BLC.shape[1]].transpose(1, 2)
+    else:
+        # Sum of shifted copies: tap s reads position t-s only when it is in the same document.
+        length = x_BLC.shape[1]
+        out = x_BLC * weight_CW[:, width - 1]
+        for shift in range(1, min(width, length)):
+            same_doc = (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(-1)
+            tap = x_BLC[:, :-shift] * weight_CW[:, width - 1 - shift] * same_doc
+            out = out + F.pad(tap, (0, 0, shift, 0))
+        if bias_C is not None:
+            out = out + bias_C
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"activation '{activation}' is not 'silu' or None")
+    return out

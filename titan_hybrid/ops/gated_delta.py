@@ -1,0 +1,193 @@
+"""Gated delta rule (gated DeltaNet) in pure PyTorch, with flash-linear-attention's API.
+
+Shape legend: B batch, T time, H heads, K key/query dim, V value dim, N sequences (B, or the
+number of packed documents when `cu_seqlens` is given), C chunk length, Nc chunks.
+
+Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
+
+    S   = exp(g_t) * S
+    v'  = beta_t * (v_t - S^T k_t)
+    S   = S + outer(k_t, v')
+    o_t = S^T (scale * q_t)
+
+`chunk_gated_delta_rule` calls fla's Triton kernel for CUDA tensors when `fla` is installed and
+`chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of C tokens. Within a
+chunk, with G the inclusive cumulative log-decay and S0 the state entering the chunk, the
+corrected values v' (rows of U) solve a unit lower-triangular system (WY / UT representation):
+
+    (I + A) U = beta*V - (beta*exp(G)*K) S0,   A_ij = beta_i exp(G_i - G_j) k_i.k_j  (j < i)
+
+so with Tinv = (I + A)^-1:  U = W - KC S0,  W = Tinv (beta*V),  KC = Tinv (beta*exp(G)*K), and
+
+    O      = (exp(G)*Q) S0 + P U,           P_ij = exp(G_i - G_j) q_i.k_j  (j <= i)
+    S_exit = exp(G_C) S0 + (exp(G_C - G)*K)^T U.
+
+Everything but the last three products is batched over all chunks at once; a Python loop over
+chunks carries S0 from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHUNK_SIZE = 64
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    # eps inside the sqrt (as fla): an all-zero vector, e.g. padding, maps to zero, not NaN
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+              initial_state: torch.Tensor | None) -> int:
+    """Checks shapes only (no device sync); returns N, the number of sequences."""
+    B = q.shape[0]
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B={B}")
+    n_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape[0] != n_seqs:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states, expected {n_seqs}")
+    return n_seqs
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None,
+                           use_qk_l2norm_in_kernel=False):
+    """fla-compatible entry point: q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H].
+
+    Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None). fla's kernel for CUDA
+    tensors when it is importable, else `chunk_gated_delta_rule_torch`.
+    """
+    _num_seqs(q, cu_seqlens, initial_state)
+    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if q.is_cuda:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        except ImportError:
+            fla_chunk = None
+        if fla_chunk is not None:
+            return fla_chunk(q, k, v, g, beta, **kwargs)
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, **kwargs)
+
+
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=None,
+                                 output_final_state=False, cu_seqlens=None,
+                                 use_qk_l2norm_in_kernel=False, *, chunk_size=CHUNK_SIZE):
+    """Chunked torch path; same arguments and returns as `chunk_gated_delta_rule`.
+
+    Math runs in fp32 (fp64 for fp64 inputs); final_state is returned in that dtype.
+    """
+    n_seqs = _num_seqs(q, cu_seqlens, initial_state)
+    B, T, H, K = q.shape
+    if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != T):
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}")
+    V, C = v.shape[-1], chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), v.dtype
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+
+    # Every sequence is padded to whole chunks with zeros: a zero token (g = 0, k = 0, beta = 0)
+    # leaves the state exactly unchanged, so padding affects neither outputs nor final states.
+    if cu_seqlens is None:
+        seq_chunks = [math.ceil(T / C)]
+        dest_T = None
+    else:
+        lens_N = cu_seqlens.diff().to(q.device)
+        seq_chunks = ((lens_N + C - 1) // C).tolist()
+        padded_start_N = torch.cumsum(lens_N.new_tensor([0] + seq_chunks[:-1]), 0) * C
+        seq_T = torch.repeat_interleave(torch.arange(n_seqs, device=q.device), lens_N)
+        dest_T = (torch.arange(T, device=q.device) - cu_seqlens.to(q.device)[seq_T]
+                  + padded_start_N[seq_T])
+    Nc = sum(seq_chunks)
+
+    def to_chunks(x_BTHD):  # -> [Nc, B, H, C, D], chunk-major so one chunk's slice is contiguous
+        if dest_T is None:
+            x_BTHD = torch.nn.functional.pad(x_BTHD, (0, 0, 0, 0, 0, Nc * C - T))
+        else:
+            x_BTHD = x_BTHD.new_zeros((B, Nc * C) + x_BTHD.shape[2:]).index_copy(1, dest_T, x_BTHD)
+        return x_BTHD.unflatten(1, (Nc, C)).movedim((1, 2), (0, 3)).contiguous()
+
+    q_NBHCK, k_NBHCK, v_NBHCV = to_chunks(q), to_chunks(k), to_chunks(v)
+    g_NBHC, beta_NBHC = to_chunks(g[..., None])[..., 0], to_chunks(beta[..., None])[..., 0]
+
+    G_NBHC = g_NBHC.cumsum(-1)
+    # exp(G_i - G_j) is a decay (<= 1) only for i >= j; above the diagonal it can overflow, so
+    # mask to -inf before exp rather than zeroing after (inf * 0 would give NaN in values/grads)
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    log_decay_NBHCC = G_NBHC[..., :, None] - G_NBHC[..., None, :]
+    decay_NBHCC = log_decay_NBHCC.masked_fill(~causal_CC, -math.inf).exp()
+    A_NBHCC = (k_NBHCK @ k_NBHCK.transpose(-1, -2)) * decay_NBHCC * beta_NBHC[..., None]
+    # (I + A)^-1 by a triangular solve (backward stable; a Neumann series would cancel badly).
+    # unitriangular: the diagonal is taken as 1 and only the strict lower part of A is read.
+    eye_CC = torch.eye(C, dtype=dtype, device=q.device)
+    T_NBHCC = torch.linalg.solve_triangular(A_NBHCC, eye_CC.expand_as(A_NBHCC), upper=False,
+                                            unitriangular=True)
+    W_NBHCV = T_NBHCC @ (v_NBHCV * beta_NBHC[..., None])
+    KC_NBHCK = T_NBHCC @ (k_NBHCK * (beta_NBHC * G_NBHC.exp())[..., None])
+    # all decays below are exp of non-positive numbers: nothing can overflow
+    P_NBHCC = (q_NBHCK @ k_NBHCK.transpose(-1, -2)) * decay_NBHCC
+    q_dec_NBHCK = q_NBHCK * G_NBHC.exp()[..., None]
+    k_dec_NBHKC = (k_NBHCK * (G_NBHC[..., -1:] - G_NBHC).exp()[..., None]).transpose(-1, -2)
+    gamma_NBH11 = G_NBHC[..., -1, None, None].exp()
+
+    if initial_state is None:
+        initial_state = q.new_zeros(n_seqs, H, K, V)
+    init = initial_state.to(dtype)
+    init_per_seq = [init.flatten(0, 1)] if cu_seqlens is None else list(init)
+    # unbind, not indexing: each index's backward would fill a full-size zero gradient
+    per_chunk = [x.flatten(1, 2).unbind(0) for x in (W_NBHCV, KC_NBHCK, P_NBHCC, q_dec_NBHCK,
+                                                     k_dec_NBHKC, gamma_NBH11)]
+    o_chunks, final_states, c = [], [], 0
+    for S_bKV, n in zip(init_per_seq, seq_chunks):  # S_bKV: [B*H, K, V]
+        for _ in range(n):
+            W_bCV, KC_bCK, P_bCC, q_dec_bCK, k_dec_bKC, gamma_b11 = (x[c] for x in per_chunk)
+            v_new_bCV = torch.baddbmm(W_bCV, KC_bCK, S_bKV, alpha=-1)
+            o_bCV = torch.baddbmm(P_bCC @ v_new_bCV, q_dec_bCK, S_bKV)
+            o_chunks.append(o_bCV.unflatten(0, (B, H)).transpose(1, 2))
+            S_bKV = torch.baddbmm(S_bKV * gamma_b11, k_dec_bKC, v_new_bCV)
+            c += 1
+        final_states.append(S_bKV)
+
+    o_BTHV = torch.stack(o_chunks, 1).flatten(1, 2)
+    o_BTHV = o_BTHV[:, :T] if dest_T is None else o_BTHV.index_select(1, dest_T)
+    final = torch.stack(final_states).view(n_seqs, H, K, V) if output_final_state else None
+    return o_BTHV.to(out_dtype), final
+
+
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_state=None,
+                                         output_final_state=False, cu_seqlens=None,
+                                         use_qk_l2norm_in_kernel=False):
+    """Step-by-step recurrence (test oracle), computed in the inputs' dtype. Same API."""
+    n_seqs = _num_seqs(q, cu_seqlens, initial_state)
+    if cu_seqlens is not None:
+        outs, finals = [], []
+        for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            o, S = recurrent_gated_delta_rule_reference(
+                *(x[:, start:end] for x in (q, k, v, g, beta)), scale=scale,
+                initial_state=None if initial_state is None else initial_state[i:i + 1],
+                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)
+            finals.append(S)
+        return torch.cat(outs, 1), (torch.cat(finals) if output_final_state else None)
+
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    S_BHKV = (q.new_zeros(n_seqs, H, K, v.shape[-1]) if initial_state is None
+              else initial_state.to(q.dtype))
+    outs = []
+    for t in range(T):
+        S_BHKV = S_BHKV * g[:, t].exp()[..., None, None]
+        k_BHK = k[:, t]
+        v_new_BHV = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S_BHKV, k_BHK))
+        S_BHKV = S_BHKV + k_BHK[..., :, None] * v_new_BHV[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S_BHKV, q[:, t] * scale))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
+    return o.to(v.dtype), (S_BHKV if output_final_state else None)

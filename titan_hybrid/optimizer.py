@@ -1,0 +1,63 @@
+"""Optimizers whose weight decay skips the parameters it would harm.
+
+A_log, D and dt_bias parametrise the SSM dynamics, and norm weights and biases are scales and
+offsets: decaying them towards zero changes the model's behaviour rather than regularising it.
+All of them are the parameters with fewer than two dimensions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+
+NO_DECAY_NAMES = ("A_log", "D", "dt_bias")
+
+
+def skips_weight_decay(name: str, param: nn.Parameter) -> bool:
+    return param.ndim < 2 or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if skips_weight_decay(name, param) else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class HybridOptimizersContainer(OptimizersContainer):
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs) -> None:
+        self.model_parts = model_parts
+        self.optimizers = [
+            optimizer_cls(param_groups(model, optimizer_kwargs["weight_decay"]), **optimizer_kwargs)
+            for model in model_parts
+        ]
+        all_params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
+        self._validate_length(len(model_parts))
+        self._post_init(all_params, optimizer_kwargs)
+
+
+def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,
+                            parallel_dims: ParallelDims, ft_manager=None) -> OptimizersContainer:
+    classes = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+    if optimizer_config.name not in classes:
+        raise ValueError(f"optimizer.name '{optimizer_config.name}' is not one of {sorted(classes)}")
+    if optimizer_config.early_step_in_backward:
+        raise ValueError("optimizer.early_step_in_backward is not supported by titan_hybrid")
+    implementation = optimizer_config.implementation
+    kwargs = {
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        "fused": implementation == "fused",
+        "foreach": implementation == "foreach",
+    }
+    return HybridOptimizersContainer(model_parts, classes[optimizer_config.name], kwargs)

@@ -1,0 +1,25 @@
+"""Tokenizer builder: torchtitan's HuggingFace tokenizer, with the packaged default resolved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+
+from titan_hybrid.data.corpus import ASSETS_DIR
+
+
+def resolve_assets_path(path: str) -> Path:
+    """A path as given, else relative to the package's assets (so the default tokenizer
+    `titan_hybrid/assets/pydoc_bpe` is found from any working directory)."""
+    candidates = [Path(path), ASSETS_DIR.parent.parent / path, ASSETS_DIR / path]
+    for candidate in candidates:
+        if (candidate / "tokenizer.json").is_file():
+            return candidate
+    raise ValueError(f"model.hf_assets_path '{path}' holds no tokenizer.json (looked in "
+                     f"{', '.join(str(c) for c in candidates)})")
+
+
+def build_hybrid_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
+    return HuggingFaceTokenizer(str(resolve_assets_path(job_config.model.hf_assets_path)))

@@ -1,0 +1,35 @@
+"""The torchtitan TrainSpec "hybrid": what `--model.name hybrid` builds."""
+
+from __future__ import annotations
+
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
+
+from titan_hybrid.data.loader import build_global_batch_dataloader, register_pydoc_dataset
+from titan_hybrid.loss import build_hybrid_loss
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.optimizer import build_hybrid_optimizers
+from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.tokenizer import build_hybrid_tokenizer
+
+TRAIN_SPEC_NAME = "hybrid"
+
+
+def hybrid_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=HybridModel,
+        model_args=hybrid_flavors,
+        parallelize_fn=parallelize_hybrid,
+        pipelining_fn=None,
+        build_optimizers_fn=build_hybrid_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_global_batch_dataloader,
+        build_tokenizer_fn=build_hybrid_tokenizer,
+        build_loss_fn=build_hybrid_loss,
+    )
+
+
+def register() -> None:
+    register_pydoc_dataset()
+    register_train_spec(TRAIN_SPEC_NAME, hybrid_train_spec())
