@@ -15,6 +15,9 @@ class Hybrid:
     pattern: str = ""
     """Hybrid layer pattern overriding the flavor's (e.g. "M*M-E", "M[M*]-", "M*-/*-")."""
 
+    loss_curve_file: str = ""
+    """If set, append each logged step's exact loss as a JSON line to this file."""
+
 
 @dataclass
 class JobConfig:

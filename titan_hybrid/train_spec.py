@@ -7,6 +7,7 @@ from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_hybrid.data.loader import build_global_batch_dataloader, register_pydoc_dataset
 from titan_hybrid.loss import build_hybrid_loss
+from titan_hybrid.metrics import build_hybrid_metrics_processor
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
@@ -27,6 +28,7 @@ def hybrid_train_spec() -> TrainSpec:
         build_dataloader_fn=build_global_batch_dataloader,
         build_tokenizer_fn=build_hybrid_tokenizer,
         build_loss_fn=build_hybrid_loss,
+        build_metrics_processor_fn=build_hybrid_metrics_processor,
     )
 
 

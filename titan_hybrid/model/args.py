@@ -71,6 +71,7 @@ class HybridModelArgs(BaseModelArgs):
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
     init_std: float = 0.02
+    init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone
     mtp_loss_coeff: float = 0.1
     attention: AttentionArgs = field(default_factory=AttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
@@ -122,6 +123,8 @@ class HybridModelArgs(BaseModelArgs):
         if hybrid is not None and hybrid.pattern:
             self.pattern = hybrid.pattern
         self.max_seq_len = job_config.training.seq_len
+        if job_config.debug.seed is not None:
+            self.init_seed = job_config.debug.seed
         self.validate()
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -158,7 +161,14 @@ def _gpu_1b(pattern: str) -> HybridModelArgs:
     )
 
 
-hybrid_flavors: dict[str, HybridModelArgs] = {
+class FlavorRegistry(dict):
+    """The flavors by name; an unknown name is a user error that lists the known ones."""
+
+    def __missing__(self, name: str) -> HybridModelArgs:
+        raise ValueError(f"model.flavor '{name}' is not a hybrid flavor; choose one of {sorted(self)}")
+
+
+hybrid_flavors = FlavorRegistry({
     "debug": _debug(),
     "debug_moe": dataclasses.replace(_debug(), pattern="M*EME/*-"),
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
@@ -166,4 +176,4 @@ hybrid_flavors: dict[str, HybridModelArgs] = {
     "nemotron_h_1b": _gpu_1b("M-M*-M-M-M*-M-M-M*-M-M-M-"),
     # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth.
     "hybrid_moe_2b": _gpu_1b("ME*EMEMEM*EMEMEMEM*EME/*E"),
-}
+})

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.args import AttentionArgs
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
 
 
 def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -21,7 +21,7 @@ def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
 
 def apply_rotary(x_BTHD: torch.Tensor, table_TD2: torch.Tensor) -> torch.Tensor:
     # Rotate interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
-    pairs = x_BTHD.float().unflatten(-1, (-1, 2))
+    pairs = upcast(x_BTHD).unflatten(-1, (-1, 2))
     cos, sin = table_TD2[None, :, None, :, 0], table_TD2[None, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)

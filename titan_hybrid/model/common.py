@@ -40,6 +40,12 @@ def init_depthwise_conv(conv: nn.Conv1d) -> None:
         nn.init.uniform_(conv.bias, -bound, bound)
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least fp32 (bf16/fp16 -> fp32), never lower: fp64 stays fp64, so float64 runs
+    (the test references) keep their precision instead of being rounded through fp32."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     # softplus(y) = x  <=>  y = x + log(-expm1(-x)); expm1 keeps it exact for small x.
     return x + torch.log(-torch.expm1(-x))

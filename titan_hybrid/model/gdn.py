@@ -20,6 +20,7 @@ from titan_hybrid.model.common import (
     init_depthwise_conv,
     init_linear,
     inverse_softplus,
+    upcast,
 )
 from titan_hybrid.model.norms import HeadGatedRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
@@ -66,7 +67,7 @@ class GatedDeltaNet(nn.Module):
         k_BTHK = k.view(batch, seq_len, n_key_heads, -1).repeat_interleave(repeat, dim=2)
         v_BTHV = v.view(batch, seq_len, n_value_heads, -1)
         # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
-        g = -torch.exp(self.A_log.float()) * F.softplus(alpha.float() + self.dt_bias.float())
+        g = -torch.exp(upcast(self.A_log)) * F.softplus(upcast(alpha) + upcast(self.dt_bias))
         cu_seqlens = None
         if seq_idx is not None:
             cu_seqlens = _cu_seqlens_from_seq_idx(seq_idx)

@@ -18,6 +18,7 @@ from titan_hybrid.model.common import (
     init_depthwise_conv,
     init_linear,
     inverse_softplus,
+    upcast,
 )
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
@@ -68,7 +69,7 @@ class Mamba2Mixer(nn.Module):
         y_BTHP = mamba_chunk_scan_combined(
             x.view(batch, seq_len, n_heads, args.head_dim),
             dt,
-            -torch.exp(self.A_log.float()),
+            -torch.exp(upcast(self.A_log)),
             b.view(batch, seq_len, n_groups, args.d_state),
             c.view(batch, seq_len, n_groups, args.d_state),
             args.chunk_size,

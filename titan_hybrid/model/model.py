@@ -12,7 +12,9 @@ layers or MTP depths; `titan_hybrid.loss` turns either into the training loss.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import zlib
 
 import torch
 from torch import nn
@@ -136,25 +138,36 @@ class HybridModel(ModelProtocol):
         return rotary_tables(head_dim=args.attention.head_dim, max_seq_len=args.max_seq_len,
                              theta=args.attention.rope_theta)
 
+    # Parallel code replaces this with a context manager that lets a unit's init run on full
+    # tensors (see titan_hybrid.parallel.init); model code itself stays single-device.
+    init_materializer = staticmethod(lambda unit: contextlib.nullcontext())
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Each unit draws from its own generator seeded by (init_seed, unit name), so the weights
+        do not depend on which other units exist (pipeline stages) or how they are sharded."""
         args = self.model_args
         with torch.device(buffer_device or self.rope.device):
             self.rope = self._rope_table()
         # Output projections of residual branches shrink with depth (GPT-2 / Megatron scaling)
         # so the residual stream's variance does not grow with the number of layers.
         num_layers = parse_hybrid_pattern(args.pattern).num_physical_layers
-        out_std = args.init_std / math.sqrt(2 * max(1, num_layers))
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            layer.init_weights(init_std=args.init_std, out_std=out_std)
-        for depth in self.mtp:
-            depth.init_weights(init_std=args.init_std, out_std=out_std)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None:
-            cutoff = 3 / math.sqrt(args.dim)
-            nn.init.trunc_normal_(self.output.weight, std=args.dim**-0.5, a=-cutoff, b=cutoff)
+        stds = {"init_std": args.init_std, "out_std": args.init_std / math.sqrt(2 * max(1, num_layers))}
+        units = [("tok_embeddings", self.tok_embeddings,
+                  lambda m: nn.init.normal_(m.weight))]
+        units += [(f"layers.{key}", layer, lambda m: m.init_weights(**stds))
+                  for key, layer in self.layers.items()]
+        units += [(f"mtp.{i}", depth, lambda m: m.init_weights(**stds))
+                  for i, depth in enumerate(self.mtp)]
+        units += [("norm", self.norm, lambda m: m.init_weights())]
+        cutoff = 3 / math.sqrt(args.dim)
+        units += [("output", self.output, lambda m: nn.init.trunc_normal_(
+            m.weight, std=args.dim**-0.5, a=-cutoff, b=cutoff))]
+        for name, unit, init in units:
+            if unit is None:  # dropped by a pipeline split
+                continue
+            with torch.random.fork_rng(), self.init_materializer(unit):
+                torch.manual_seed(args.init_seed * 1_000_003 + zlib.crc32(name.encode()))
+                init(unit)
 
     def forward(self, tokens: torch.Tensor):
         seq_len = tokens.shape[1]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.args import MoEArgs
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
 from titan_hybrid.model.mlp import SwiGLU
 
 
@@ -23,7 +23,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (weights [N, K], expert ids [N, K], load-balancing loss)."""
         # Routing in fp32: near-ties between experts flip under bf16 logits.
-        logits = self.gate(x_ND).float()
+        logits = upcast(self.gate(x_ND))
         if self.args.score_func == "softmax":
             scores = logits.softmax(dim=-1)
             weights, experts = scores.topk(self.args.top_k, dim=-1)
@@ -34,7 +34,7 @@ class TopKRouter(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
         num_experts = self.args.num_experts
-        slot_share = torch.bincount(experts.flatten(), minlength=num_experts).float()
+        slot_share = torch.bincount(experts.flatten(), minlength=num_experts).to(scores.dtype)
         slot_share = slot_share / experts.numel()
         aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
         return weights, experts, aux_loss
@@ -85,7 +85,7 @@ class MoE(nn.Module):
         expert_out = self.experts(x_ND[token_of_slot], tokens_per_expert)
         slot_weights = weights_NK.flatten()[slot_order].unsqueeze(-1)
         out_ND = torch.zeros_like(x_ND).index_add_(
-            0, token_of_slot, (expert_out.float() * slot_weights).type_as(x_ND))
+            0, token_of_slot, (upcast(expert_out) * slot_weights).type_as(x_ND))
         if self.shared_expert is not None:
             out_ND = out_ND + self.shared_expert(x_ND)
         return out_ND.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_hybrid.model.common import upcast
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, *, eps: float = 1e-5) -> None:
@@ -15,8 +17,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: the mean of squares loses precision in bf16.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        normed = F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps)
+        return (normed * upcast(self.weight)).type_as(x)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -39,10 +41,10 @@ class GatedGroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = y.float() * F.silu(z.float())
+        gated = upcast(y) * F.silu(upcast(z))
         grouped = gated.unflatten(-1, (-1, self.group_size))
         normed = F.rms_norm(grouped, (self.group_size,), eps=self.eps).flatten(-2)
-        return (normed * self.weight.float()).type_as(y)
+        return (normed * upcast(self.weight)).type_as(y)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -61,8 +63,8 @@ class HeadGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(head_dim))
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(o.float(), (o.shape[-1],), eps=self.eps) * self.weight.float()
-        return (normed * F.silu(z.float())).type_as(o)
+        normed = F.rms_norm(upcast(o), (o.shape[-1],), eps=self.eps) * upcast(self.weight)
+        return (normed * F.silu(upcast(z))).type_as(o)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -11,6 +11,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.parallel.fsdp import apply_fsdp
+from titan_hybrid.parallel.init import full_tensor_materializer
 
 
 def validate_parallelism(model: nn.Module, parallel_dims: ParallelDims,
@@ -51,4 +52,5 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             cpu_offload=job_config.training.enable_cpu_offload,
         )
         logger.info(f"Applied FSDP over {dp_mesh_names}")
+    model.init_materializer = full_tensor_materializer
     return model

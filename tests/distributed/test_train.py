@@ -1,0 +1,83 @@
+"""The torchtitan entry points end to end, in real processes (gloo on CPU)."""
+
+import math
+
+import pytest
+
+from tests.launch import REPO_ROOT, run_training
+
+STEPS = ("--training.steps", "4")
+
+
+def test_default_job_learns_and_reports_throughput(tmp_path):
+    result = run_training(tmp_path, "--training.steps", "8").check()
+    losses = result.losses
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[0] > math.log(2048) - 0.5  # starts near uniform over the vocabulary
+    assert min(losses[-3:]) < losses[0] - 1.0
+    assert "tps:" in result.output and "mfu:" in result.output
+    assert "Peak FLOPS used for computing MFU" in result.output
+
+
+def test_two_process_fsdp_matches_one_process(tmp_path):
+    # Same global batch of 16: one process accumulates two microbatches of 8, two FSDP ranks
+    # take 8 each. The arithmetic differs only in reduction order (gradient sums and the
+    # FSDP reduce-scatter), so the curves agree to float32 rounding, not bitwise.
+    single = run_training(tmp_path, *STEPS, "--training.global_batch_size", "16").check()
+    fsdp = run_training(tmp_path, *STEPS, nproc=2).check()
+    assert len(single.losses) == len(fsdp.losses) == 4
+    assert single.losses[0] == pytest.approx(fsdp.losses[0], rel=1e-6)
+    for a, b in zip(single.losses, fsdp.losses):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_seed_and_deterministic_mode_reproduce_bitwise(tmp_path):
+    args = (*STEPS, "--debug.seed", "7", "--debug.deterministic")
+    first = run_training(tmp_path, *args).check()
+    second = run_training(tmp_path, *args).check()
+    assert first.losses == second.losses
+    other_seed = run_training(tmp_path, "--training.steps", "1", "--debug.seed", "8").check()
+    assert other_seed.losses[0] != first.losses[0]
+
+
+def test_pattern_override_and_moe_mtp_job(tmp_path):
+    grouped = run_training(tmp_path, "--training.steps", "2",
+                           "--hybrid.pattern", "[M*]-G").check()
+    assert '"pattern": "[M*]-G"' in grouped.output
+    moe = run_training(tmp_path, "--training.steps", "6", config="hybrid_moe.toml").check()
+    assert '"pattern": "M*EME/*-"' in moe.output
+    assert len(moe.losses) == 6 and moe.losses[-1] < moe.losses[0] - 0.5
+
+
+def test_stock_torchtitan_entry_with_custom_import(tmp_path):
+    # A user's own torchtitan job: `python -m torchtitan.train` with only
+    # --experimental.custom_import; no titan_hybrid job-config extension.
+    toml = (REPO_ROOT / "train_configs" / "hybrid.toml").read_text()
+    toml = toml.replace('custom_config_module = "titan_hybrid.job_config"', "")
+    toml = toml.split("[hybrid]")[0] + "[optimizer]" + toml.split("[optimizer]")[1]
+    config = tmp_path / "plain.toml"
+    config.write_text(toml)
+    result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2",
+                          "--experimental.custom_import", "titan_hybrid",
+                          module="torchtitan.train")
+    result.check()
+    assert "step:  2" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--hybrid.pattern", "M[*"), "hybrid pattern 'M[*'"),
+        (("--model.flavor", "nope"), "model.flavor 'nope' is not a hybrid flavor"),
+        (("--training.dataset", "c4_test", "--training.dataset_path", "/no/such/dir"),
+         "training.dataset_path '/no/such/dir' does not exist"),
+        (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
+        (("--parallelism.tensor_parallel_degree", "2"), "tensor_parallel_degree=2"),
+    ],
+)
+def test_bad_input_fails_before_training_with_a_clear_message(tmp_path, args, message):
+    nproc = 2 if "--parallelism.tensor_parallel_degree" in args else 1
+    result = run_training(tmp_path, *args, nproc=nproc)
+    assert result.returncode != 0
+    assert message in result.output
+    assert "Training starts" not in result.output

@@ -1,0 +1,41 @@
+"""Layout-independent weight init: initialise each unit on full tensors, keep the local shards.
+
+On CPU, a random init applied to a sharded DTensor draws every shard from the same stream, so
+the weights would depend on the layout. The model's `init_weights` seeds each unit from its
+name and runs it inside `model.init_materializer(unit)`; this module's materializer swaps the
+unit's DTensor parameters for plain full-size tensors during that init and then copies each
+rank's own shard back. Memory stays bounded by the largest unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+@contextlib.contextmanager
+def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
+    swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+    for module in unit.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
+                                                device=param.to_local().device),
+                                    requires_grad=param.requires_grad)
+                module._parameters[name] = full
+                swapped.append((module, name, param, full))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, sharded, full in swapped:
+                # Every rank holds the same full tensor, so each keeps its slice without
+                # communication (src_data_rank=None).
+                local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements,
+                                          src_data_rank=None).to_local()
+                sharded.to_local().copy_(local)
+                module._parameters[name] = sharded
