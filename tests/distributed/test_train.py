@@ -81,3 +81,12 @@ def test_bad_input_fails_before_training_with_a_clear_message(tmp_path, args, me
     assert result.returncode != 0
     assert message in result.output
     assert "Training starts" not in result.output
+
+
+def test_activation_checkpointing_leaves_the_loss_bitwise_unchanged(tmp_path):
+    args = ("--training.steps", "2")
+    plain = run_training(tmp_path, *args).check()
+    full = run_training(tmp_path, *args, "--activation_checkpoint.mode", "full").check()
+    selective = run_training(tmp_path, *args, "--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "op").check()
+    assert plain.losses == full.losses == selective.losses

@@ -157,7 +157,7 @@ def _gpu_1b(pattern: str) -> HybridModelArgs:
         mlp=MLPArgs(hidden_dim=8192),
         mamba=MambaArgs(d_state=128, head_dim=64, n_groups=8, chunk_size=128),
         gdn=GDNArgs(key_head_dim=128, value_head_dim=128, n_key_heads=8, n_value_heads=16),
-        moe=MoEArgs(num_experts=64, top_k=6, hidden_dim=1024, shared_expert_hidden_dim=2048),
+        moe=MoEArgs(num_experts=16, top_k=2, hidden_dim=1024, shared_expert_hidden_dim=2048),
     )
 
 
@@ -174,6 +174,7 @@ hybrid_flavors = FlavorRegistry({
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
     # ~0.9B non-embedding parameters, dense: 12 Mamba, 10 MLP, 3 attention layers.
     "nemotron_h_1b": _gpu_1b("M-M*-M-M-M*-M-M-M*-M-M-M-"),
-    # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth.
+    # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.3B parameters, ~1.2B
+    # active per token; fits one 80 GB GPU with fp32 Adam state.
     "hybrid_moe_2b": _gpu_1b("ME*EMEMEM*EMEMEMEM*EME/*E"),
 })
