@@ -11,14 +11,17 @@ STAMP="$VENV/.titan_hybrid_installed"
 if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
+# This machine's pip configuration may name local package folders that do not exist; pip warns
+# about each one. Keep the rest of pip's output.
+quiet_pip() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; }
+
 if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    "$PY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        "$PY" -m pip install --quiet "torch==2.13.*"
+        quiet_pip install --quiet "torch==2.13.*"
     else
-        "$PY" -m pip install --quiet "torch==2.13.0"
+        quiet_pip install --quiet "torch==2.13.0"
     fi
-    "$PY" -m pip install --quiet -e "$REPO_ROOT[test]"
+    quiet_pip install --quiet -e "$REPO_ROOT[test]"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -102,6 +102,9 @@ class HybridModelArgs(BaseModelArgs):
                 raise ValueError(
                     f"mamba: nheads={self.mamba_n_heads} is not divisible by "
                     f"mamba.n_groups={self.mamba.n_groups} (each group must own whole heads)")
+        if "*" in symbols and self.attention.head_dim % 2:
+            raise ValueError(f"attention: head_dim={self.attention.head_dim} must be even "
+                             "(rotary embeddings rotate channel pairs)")
         if "*" in symbols and self.attention.n_heads % self.attention.n_kv_heads:
             raise ValueError(
                 f"attention: n_heads={self.attention.n_heads} is not divisible by "
@@ -174,7 +177,7 @@ hybrid_flavors = FlavorRegistry({
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
     # ~0.9B non-embedding parameters, dense: 12 Mamba, 10 MLP, 3 attention layers.
     "nemotron_h_1b": _gpu_1b("M-M*-M-M-M*-M-M-M*-M-M-M-"),
-    # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.3B parameters, ~1.2B
+    # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.1B parameters, <1B
     # active per token; fits one 80 GB GPU with fp32 Adam state.
     "hybrid_moe_2b": _gpu_1b("ME*EMEMEM*EMEMEMEM*EME/*E"),
 })
