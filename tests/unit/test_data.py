@@ -36,7 +36,7 @@ def take(loader, n):
 def test_corpus_is_real_documentation_text():
     docs = pydoc_documents()
     assert len(docs) > 50 and sum(map(len, docs)) > 300_000
-    assert any("The "in d and "statement" in d for d in docs)
+    assert any("The " in d and "statement" in d for d in docs)
 
 
 def test_committed_tokenizer_matches_the_build_script(tmp_path):
@@ -113,3 +113,21 @@ def test_bad_state_is_a_clear_error(tokenizer):
         loader.load_state_dict({"dp_rank_0": b""})
     with pytest.raises(ValueError, match="dp_rank 2"):
         make_loader(tokenizer, dp_rank=2, dp_world_size=2, local_batch_size=2)
+
+
+def test_torchtitan_hf_dataset_by_name_and_path(tmp_path, tokenizer):
+    from titan_hybrid.data.loader import build_global_batch_dataloader
+    from torchtitan.config import ConfigManager
+
+    texts = [f"Document number {i} talks about layers, experts and state spaces." * 3
+             for i in range(40)]
+    (tmp_path / "data.json").write_text(
+        "\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    job = ConfigManager().parse_args([
+        "--training.dataset", "c4_test", "--training.dataset_path", str(tmp_path),
+        "--training.seq_len", "16", "--training.local_batch_size", "2"])
+    loader = build_global_batch_dataloader(1, 0, tokenizer, job)
+    inputs = next(iter(loader))[0]["input"]
+    assert inputs.shape == (2, 16)
+    expected = tokenizer.encode(texts[0], add_bos=True, add_eos=True)[:16]
+    assert inputs[0].tolist() == expected

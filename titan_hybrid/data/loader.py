@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,35 +134,28 @@ class GlobalBatchTextLoader(BaseDataLoader):
         self._saved = state_dict[_STATE_KEY]
 
 
-def _dataset_source(job_config: JobConfig) -> tuple[Callable[[], Iterable[Any]], Callable]:
-    name = job_config.training.dataset.lower()
-    if name == PYDOC_DATASET:
-        documents = pydoc_documents()
-        return (lambda: documents), (lambda text: text)
-    if name not in text_datasets.DATASETS:
-        raise ValueError(
-            f"training.dataset '{job_config.training.dataset}' is unknown: use '{PYDOC_DATASET}' "
-            f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
-        )
-    config = text_datasets.DATASETS[name]
-    path = job_config.training.dataset_path or config.path
-    dataset = config.loader(path)
-    return (lambda: iter(dataset)), config.sample_processor
-
-
 def validate_dataset_config(job_config: JobConfig) -> None:
     """Cheap checks that must fail before any model is built."""
-    import os
-
     name = job_config.training.dataset.lower()
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(
             f"training.dataset '{job_config.training.dataset}' is unknown: use '{PYDOC_DATASET}' "
             f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
         )
+    # A hub name ("allenai/c4") cannot be checked offline; an explicit local path can.
     path = job_config.training.dataset_path
-    if path and not os.path.exists(path) and "/" in path and path.startswith((".", "/")):
+    if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
         raise ValueError(f"training.dataset_path '{path}' does not exist")
+
+
+def _dataset_source(job_config: JobConfig) -> tuple[Callable[[], Iterable[Any]], Callable]:
+    name = job_config.training.dataset.lower()
+    if name == PYDOC_DATASET:
+        documents = pydoc_documents()
+        return (lambda: documents), (lambda text: text)
+    config = text_datasets.DATASETS[name]
+    dataset = config.loader(job_config.training.dataset_path or config.path)
+    return (lambda: iter(dataset)), config.sample_processor
 
 
 def build_global_batch_dataloader(
