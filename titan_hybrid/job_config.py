@@ -20,5 +20,13 @@ class Hybrid:
 
 
 @dataclass
+class Parallelism:
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    """Megatron-FSDP names: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
+    optim_grads_params (ZeRO-3). With HSDP it applies to the shard dimension."""
+
+
+@dataclass
 class JobConfig:
     hybrid: Hybrid = field(default_factory=Hybrid)
+    parallelism: Parallelism = field(default_factory=Parallelism)

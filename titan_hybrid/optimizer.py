@@ -32,13 +32,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _build_one(model: nn.Module, optimizer_cls, optimizer_kwargs) -> torch.optim.Optimizer:
+    groups = param_groups(model, optimizer_kwargs["weight_decay"])
+    zero1_mesh = getattr(model, "zero1_mesh", None)  # set by the `optim` strategy
+    if zero1_mesh is None:
+        return optimizer_cls(groups, **optimizer_kwargs)
+    from titan_hybrid.parallel.zero1 import ZeroOneOptimizer
+
+    return ZeroOneOptimizer(groups, optimizer_cls, optimizer_kwargs, mesh=zero1_mesh)
+
+
 class HybridOptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs) -> None:
         self.model_parts = model_parts
-        self.optimizers = [
-            optimizer_cls(param_groups(model, optimizer_kwargs["weight_decay"]), **optimizer_kwargs)
-            for model in model_parts
-        ]
+        self.optimizers = [_build_one(model, optimizer_cls, optimizer_kwargs)
+                           for model in model_parts]
         all_params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
         self._validate_length(len(model_parts))
         self._post_init(all_params, optimizer_kwargs)

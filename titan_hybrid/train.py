@@ -1,20 +1,37 @@
 """Entry point: `python -m titan_hybrid.train --job.config_file train_configs/hybrid.toml`.
 
-Same command line as `python -m torchtitan.train`; importing titan_hybrid first registers the
-"hybrid" TrainSpec and, without an accelerator, patches torchtitan for CPU + gloo.
+Same command line and the same Trainer as `python -m torchtitan.train`, with two additions:
+the job is validated against the world size and the model before any process group, mesh or
+model exists, and on CPU the process leaves with os._exit once training is done (see below).
 """
 
+import copy
 import os
 import sys
 
-import titan_hybrid  # noqa: F401  (must precede the trainer's import on CPU)
+import titan_hybrid  # noqa: F401  (registers the TrainSpec; CPU patches precede the trainer)
 from titan_hybrid.runtime import cpu
 
 
-def main() -> None:
-    from torchtitan.train import Trainer, main as torchtitan_main
+def validate_job(config) -> None:
+    """User errors in the job, raised as ValueError before any heavy work."""
+    from titan_hybrid.model.args import hybrid_flavors
+    from titan_hybrid.parallel.validate import validate_layout
 
-    torchtitan_main(Trainer)
+    if config.model.name != "hybrid":
+        return
+    model_args = copy.deepcopy(hybrid_flavors[config.model.flavor])
+    model_args.update_from_config(config)
+    validate_layout(config, model_args, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def main() -> None:
+    import torchtitan.train as torchtitan_train
+    from torchtitan.config import ConfigManager
+
+    # torchtitan's main() parses the command line itself; check the parsed job first.
+    validate_job(ConfigManager().parse_args(sys.argv[1:]))
+    torchtitan_train.main(torchtitan_train.Trainer)
     if cpu.accelerator_available():
         return
     # gloo's C++ teardown intermittently aborts at interpreter exit ("terminate called without

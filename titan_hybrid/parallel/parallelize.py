@@ -10,47 +10,42 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.parallel.fsdp import apply_fsdp
+from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
+from titan_hybrid.parallel.validate import sharding_strategy, validate_layout
 
 
-def validate_parallelism(model: nn.Module, parallel_dims: ParallelDims,
-                         job_config: JobConfig) -> None:
-    """User errors for layouts this release cannot run, raised before any allocation."""
-    unsupported = {
-        "tensor_parallel_degree": parallel_dims.tp,
-        "context_parallel_degree": parallel_dims.cp,
-        "expert_parallel_degree": parallel_dims.ep,
-        "pipeline_parallel_degree": parallel_dims.pp,
-    }
-    for field, degree in unsupported.items():
-        if degree > 1:
-            raise ValueError(f"parallelism.{field}={degree}: titan_hybrid does not support this "
-                             "parallelism yet; only data parallel (FSDP / HSDP) is available")
-    if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        raise ValueError(
-            f"parallelism.data_parallel_replicate_degree={parallel_dims.dp_replicate} without "
-            "sharding (pure DDP) is not supported yet: use data_parallel_shard_degree")
-    if job_config.compile.enable:
-        raise ValueError("compile.enable=true is not supported for the hybrid model yet")
+def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
+    """(strategy, mesh): FSDP / HSDP shard over ("dp_replicate", "fsdp"); the replicate-based
+    strategies reduce over every data-parallel rank. With a shard degree of 1 there is nothing
+    to shard, so the parameter-sharding strategies fall back to plain replication."""
+    if strategy in ("optim_grads", "optim_grads_params") and not parallel_dims.fsdp_enabled:
+        strategy = "no_shard"
+    if strategy in ("no_shard", "optim"):
+        return strategy, parallel_dims.get_mesh("batch")
+    if parallel_dims.dp_replicate_enabled:
+        return strategy, parallel_dims.get_mesh(["dp_replicate", "fsdp"])
+    return strategy, parallel_dims.get_mesh("fsdp")
 
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
                        job_config: JobConfig) -> nn.Module:
-    validate_parallelism(model, parallel_dims, job_config)
+    validate_layout(job_config, model.model_args, parallel_dims.world_size)
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint,
                  base_folder=job_config.job.dump_folder)
-    if parallel_dims.fsdp_enabled:
-        dp_mesh_names = (("dp_replicate", "fsdp") if parallel_dims.dp_replicate_enabled
-                         else ("fsdp",))
-        apply_fsdp(
+    if parallel_dims.dp_enabled:
+        strategy, dp_mesh = data_parallel_plan(parallel_dims, sharding_strategy(job_config))
+        apply_data_parallel(
             model,
-            parallel_dims.get_mesh(list(dp_mesh_names)),
+            dp_mesh,
+            strategy=strategy,
             param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
         )
-        logger.info(f"Applied FSDP over {dp_mesh_names}")
+        # The optimizer builder reads this to shard optimizer state for ZeRO-1.
+        model.zero1_mesh = dp_mesh if strategy == "optim" else None
+        logger.info(f"Applied data parallel '{strategy}' over {dp_mesh.mesh_dim_names}")
     model.init_materializer = full_tensor_materializer
     return model

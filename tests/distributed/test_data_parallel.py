@@ -1,0 +1,65 @@
+"""Loss curves of every data-parallel sharding strategy against one process (gloo, real ranks).
+
+One process takes the global batch of 16 as two microbatches of 8; two ranks take 8 each. The
+gradients are the same per-microbatch gradients summed in the same order (a + b for two
+terms), and every strategy updates each parameter with the same arithmetic, so the curves are
+equal BITWISE, not just to a tolerance.
+"""
+
+import pytest
+
+from tests.launch import run_training
+
+STEPS = ("--training.steps", "4", "--training.local_batch_size", "8")
+
+
+@pytest.fixture(scope="module")
+def single_process_curve(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    return run_training(tmp, *STEPS, "--training.global_batch_size", "16").check().losses
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_strategy_matches_single_process_bitwise(tmp_path, single_process_curve, strategy):
+    result = run_training(tmp_path, *STEPS, "--parallelism.data_parallel_sharding_strategy",
+                          strategy, nproc=2).check()
+    assert f"Applied data parallel '{strategy}'" in result.output
+    assert len(single_process_curve) == 4
+    assert result.losses == single_process_curve
+
+
+def test_pure_replication_degree_is_ddp(tmp_path, single_process_curve):
+    result = run_training(tmp_path, *STEPS, "--parallelism.data_parallel_replicate_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "1", nproc=2).check()
+    assert "Applied data parallel 'no_shard'" in result.output
+    assert result.losses == single_process_curve
+
+
+@pytest.mark.slow
+def test_hsdp_two_by_two_matches_single_process(tmp_path, single_process_curve):
+    # 4 ranks, local batch 4: the same global batch of 16. HSDP reduce-scatters within a
+    # replica and all-reduces across replicas: four partial sums combined in a different
+    # order than one process's two, so equal to float32 rounding rather than bitwise.
+    result = run_training(tmp_path, "--training.steps", "4", "--training.local_batch_size", "4",
+                          "--parallelism.data_parallel_replicate_degree", "2",
+                          "--parallelism.data_parallel_shard_degree", "2", nproc=4).check()
+    assert "Applied data parallel 'optim_grads_params' over ('dp_replicate', 'fsdp')" in result.output
+    for a, b in zip(result.losses, single_process_curve, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--parallelism.data_parallel_sharding_strategy", "zero3"),
+         "data_parallel_sharding_strategy 'zero3' is not one of"),
+        (("--parallelism.data_parallel_shard_degree", "3"),
+         "world size 2 != data_parallel_replicate_degree(1) * data_parallel_shard_degree(3)"),
+        (("--parallelism.data_parallel_replicate_degree", "3"),
+         "world size 2 is not divisible by data_parallel_replicate_degree"),
+    ],
+)
+def test_bad_layouts_fail_before_any_process_group(tmp_path, args, message):
+    result = run_training(tmp_path, "--training.steps", "1", *args, nproc=2)
+    assert result.returncode != 0 and message in result.output
+    assert "Building device mesh" not in result.output

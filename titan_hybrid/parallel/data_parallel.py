@@ -1,0 +1,72 @@
+"""Data-parallel sharding with Megatron's strategy names, built from PyTorch's own pieces.
+
+| strategy             | ZeRO | parameters at rest | gradients | optimizer state | built from           |
+| no_shard             | -    | full               | full      | full            | replicate (DDP)      |
+| optim                | 1    | full               | full      | sharded         | replicate + ZeRO-1   |
+| optim_grads          | 2    | sharded, kept      | sharded   | sharded         | fully_shard, no      |
+|                      |      | gathered fwd->bwd  |           |                 | reshard after fwd    |
+| optim_grads_params   | 3    | sharded            | sharded   | sharded         | fully_shard          |
+
+Units: the embedding, every top-level layer (a Mamba / attention / MLP / MoE / GDN layer, or a
+whole bracket group with its sub-layers), every MTP depth, the final norm with the LM head, then
+the root. A Mamba layer left in the root unit would be all-gathered for the whole step, which
+defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
+all-reduces start as soon as each unit's backward is done.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """The modules that each get their own data-parallel unit, root excluded, in order."""
+    units: list[nn.Module | list[nn.Module]] = []
+    if getattr(model, "tok_embeddings", None) is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers.values())
+    units.extend(getattr(model, "mtp", []))
+    if getattr(model, "norm", None) is not None and getattr(model, "output", None) is not None:
+        units.append([model.norm, model.output])
+    return units
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    strategy: str,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    cpu_offload: bool = False,
+) -> None:
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
+                         f"of {SHARDING_STRATEGIES}")
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    units = sharding_units(model)
+    if strategy in ("no_shard", "optim"):
+        for unit in units:
+            replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+    else:
+        config = {"mesh": dp_mesh, "mp_policy": mp_policy}
+        if cpu_offload:
+            config["offload_policy"] = CPUOffloadPolicy()
+        reshard = strategy == "optim_grads_params"
+        for index, unit in enumerate(units):
+            # The LM head runs right after the last layer and first in backward: resharding
+            # it in between would only add an all-gather.
+            is_head = index == len(units) - 1 and isinstance(unit, list)
+            fully_shard(unit, **config, reshard_after_forward=reshard and not is_head)
+        fully_shard(model, **config)
+    # The trainer divides the summed loss by the global token count itself.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)

@@ -1,0 +1,72 @@
+"""Checks of a parallel layout against the model, raised as ValueError before any allocation."""
+
+from __future__ import annotations
+
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
+
+# Parallelisms whose implementation has not landed yet; asking for one fails fast.
+_NOT_YET = ("context_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree",
+            "tensor_parallel_degree")
+
+
+def sharding_strategy(job_config) -> str:
+    return getattr(job_config.parallelism, "data_parallel_sharding_strategy",
+                   "optim_grads_params")
+
+
+def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
+    if value % degree:
+        raise ValueError(f"{field}={value} is not divisible by parallelism.{degree_name}="
+                         f"{degree}: each rank must hold whole {field.rsplit('.', 1)[-1]}")
+
+
+def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
+    p = job_config.parallelism
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "expert_parallel_degree": p.expert_parallel_degree,
+    }
+    for name, degree in degrees.items():
+        if degree < 1:
+            raise ValueError(f"parallelism.{name}={degree} must be >= 1")
+    shard = p.data_parallel_shard_degree
+    if shard == 0 or shard < -1:
+        raise ValueError(f"parallelism.data_parallel_shard_degree={shard} must be -1 (use the "
+                         "remaining ranks) or >= 1")
+    non_shard = (p.data_parallel_replicate_degree * p.context_parallel_degree
+                 * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    if shard == -1:
+        if world_size % non_shard:
+            raise ValueError(
+                f"world size {world_size} is not divisible by data_parallel_replicate_degree * "
+                f"context * tensor * pipeline degrees = {non_shard}")
+        shard = world_size // non_shard
+    if shard * non_shard != world_size:
+        raise ValueError(
+            f"world size {world_size} != data_parallel_replicate_degree({p.data_parallel_replicate_degree})"
+            f" * data_parallel_shard_degree({shard}) * context({p.context_parallel_degree}) * "
+            f"tensor({p.tensor_parallel_degree}) * pipeline({p.pipeline_parallel_degree})")
+
+    strategy = sharding_strategy(job_config)
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
+                         f"of {SHARDING_STRATEGIES}")
+    if p.data_parallel_replicate_degree > 1 and shard > 1 and strategy in ("no_shard", "optim"):
+        raise ValueError(
+            f"parallelism.data_parallel_sharding_strategy '{strategy}' with "
+            f"data_parallel_replicate_degree={p.data_parallel_replicate_degree} and "
+            f"data_parallel_shard_degree={shard}: HSDP shards over the shard dimension, so use "
+            "'optim_grads' or 'optim_grads_params' (or set data_parallel_shard_degree=1)")
+
+    for name in _NOT_YET:
+        degree = getattr(p, name)
+        if degree > 1:
+            raise ValueError(f"parallelism.{name}={degree}: titan_hybrid does not support this "
+                             "parallelism yet; only data parallel (FSDP / HSDP / DDP / ZeRO-1) is "
+                             "available")
+    if job_config.compile.enable:
+        raise ValueError("compile.enable=true is not supported for the hybrid model yet")
