@@ -63,3 +63,18 @@ def test_bad_layouts_fail_before_any_process_group(tmp_path, args, message):
     result = run_training(tmp_path, "--training.steps", "1", *args, nproc=2)
     assert result.returncode != 0 and message in result.output
     assert "Building device mesh" not in result.output
+
+
+def test_zero_stages_shard_what_they_promise():
+    from bench.data_parallel_memory import _run_strategy, measure
+
+    single = measure("debug", None)
+    zero1 = _run_strategy("debug", "optim", 2)
+    zero3 = _run_strategy("debug", "optim_grads_params", 2)
+    # ZeRO-1: full parameters and gradients, optimizer state split between the ranks.
+    assert all(r["params"] == single["params"] and r["grads"] == single["grads"] for r in zero1)
+    assert sum(r["optimizer"] for r in zero1) == single["optimizer"]
+    assert max(r["optimizer"] for r in zero1) < 0.6 * single["optimizer"]
+    # ZeRO-3: everything split (within one row of padding per parameter).
+    for key in ("params", "grads", "optimizer"):
+        assert max(r[key] for r in zero3) < 0.55 * single[key]
