@@ -3,10 +3,16 @@
 torchtitan's trainer divides whatever the loss function returns by the number of valid label
 tokens in the whole global batch. Cross-entropy is therefore returned as a SUM, and the per-batch
 auxiliary loss is multiplied by this microbatch's valid-token count, which makes the aux term a
-token-weighted mean over microbatches and data-parallel ranks, whatever the layout.
+token-weighted mean over microbatches and data-parallel ranks.
+
+The load-balancing loss itself is computed per microbatch (routing statistics of its tokens),
+as in Megatron; being nonlinear in the batch, it makes MoE loss curves layout-independent only
+for a fixed local batch size (the data-parallel degree and accumulation may still change).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +45,6 @@ def hybrid_loss(pred, labels: torch.Tensor, *, mtp_loss_coeff: float = 0.1) -> t
 
 
 def build_hybrid_loss(job_config: JobConfig, **kwargs):
-    from functools import partial
-
     from titan_hybrid.model.args import hybrid_flavors
 
     flavor = hybrid_flavors.get(job_config.model.flavor)

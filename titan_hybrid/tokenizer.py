@@ -22,4 +22,13 @@ def resolve_assets_path(path: str) -> Path:
 
 
 def build_hybrid_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
-    return HuggingFaceTokenizer(str(resolve_assets_path(job_config.model.hf_assets_path)))
+    from titan_hybrid.model.args import hybrid_flavors
+
+    tokenizer = HuggingFaceTokenizer(str(resolve_assets_path(job_config.model.hf_assets_path)))
+    vocab_size = hybrid_flavors[job_config.model.flavor].vocab_size
+    if job_config.model.name == "hybrid" and tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(
+            f"model.hf_assets_path '{job_config.model.hf_assets_path}' has a tokenizer of "
+            f"{tokenizer.get_vocab_size()} tokens, more than flavor '{job_config.model.flavor}' "
+            f"embeds (vocab_size={vocab_size})")
+    return tokenizer

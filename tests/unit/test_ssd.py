@@ -140,6 +140,25 @@ def test_float32_close_to_float64_recurrence():
     assert rel_err(s32, s64) < 1e-5
 
 
+def test_float32_gradients_close_to_float64_recurrence():
+    inp64 = make_inputs(l=100, init=True)
+    weights = {"y": torch.randn(2, 100, 4, 8, dtype=torch.float64),
+               "s": torch.randn(2, 4, 8, 16, dtype=torch.float64)}
+
+    def grads(fn, inputs, **kwargs):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        y, s = fn(dt_softplus=True, **kwargs, **leaves)
+        loss = (y * weights["y"].to(y.dtype)).sum() + (s * weights["s"].to(s.dtype)).sum()
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    ref = grads(ssd_recurrent_reference, inp64)
+    got = grads(ssd_chunked_torch, {k: v.float() for k, v in inp64.items()}, chunk_size=16,
+                return_final_states=True)
+    for name in ref:
+        assert got[name].dtype == torch.float32
+        assert rel_err(got[name], ref[name]) < 1e-5, name
+
+
 def test_bfloat16_inputs_run_in_fp32():
     inp64 = make_inputs(l=64)
     inp16 = {k: v.bfloat16() for k, v in inp64.items()}

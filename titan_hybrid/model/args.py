@@ -114,6 +114,8 @@ class HybridModelArgs(BaseModelArgs):
                 f"gdn: n_value_heads={self.gdn.n_value_heads} is not divisible by "
                 f"n_key_heads={self.gdn.n_key_heads}")
         if "E" in symbols:
+            if self.moe.num_experts < 1:
+                raise ValueError(f"moe: num_experts={self.moe.num_experts} must be >= 1")
             if not 1 <= self.moe.top_k <= self.moe.num_experts:
                 raise ValueError(f"moe: top_k={self.moe.top_k} must be in [1, num_experts="
                                  f"{self.moe.num_experts}]")
@@ -149,7 +151,7 @@ def _debug() -> HybridModelArgs:
     )
 
 
-def _gpu_1b(pattern: str) -> HybridModelArgs:
+def _gpu_sized(pattern: str) -> HybridModelArgs:
     # Nemotron-H-like proportions: d_inner = 2*dim, 8 SSM groups, 128-dim states, GQA 8 kv heads.
     return HybridModelArgs(
         pattern=pattern,
@@ -176,8 +178,8 @@ hybrid_flavors = FlavorRegistry({
     "debug_moe": dataclasses.replace(_debug(), pattern="M*EME/*-"),
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
     # ~0.9B non-embedding parameters, dense: 12 Mamba, 10 MLP, 3 attention layers.
-    "nemotron_h_1b": _gpu_1b("M-M*-M-M-M*-M-M-M*-M-M-M-"),
+    "nemotron_h_1b": _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"),
     # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.1B parameters, <1B
     # active per token; fits one 80 GB GPU with fp32 Adam state.
-    "hybrid_moe_2b": _gpu_1b("ME*EMEMEM*EMEMEMEM*EME/*E"),
+    "hybrid_moe_2b": _gpu_sized("ME*EMEMEM*EMEMEMEM*EME/*E"),
 })

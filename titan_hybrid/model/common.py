@@ -49,3 +49,13 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     # softplus(y) = x  <=>  y = x + log(-expm1(-x)); expm1 keeps it exact for small x.
     return x + torch.log(-torch.expm1(-x))
+
+
+def init_ssm_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, *, a_range: tuple[float, float],
+                   dt_min: float, dt_max: float, dt_floor: float) -> None:
+    """Mamba2's init, shared by GDN: A uniform in a_range (stored as log), and a time step dt
+    log-uniform in [dt_min, dt_max], floored, stored as softplus^-1(dt) in dt_bias."""
+    nn.init.uniform_(A_log, *a_range)
+    A_log.copy_(torch.log(A_log))
+    nn.init.uniform_(dt_bias, math.log(dt_min), math.log(dt_max))
+    dt_bias.copy_(inverse_softplus(torch.exp(upcast(dt_bias)).clamp(min=dt_floor)))

@@ -8,7 +8,6 @@ per-head gated RMSNorm; out_proj. Legend: B batch, T time, Hk/Hv key/value heads
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from titan_hybrid.model.common import (
     annotate_tensor_parallel,
     init_depthwise_conv,
     init_linear,
-    inverse_softplus,
+    init_ssm_decay,
     upcast,
 )
 from titan_hybrid.model.norms import HeadGatedRMSNorm
@@ -83,10 +82,8 @@ class GatedDeltaNet(nn.Module):
         init_linear(self.in_proj, std=init_std)
         init_linear(self.out_proj, std=out_std)
         init_depthwise_conv(self.conv1d)
-        nn.init.uniform_(self.A_log, 1.0, 16.0)
-        self.A_log.copy_(torch.log(self.A_log))
-        nn.init.uniform_(self.dt_bias, math.log(1e-3), math.log(0.1))
-        self.dt_bias.copy_(inverse_softplus(torch.exp(self.dt_bias.float()).clamp(min=1e-4)))
+        init_ssm_decay(self.A_log, self.dt_bias, a_range=(1.0, 16.0), dt_min=1e-3, dt_max=0.1,
+                       dt_floor=1e-4)
         self.norm.init_weights()
 
 

@@ -7,7 +7,6 @@ Legend: B batch, T time, D hidden, H heads, P head dim, G groups, N state size.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -17,7 +16,7 @@ from titan_hybrid.model.common import (
     annotate_tensor_parallel,
     init_depthwise_conv,
     init_linear,
-    inverse_softplus,
+    init_ssm_decay,
     upcast,
 )
 from titan_hybrid.model.norms import GatedGroupRMSNorm
@@ -86,12 +85,7 @@ class Mamba2Mixer(nn.Module):
         init_linear(self.in_proj, std=init_std)
         init_linear(self.out_proj, std=out_std)
         init_depthwise_conv(self.conv1d)
-        low, high = args.a_init_range
-        nn.init.uniform_(self.A_log, low, high)
-        self.A_log.copy_(torch.log(self.A_log))
-        # dt log-uniform in [dt_min, dt_max], floored, stored so that softplus(dt_bias) = dt.
-        nn.init.uniform_(self.dt_bias, math.log(args.dt_min), math.log(args.dt_max))
-        dt = torch.exp(self.dt_bias.float()).clamp(min=args.dt_init_floor)
-        self.dt_bias.copy_(inverse_softplus(dt))
+        init_ssm_decay(self.A_log, self.dt_bias, a_range=args.a_init_range, dt_min=args.dt_min,
+                       dt_max=args.dt_max, dt_floor=args.dt_init_floor)
         nn.init.ones_(self.D)
         self.norm.init_weights()

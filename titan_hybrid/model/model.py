@@ -107,9 +107,11 @@ class MTPDepth(nn.Module):
         self.final_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, h, future_embedding, aux_loss, rope):
+        """Returns (hidden state for the next depth, aux loss, normed input of the LM head)."""
         x = self.eh_proj(torch.cat((self.hidden_norm(h), self.embedding_norm(future_embedding)), -1))
         x, aux_loss = self.block(x, aux_loss, rope)
-        return x, aux_loss
+        # The final norm runs here, inside this depth's FSDP unit, where its weight is gathered.
+        return x, aux_loss, self.final_norm(x)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for norm in (self.hidden_norm, self.embedding_norm, self.final_norm):
@@ -142,6 +144,7 @@ class HybridModel(ModelProtocol):
     # tensors (see titan_hybrid.parallel.init); model code itself stays single-device.
     init_materializer = staticmethod(lambda unit: contextlib.nullcontext())
 
+    @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Each unit draws from its own generator seeded by (init_seed, unit name), so the weights
         do not depend on which other units exist (pipeline stages) or how they are sharded."""
@@ -184,6 +187,6 @@ class HybridModel(ModelProtocol):
             # Depth k sees the embedding of token t+k; the last k positions have no such token
             # (their targets are ignored by the loss), so they read a padding token 0.
             future = torch.nn.functional.pad(tokens[:, depth:], (0, depth))
-            h, aux_loss = mtp_depth(h, self.tok_embeddings(future), aux_loss, rope)
-            mtp_logits.append(self.output(mtp_depth.final_norm(h)))
+            h, aux_loss, normed = mtp_depth(h, self.tok_embeddings(future), aux_loss, rope)
+            mtp_logits.append(self.output(normed))
         return (logits, aux_loss, *mtp_logits)

@@ -11,10 +11,15 @@ import torch.nn.functional as F
 
 
 def _causal_conv1d_cuda(x_BLC, weight_CW, bias_C, seq_idx_BL, activation):
+    channels, width = weight_CW.shape
+    # The kernel's channel-last path needs 8-aligned strides and widths 2..4.
+    if channels % 8 or not 2 <= width <= 4:
+        return None
     try:
         from causal_conv1d import causal_conv1d_fn
     except ImportError:
         return None
+    x_BLC = x_BLC.contiguous()  # slices of in_proj's output have a row stride of its width
     out = causal_conv1d_fn(x_BLC.transpose(1, 2), weight_CW, bias_C,
                            seq_idx=None if seq_idx_BL is None else seq_idx_BL.to(torch.int32),
                            activation=activation)

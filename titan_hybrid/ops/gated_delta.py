@@ -63,7 +63,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     _num_seqs(q, cu_seqlens, initial_state)
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if q.is_cuda:
+    # fla's kernels take bf16 / fp16 only (they assert against fp32).
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         except ImportError:
@@ -80,6 +81,15 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
 
     Math runs in fp32 (fp64 for fp64 inputs); final_state is returned in that dtype.
     """
+    # Autocast would run the matmuls and the triangular solve below in bf16.
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+                                       output_final_state, cu_seqlens,
+                                       use_qk_l2norm_in_kernel, chunk_size)
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                            cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
     n_seqs = _num_seqs(q, cu_seqlens, initial_state)
     B, T, H, K = q.shape
     if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != T):

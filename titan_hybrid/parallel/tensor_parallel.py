@@ -1,0 +1,172 @@
+"""Tensor + sequence parallelism derived from per-parameter annotations.
+
+Layout. Every parameter becomes a DTensor on the TP mesh, placed by `classify_parameter`:
+the PARAMETER's own `tensor_model_parallel` / `partition_dim` / `partition_sizes` first (set by
+the model code: Mamba's gated-norm weight is a norm by name but sharded), then class-name
+registries for modules that carry no annotations, then "Norm in the class name -> replicated",
+then replicated. A fused tensor (`partition_sizes`) is sharded so that each rank holds its own
+slice of every component: its global (DTensor) view is the per-rank concatenation
+[W_0; V_0; W_1; V_1], see `interleave_for_tp`.
+
+Compute. Each mixer (attention, MLP, Mamba, GDN, MoE) is one TP region, as in Megatron:
+its input is replicated (or, with sequence parallelism, all-gathered from sequence shards) on
+entry, everything inside runs on local tensors (heads, channels, experts' hidden units), and
+its partial output is all-reduced (or reduce-scattered back to sequence shards) on exit. The
+model code stays single-device: hooks swap each parameter for its local view during forward.
+A replicated parameter whose use sees only this rank's share of the activations (norms on
+sequence shards, GDN's per-head output norm on local heads) takes a Partial gradient, so its
+gradient is summed over the TP group; the silent upstream bug is to treat it as replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+# Modules without annotations whose Linear weights are split like Megatron's.
+COLUMN_PARALLEL_MODULES: set[str] = set()
+ROW_PARALLEL_MODULES: set[str] = set()
+REPLICATED_MODULES: set[str] = {"TopKRouter"}
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    shard_dim: int | None  # None: replicated
+    partition_sizes: tuple[int, ...] | None = None
+    partial_grad: bool = False  # replicated, but each rank's gradient is a partial sum
+
+    def placement(self) -> Placement:
+        return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
+
+
+def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> TPLayout:
+    if getattr(param, "tensor_model_parallel", False):
+        return TPLayout(param.partition_dim, getattr(param, "partition_sizes", None))
+    partial = bool(getattr(param, "tensor_parallel_partial_grad", False))
+    class_name = type(module).__name__
+    if name == "weight" and class_name in COLUMN_PARALLEL_MODULES:
+        return TPLayout(0)
+    if name == "weight" and class_name in ROW_PARALLEL_MODULES:
+        return TPLayout(1)
+    if class_name in REPLICATED_MODULES or "Norm" in class_name:
+        return TPLayout(None, partial_grad=partial)
+    return TPLayout(None, partial_grad=partial)
+
+
+def interleave_for_tp(full: torch.Tensor, layout: TPLayout, tp: int) -> torch.Tensor:
+    """Logical [A; B; ...] -> per-rank concatenation [A_0; B_0; A_1; B_1; ...] along the dim."""
+    if layout.partition_sizes is None or tp == 1:
+        return full
+    components = full.split(list(layout.partition_sizes), dim=layout.shard_dim)
+    per_rank = [c.chunk(tp, dim=layout.shard_dim) for c in components]
+    return torch.cat([part[r] for r in range(tp) for part in per_rank], dim=layout.shard_dim)
+
+
+def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -> torch.Tensor:
+    """Inverse of interleave_for_tp."""
+    if layout.partition_sizes is None or tp == 1:
+        return interleaved
+    local_sizes = [size // tp for size in layout.partition_sizes]
+    blocks = interleaved.split(local_sizes * tp, dim=layout.shard_dim)
+    n = len(local_sizes)
+    return torch.cat([torch.cat(blocks[c::n], dim=layout.shard_dim) for c in range(n)],
+                     dim=layout.shard_dim)
+
+
+# --------------------------------------------------------------------------- local views
+def _swap_to_local_views(module: nn.Module, args) -> None:
+    module._tp_saved_params = dict(module._parameters)
+    for name, param in module._tp_saved_params.items():
+        if isinstance(param, DTensor):
+            grad = [Partial()] if module._tp_partial_grad.get(name, False) else param.placements
+            module._parameters[name] = param.to_local(grad_placements=grad)
+
+
+def _restore_params(module: nn.Module, args, output):
+    module._parameters.update(module._tp_saved_params)
+    del module._tp_saved_params
+    return output
+
+
+def _use_local_views(module: nn.Module, partial_grad: dict[str, bool]) -> None:
+    module._tp_partial_grad = partial_grad
+    module.register_forward_pre_hook(_swap_to_local_views)
+    module.register_forward_hook(_restore_params)
+
+
+# --------------------------------------------------------------------------- regions
+def _enter_region(x: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) -> torch.Tensor:
+    """Replicated (or all-gathered) input; its gradient is summed over the group (or
+    reduce-scattered) because each rank's use of it covers only its own heads / channels."""
+    dx = DTensor.from_local(x, mesh, [Shard(1)] if sequence_parallel else [Replicate()],
+                            run_check=False)
+    return dx.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _leave_region(y: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) -> torch.Tensor:
+    dy = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+    return dy.redistribute(mesh, [Shard(1)] if sequence_parallel else [Replicate()]).to_local()
+
+
+def _make_region(mixer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    def enter(module, args):
+        return (_enter_region(args[0], mesh, sequence_parallel), *args[1:])
+
+    def leave(module, args, output):
+        if isinstance(output, tuple):  # MoE: (output, aux_loss)
+            return (_leave_region(output[0], mesh, sequence_parallel), *output[1:])
+        return _leave_region(output, mesh, sequence_parallel)
+
+    mixer.register_forward_pre_hook(enter)
+    mixer.register_forward_hook(leave)
+
+
+# --------------------------------------------------------------------------- entry point
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: bool,
+                       sequence_parallel: bool) -> None:
+    partial_grad = {}
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        layout = classify_parameter(module, name, param)
+        # Outside the TP regions with sequence parallelism, every rank sees only its own
+        # sequence shard, so replicated parameters there accumulate partial gradients too.
+        partial_grad[name] = layout.partial_grad or (
+            layout.shard_dim is None and outside_regions and sequence_parallel)
+        dtensor = distribute_tensor(param.data, mesh, [layout.placement()], src_data_rank=None)
+        new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        new_param.tp_layout = layout
+        module._parameters[name] = new_param
+    if partial_grad:
+        _use_local_views(module, partial_grad)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
+                          loss_parallel: bool) -> None:
+    """Apply TP (+SP) to a HybridModel built on the meta device (annotations still attached)."""
+    mixers = []
+    for layer in model.modules():
+        kind = getattr(layer, "kind", None)
+        if kind is not None and hasattr(layer, f"{kind}_norm"):
+            mixers.append(getattr(layer, kind))
+    inside = {id(m) for mixer in mixers for m in mixer.modules()}
+    boundary = {id(model.tok_embeddings), id(model.output)}
+    for module in model.modules():
+        if id(module) not in boundary:
+            _distribute_params(module, tp_mesh, outside_regions=id(module) not in inside,
+                               sequence_parallel=sequence_parallel)
+    for mixer in mixers:
+        _make_region(mixer, tp_mesh, sequence_parallel)
+
+    sequence = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+        "output": ColwiseParallel(input_layouts=sequence,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
