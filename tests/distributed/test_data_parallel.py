@@ -78,3 +78,13 @@ def test_zero_stages_shard_what_they_promise():
     # ZeRO-3: everything split (within one row of padding per parameter).
     for key in ("params", "grads", "optimizer"):
         assert max(r[key] for r in zero3) < 0.55 * single[key]
+
+
+def test_moe_mtp_job_under_fsdp_matches_single_process(tmp_path):
+    # The load-balancing loss is per microbatch, so both runs keep microbatches of 8.
+    args = ("--training.steps", "3", "--training.local_batch_size", "8")
+    single = run_training(tmp_path, *args, "--training.global_batch_size", "16",
+                          config="hybrid_moe.toml").check()
+    fsdp = run_training(tmp_path, *args, nproc=2, config="hybrid_moe.toml").check()
+    assert len(single.losses) == 3
+    assert fsdp.losses == single.losses
