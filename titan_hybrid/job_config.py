@@ -25,6 +25,10 @@ class Parallelism:
     """Megatron-FSDP names: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
     optim_grads_params (ZeRO-3). With HSDP it applies to the shard dimension."""
 
+    disable_sequence_parallel: bool = False
+    """With tensor parallelism, norms and the residual stream are sharded along the sequence
+    between TP regions (all-gather on entry, reduce-scatter on exit) unless this is set."""
+
 
 @dataclass
 class JobConfig:

@@ -24,6 +24,13 @@ def annotate_tensor_parallel(
         param.partition_sizes = tuple(partition_sizes)
 
 
+def annotate_replicated_on_local_shards(param: nn.Parameter) -> None:
+    """A parameter that tensor parallelism replicates but applies to each rank's own shard of
+    the activations (e.g. one norm weight shared by all heads): each rank's gradient is only a
+    partial sum, and the TP plan must sum it over the group."""
+    param.tensor_parallel_partial_grad = True
+
+
 def init_linear(linear: nn.Linear, *, std: float) -> None:
     nn.init.trunc_normal_(linear.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
     if linear.bias is not None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from titan_hybrid.model.args import GDNArgs
 from titan_hybrid.model.common import (
+    annotate_replicated_on_local_shards,
     annotate_tensor_parallel,
     init_depthwise_conv,
     init_linear,
@@ -49,6 +50,7 @@ class GatedDeltaNet(nn.Module):
         annotate_tensor_parallel(self.conv1d.weight, partition_sizes=conv_sizes)
         annotate_tensor_parallel(self.A_log)
         annotate_tensor_parallel(self.dt_bias)
+        annotate_replicated_on_local_shards(self.norm.weight)
 
     def forward(self, x_BTD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         args = self.args

@@ -4,7 +4,9 @@ On CPU, a random init applied to a sharded DTensor draws every shard from the sa
 the weights would depend on the layout. The model's `init_weights` seeds each unit from its
 name and runs it inside `model.init_materializer(unit)`; this module's materializer swaps the
 unit's DTensor parameters for plain full-size tensors during that init and then copies each
-rank's own shard back. Memory stays bounded by the largest unit.
+rank's own shard back. Memory stays bounded by the largest unit. A fused tensor under tensor
+parallelism is initialised in its logical layout [W; V] and then interleaved into the
+per-rank layout its DTensor holds, so the logical weights do not depend on the TP degree.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_hybrid.parallel.tensor_parallel import interleave_for_tp
+
+
+def _tp_degree(tensor: DTensor) -> int:
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
 
 
 @contextlib.contextmanager
@@ -33,9 +42,13 @@ def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for module, name, sharded, full in swapped:
+                layout = getattr(module, "tp_layouts", {}).get(name)
+                value = full.detach()
+                if layout is not None:
+                    value = interleave_for_tp(value, layout, _tp_degree(sharded))
                 # Every rank holds the same full tensor, so each keeps its slice without
                 # communication (src_data_rank=None).
-                local = distribute_tensor(full.detach(), sharded.device_mesh, sharded.placements,
+                local = distribute_tensor(value, sharded.device_mesh, sharded.placements,
                                           src_data_rank=None).to_local()
                 sharded.to_local().copy_(local)
                 module._parameters[name] = sharded

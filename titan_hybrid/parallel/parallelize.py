@@ -12,7 +12,8 @@ from torchtitan.tools.logging import logger
 
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.validate import sharding_strategy, validate_layout
+from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+from titan_hybrid.parallel.validate import sequence_parallel, sharding_strategy, validate_layout
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -31,6 +32,15 @@ def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
                        job_config: JobConfig) -> nn.Module:
     validate_layout(job_config, model.model_args, parallel_dims.world_size)
+    if parallel_dims.tp_enabled:
+        # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.
+        plain_logits = not model.has_aux_loss and not len(model.mtp)
+        apply_tensor_parallel(
+            model, parallel_dims.get_mesh("tp"),
+            sequence_parallel=sequence_parallel(job_config),
+            loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
+        logger.info(f"Applied tensor parallel (sequence parallel: "
+                    f"{sequence_parallel(job_config)})")
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint,
                  base_folder=job_config.job.dump_folder)

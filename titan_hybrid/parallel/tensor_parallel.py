@@ -13,9 +13,15 @@ its input is replicated (or, with sequence parallelism, all-gathered from sequen
 entry, everything inside runs on local tensors (heads, channels, experts' hidden units), and
 its partial output is all-reduced (or reduce-scattered back to sequence shards) on exit. The
 model code stays single-device: hooks swap each parameter for its local view during forward.
-A replicated parameter whose use sees only this rank's share of the activations (norms on
-sequence shards, GDN's per-head output norm on local heads) takes a Partial gradient, so its
-gradient is summed over the TP group; the silent upstream bug is to treat it as replicated.
+
+Gradients of replicated parameters. Inside a region every path to the output passes through
+rank-local partial results, so a replicated parameter there (GDN's per-head output norm on
+local heads, the MoE router whose weights scale local expert outputs) gets only a partial
+gradient on each rank: it takes a Partial gradient, summed over the TP group. Outside the
+regions the same holds with sequence parallelism (norms see one sequence shard). Treating these
+as replicated is the silent upstream bug. A region's side outputs (the MoE load-balancing
+loss) are computed identically on every rank; their gradient is scaled by 1/TP so that the sum
+over ranks counts it once.
 """
 
 from __future__ import annotations
@@ -79,24 +85,27 @@ def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -
 
 
 # --------------------------------------------------------------------------- local views
-def _swap_to_local_views(module: nn.Module, args) -> None:
-    module._tp_saved_params = dict(module._parameters)
-    for name, param in module._tp_saved_params.items():
-        if isinstance(param, DTensor):
-            grad = [Partial()] if module._tp_partial_grad.get(name, False) else param.placements
-            module._parameters[name] = param.to_local(grad_placements=grad)
+def _use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
+    """During root's forward, the DTensor parameters of `owners` (root and/or its submodules,
+    which the model code may read directly, e.g. `self.conv1d.weight`) are their local views."""
 
+    def swap(module, args):
+        for owner in owners:
+            owner._tp_saved_params = dict(owner._parameters)
+            for name, param in owner._tp_saved_params.items():
+                if isinstance(param, DTensor):
+                    partial = owner.tp_partial_grad.get(name, False)
+                    grad = [Partial()] if partial else param.placements
+                    owner._parameters[name] = param.to_local(grad_placements=grad)
 
-def _restore_params(module: nn.Module, args, output):
-    module._parameters.update(module._tp_saved_params)
-    del module._tp_saved_params
-    return output
+    def restore(module, args, output):
+        for owner in owners:
+            owner._parameters.update(owner._tp_saved_params)
+            del owner._tp_saved_params
+        return output
 
-
-def _use_local_views(module: nn.Module, partial_grad: dict[str, bool]) -> None:
-    module._tp_partial_grad = partial_grad
-    module.register_forward_pre_hook(_swap_to_local_views)
-    module.register_forward_hook(_restore_params)
+    root.register_forward_pre_hook(swap)
+    root.register_forward_hook(restore)
 
 
 # --------------------------------------------------------------------------- regions
@@ -113,13 +122,25 @@ def _leave_region(y: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) ->
     return dy.redistribute(mesh, [Shard(1)] if sequence_parallel else [Replicate()]).to_local()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def _make_region(mixer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
     def enter(module, args):
         return (_enter_region(args[0], mesh, sequence_parallel), *args[1:])
 
     def leave(module, args, output):
-        if isinstance(output, tuple):  # MoE: (output, aux_loss)
-            return (_leave_region(output[0], mesh, sequence_parallel), *output[1:])
+        if isinstance(output, tuple):  # MoE: (output, aux_loss), see the module docstring
+            side = tuple(_ScaleGrad.apply(t, 1.0 / mesh.size()) for t in output[1:])
+            return (_leave_region(output[0], mesh, sequence_parallel), *side)
         return _leave_region(output, mesh, sequence_parallel)
 
     mixer.register_forward_pre_hook(enter)
@@ -128,7 +149,8 @@ def _make_region(mixer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) ->
 
 # --------------------------------------------------------------------------- entry point
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: bool,
-                       sequence_parallel: bool) -> None:
+                       sequence_parallel: bool) -> bool:
+    """Turn module's own parameters into TP DTensors; returns whether it has any."""
     partial_grad = {}
     for name, param in list(module._parameters.items()):
         if param is None:
@@ -137,13 +159,13 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: 
         # Outside the TP regions with sequence parallelism, every rank sees only its own
         # sequence shard, so replicated parameters there accumulate partial gradients too.
         partial_grad[name] = layout.partial_grad or (
-            layout.shard_dim is None and outside_regions and sequence_parallel)
+            layout.shard_dim is None and (not outside_regions or sequence_parallel))
         dtensor = distribute_tensor(param.data, mesh, [layout.placement()], src_data_rank=None)
-        new_param = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-        new_param.tp_layout = layout
-        module._parameters[name] = new_param
-    if partial_grad:
-        _use_local_views(module, partial_grad)
+        module._parameters[name] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        # Kept on the module: FSDP replaces the parameter objects later.
+        module.__dict__.setdefault("tp_layouts", {})[name] = layout
+    module.tp_partial_grad = partial_grad
+    return bool(partial_grad)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
@@ -157,10 +179,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     inside = {id(m) for mixer in mixers for m in mixer.modules()}
     boundary = {id(model.tok_embeddings), id(model.output)}
     for module in model.modules():
-        if id(module) not in boundary:
-            _distribute_params(module, tp_mesh, outside_regions=id(module) not in inside,
-                               sequence_parallel=sequence_parallel)
+        if id(module) in boundary or id(module) in inside:
+            continue
+        if _distribute_params(module, tp_mesh, outside_regions=True,
+                              sequence_parallel=sequence_parallel):
+            _use_local_views(module, [module])
     for mixer in mixers:
+        owners = [m for m in mixer.modules()
+                  if _distribute_params(m, tp_mesh, outside_regions=False,
+                                        sequence_parallel=sequence_parallel)]
+        _use_local_views(mixer, owners)
         _make_region(mixer, tp_mesh, sequence_parallel)
 
     sequence = Shard(1) if sequence_parallel else Replicate()

@@ -6,8 +6,7 @@ from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
 # Parallelisms whose implementation has not landed yet; asking for one fails fast.
-_NOT_YET = ("context_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree",
-            "tensor_parallel_degree")
+_NOT_YET = ("context_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree")
 
 
 def sharding_strategy(job_config) -> str:
@@ -15,10 +14,40 @@ def sharding_strategy(job_config) -> str:
                    "optim_grads_params")
 
 
+def sequence_parallel(job_config) -> bool:
+    return not getattr(job_config.parallelism, "disable_sequence_parallel", False)
+
+
 def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
     if value % degree:
         raise ValueError(f"{field}={value} is not divisible by parallelism.{degree_name}="
                          f"{degree}: each rank must hold whole {field.rsplit('.', 1)[-1]}")
+
+
+def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: int,
+                             sequence_parallel: bool) -> None:
+    symbols = model_args.symbols()
+    name = "tensor_parallel_degree"
+    checks = [("model.vocab_size", model_args.vocab_size)]
+    if "M" in symbols:
+        checks += [("mamba.nheads", model_args.mamba_n_heads),
+                   ("mamba.n_groups", model_args.mamba.n_groups)]
+    if "*" in symbols:
+        checks += [("attention.n_heads", model_args.attention.n_heads),
+                   ("attention.n_kv_heads", model_args.attention.n_kv_heads)]
+    if "G" in symbols:
+        checks += [("gdn.n_key_heads", model_args.gdn.n_key_heads),
+                   ("gdn.n_value_heads", model_args.gdn.n_value_heads)]
+    if "-" in symbols:
+        checks += [("mlp.hidden_dim", model_args.mlp.hidden_dim)]
+    if "E" in symbols:
+        checks += [("moe.hidden_dim", model_args.moe.hidden_dim)]
+        if model_args.moe.shared_expert_hidden_dim:
+            checks += [("moe.shared_expert_hidden_dim", model_args.moe.shared_expert_hidden_dim)]
+    if sequence_parallel:
+        checks += [("training.seq_len (sequence parallel)", seq_len)]
+    for field, value in checks:
+        _require_divisible(field, value, name, tp)
 
 
 def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
@@ -62,11 +91,15 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
             f"data_parallel_shard_degree={shard}: HSDP shards over the shard dimension, so use "
             "'optim_grads' or 'optim_grads_params' (or set data_parallel_shard_degree=1)")
 
+    if p.tensor_parallel_degree > 1:
+        validate_tensor_parallel(model_args, p.tensor_parallel_degree,
+                                 seq_len=job_config.training.seq_len,
+                                 sequence_parallel=sequence_parallel(job_config))
     for name in _NOT_YET:
         degree = getattr(p, name)
         if degree > 1:
             raise ValueError(f"parallelism.{name}={degree}: titan_hybrid does not support this "
-                             "parallelism yet; only data parallel (FSDP / HSDP / DDP / ZeRO-1) is "
-                             "available")
+                             "parallelism yet; data parallel (FSDP / HSDP / DDP / ZeRO-1) and "
+                             "tensor / sequence parallel are available")
     if job_config.compile.enable:
         raise ValueError("compile.enable=true is not supported for the hybrid model yet")

@@ -1,0 +1,90 @@
+"""Tensor (+sequence) parallelism against one device: logical weights, logits, every gradient,
+and the trainer's loss curve (gloo, real ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_training
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def run_worker(nproc: int, *args: str) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(WORKER), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def check_against_single_device(result: dict) -> None:
+    # Initial weights are layout-independent bit for bit (logical values, fused tensors
+    # de-interleaved); logits and gradients differ only by float32 reduction order.
+    assert max(result["weights"].values()) == 0.0
+    assert result["logits"] < 1e-5
+    worst = max(result["grads"], key=result["grads"].get)
+    assert result["grads"][worst] < 2e-5, (worst, result["grads"][worst])
+
+
+@pytest.mark.parametrize("flavor, sequence_parallel", [
+    ("debug", "1"), ("debug", "0"), ("debug_moe", "1"), ("debug_grouped", "1")])
+def test_tp2_matches_single_device(flavor, sequence_parallel):
+    result = run_worker(2, "--flavor", flavor, "--sequence-parallel", sequence_parallel)
+    check_against_single_device(result)
+    shapes = result["local_shapes"]
+    if flavor == "debug":
+        # Sharded by the parameter's own annotation, including the gated norm ("Norm" by name).
+        for name in ("layers.0.mamba.in_proj.weight", "layers.0.mamba.A_log",
+                     "layers.0.mamba.norm.weight", "layers.0.mamba.conv1d.weight",
+                     "layers.6.gdn.in_proj.weight", "layers.2.attention.wk.weight"):
+            local, full = shapes[name]
+            assert local[0] * 2 == full[0], name
+        for name in ("layers.0.mamba.out_proj.weight", "layers.2.attention.wo.weight"):
+            local, full = shapes[name]
+            assert local[1] * 2 == full[1], name
+        # Replicated: GDN's shared per-head norm and the residual-stream norms.
+        for name in ("layers.6.gdn.norm.weight", "layers.0.mamba_norm.weight", "norm.weight"):
+            local, full = shapes[name]
+            assert local == full, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", ["debug", "debug_moe"])
+def test_fsdp2_x_tp2_matches_single_device(flavor):
+    check_against_single_device(run_worker(4, "--flavor", flavor, "--dp", "2"))
+
+
+def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path):
+    args = ("--training.steps", "4")
+    single = run_training(tmp_path, *args).check()
+    tp = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
+                      nproc=2).check()
+    assert "Applied tensor parallel (sequence parallel: True)" in tp.output
+    for a, b in zip(single.losses, tp.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_loss_curve_fsdp2_x_tp2_matches_single_process(tmp_path):
+    args = ("--training.steps", "4", "--training.local_batch_size", "4")
+    single = run_training(tmp_path, *args, "--training.global_batch_size", "8").check()
+    mixed = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.data_parallel_shard_degree", "2", nproc=4).check()
+    for a, b in zip(single.losses, mixed.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_tp_divisibility_is_checked_before_any_process_group(tmp_path):
+    result = run_training(tmp_path, "--training.steps", "1", "--parallelism.tensor_parallel_degree",
+                          "2", "--hybrid.pattern", "G-", "--training.seq_len", "255", nproc=2)
+    assert result.returncode != 0
+    assert ("training.seq_len (sequence parallel)=255 is not divisible by "
+            "parallelism.tensor_parallel_degree=2") in result.output
+    assert "Building device mesh" not in result.output
