@@ -88,3 +88,13 @@ def test_tp_divisibility_is_checked_before_any_process_group(tmp_path):
     assert ("training.seq_len (sequence parallel)=255 is not divisible by "
             "parallelism.tensor_parallel_degree=2") in result.output
     assert "Building device mesh" not in result.output
+
+
+def test_trainer_moe_mtp_with_tp2_and_activation_checkpointing(tmp_path):
+    args = ("--training.steps", "3")
+    single = run_training(tmp_path, *args, config="hybrid_moe.toml").check()
+    tp = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
+                      "--activation_checkpoint.mode", "full", nproc=2,
+                      config="hybrid_moe.toml").check()
+    for a, b in zip(single.losses, tp.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)

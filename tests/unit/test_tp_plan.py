@@ -1,0 +1,118 @@
+"""The TP classifier reads parameter annotations first; fused layouts interleave per rank."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import titan_hybrid  # noqa: F401
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.parallel import tensor_parallel as tp_plan
+from titan_hybrid.parallel.tensor_parallel import (
+    TPLayout,
+    classify_parameter,
+    deinterleave_from_tp,
+    interleave_for_tp,
+)
+from titan_hybrid.parallel.validate import validate_tensor_parallel
+
+
+def layouts(pattern):
+    args = copy.deepcopy(hybrid_flavors["debug_moe"])
+    args.pattern = pattern
+    with torch.device("meta"):
+        model = HybridModel(args)
+    result = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            result[f"{module_name}.{name}"] = classify_parameter(module, name, param)
+    return args, result
+
+
+def test_mamba_parameters_are_sharded_by_their_own_annotations():
+    args, plan = layouts("M")
+    d_inner, heads = args.mamba_d_inner, args.mamba_n_heads
+    gn = args.mamba.n_groups * args.mamba.d_state
+    assert plan["layers.0.mamba.in_proj.weight"] == TPLayout(0, (d_inner, d_inner, gn, gn, heads))
+    assert plan["layers.0.mamba.conv1d.weight"] == TPLayout(0, (d_inner, gn, gn))
+    assert plan["layers.0.mamba.conv1d.bias"] == TPLayout(0, (d_inner, gn, gn))
+    for name in ("A_log", "D", "dt_bias"):
+        assert plan[f"layers.0.mamba.{name}"] == TPLayout(0)
+    # A norm by class name (GatedGroupRMSNorm), yet sharded: the annotation must win.
+    assert plan["layers.0.mamba.norm.weight"] == TPLayout(0)
+    assert plan["layers.0.mamba.out_proj.weight"] == TPLayout(1)
+    # The residual-stream norm in front of the mixer is replicated.
+    assert plan["layers.0.mamba_norm.weight"].shard_dim is None
+
+
+def test_attention_mlp_gdn_moe_layouts():
+    args, plan = layouts("*-GE")
+    for name in ("wq", "wk", "wv"):
+        assert plan[f"layers.0.attention.{name}.weight"] == TPLayout(0)
+    assert plan["layers.0.attention.wo.weight"] == TPLayout(1)
+    hidden = args.mlp.hidden_dim
+    assert plan["layers.1.mlp.fc1.weight"] == TPLayout(0, (hidden, hidden))
+    assert plan["layers.1.mlp.fc2.weight"] == TPLayout(1)
+    g = args.gdn
+    key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
+    assert plan["layers.2.gdn.in_proj.weight"] == TPLayout(
+        0, (key, key, value, value, g.n_value_heads, g.n_value_heads))
+    # GDN's output norm is shared by all heads: replicated, with a partial gradient per rank.
+    assert plan["layers.2.gdn.norm.weight"] == TPLayout(None, partial_grad=True)
+    assert plan["layers.3.moe.experts.fc1"] == TPLayout(1, (args.moe.hidden_dim,) * 2)
+    assert plan["layers.3.moe.experts.fc2"] == TPLayout(2)
+    assert plan["layers.3.moe.router.gate.weight"].shard_dim is None
+
+
+def test_registries_and_name_fallbacks_for_unannotated_modules(monkeypatch):
+    class VendorProjection(nn.Linear):
+        pass
+
+    class VendorLayerNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    plain = VendorProjection(4, 8)
+    assert classify_parameter(plain, "weight", plain.weight).shard_dim is None
+    monkeypatch.setattr(tp_plan, "COLUMN_PARALLEL_MODULES", {"VendorProjection"})
+    assert classify_parameter(plain, "weight", plain.weight) == TPLayout(0)
+    monkeypatch.setattr(tp_plan, "ROW_PARALLEL_MODULES", {"VendorProjection"})
+    monkeypatch.setattr(tp_plan, "COLUMN_PARALLEL_MODULES", set())
+    assert classify_parameter(plain, "weight", plain.weight) == TPLayout(1)
+    norm = VendorLayerNorm()
+    assert classify_parameter(norm, "weight", norm.weight) == TPLayout(None)
+    # A parameter annotation beats every class-name rule.
+    norm.weight.tensor_model_parallel, norm.weight.partition_dim = True, 0
+    assert classify_parameter(norm, "weight", norm.weight) == TPLayout(0)
+
+
+def test_interleave_puts_each_ranks_slice_of_every_component_together():
+    layout = TPLayout(0, (4, 4, 2))
+    full = torch.arange(10)  # components [0..3], [4..7], [8, 9]
+    assert interleave_for_tp(full, layout, 2).tolist() == [0, 1, 4, 5, 8, 2, 3, 6, 7, 9]
+    for tp in (1, 2):
+        assert torch.equal(deinterleave_from_tp(interleave_for_tp(full, layout, tp), layout, tp),
+                           full)
+    matrix = torch.randn(12, 3)
+    layout = TPLayout(0, (6, 6))
+    assert torch.equal(deinterleave_from_tp(interleave_for_tp(matrix, layout, 3), layout, 3),
+                       matrix)
+
+
+@pytest.mark.parametrize("field, change, message", [
+    ("mamba", {"n_groups": 1}, "mamba.n_groups=1 is not divisible"),
+    ("attention", {"n_kv_heads": 1, "n_heads": 4}, "attention.n_kv_heads=1 is not divisible"),
+    ("gdn", {"n_key_heads": 1, "n_value_heads": 2}, "gdn.n_key_heads=1 is not divisible"),
+    ("mlp", {"hidden_dim": 511}, "mlp.hidden_dim=511 is not divisible"),
+])
+def test_tp_divisibility_errors_name_the_field(field, change, message):
+    args = copy.deepcopy(hybrid_flavors["debug"])
+    for key, value in change.items():
+        setattr(getattr(args, field), key, value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        validate_tensor_parallel(args, 2, seq_len=256, sequence_parallel=True)
+    validate_tensor_parallel(copy.deepcopy(hybrid_flavors["debug"]), 2, seq_len=256,
+                             sequence_parallel=True)
