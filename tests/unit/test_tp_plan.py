@@ -116,3 +116,26 @@ def test_tp_divisibility_errors_name_the_field(field, change, message):
         validate_tensor_parallel(args, 2, seq_len=256, sequence_parallel=True)
     validate_tensor_parallel(copy.deepcopy(hybrid_flavors["debug"]), 2, seq_len=256,
                              sequence_parallel=True)
+
+
+def test_layout_validation_names_field_value_and_rule():
+    from titan_hybrid.parallel.validate import validate_layout
+    from torchtitan.config import ConfigManager
+
+    def job(*args):
+        return ConfigManager().parse_args(["--job.custom_config_module", "titan_hybrid.job_config",
+                                           *args])
+
+    moe = copy.deepcopy(hybrid_flavors["debug_moe"])
+    with pytest.raises(ValueError, match=r"moe.num_experts=8 is not divisible by "
+                                         r"parallelism.expert_parallel_degree=3"):
+        validate_layout(job("--parallelism.expert_parallel_degree", "3"), moe, 3)
+    with pytest.raises(ValueError, match="has no MoE"):
+        validate_layout(job("--parallelism.expert_parallel_degree", "2"),
+                        copy.deepcopy(hybrid_flavors["debug"]), 2)
+    with pytest.raises(ValueError, match=r"world size 4 != data_parallel_replicate_degree\(1\)"):
+        validate_layout(job("--parallelism.data_parallel_shard_degree", "3"), moe, 4)
+    with pytest.raises(ValueError, match="mamba.n_groups=2 is not divisible by "
+                                         "parallelism.tensor_parallel_degree=4"):
+        validate_layout(job("--parallelism.tensor_parallel_degree", "4"), moe, 4)
+    validate_layout(job("--parallelism.tensor_parallel_degree", "2"), moe, 4)

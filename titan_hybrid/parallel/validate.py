@@ -95,6 +95,12 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
         validate_tensor_parallel(model_args, p.tensor_parallel_degree,
                                  seq_len=job_config.training.seq_len,
                                  sequence_parallel=sequence_parallel(job_config))
+    if p.expert_parallel_degree > 1:
+        if "E" not in model_args.symbols():
+            raise ValueError(f"parallelism.expert_parallel_degree={p.expert_parallel_degree} but "
+                             f"the pattern '{model_args.pattern}' has no MoE ('E') layer")
+        _require_divisible("moe.num_experts", model_args.moe.num_experts,
+                           "expert_parallel_degree", p.expert_parallel_degree)
     for name in _NOT_YET:
         degree = getattr(p, name)
         if degree > 1:
