@@ -1,9 +1,12 @@
 """Loss curves of every data-parallel sharding strategy against one process (gloo, real ranks).
 
 One process takes the global batch of 16 as two microbatches of 8; two ranks take 8 each. The
-gradients are the same per-microbatch gradients summed in the same order (a + b for two
-terms), and every strategy updates each parameter with the same arithmetic, so the curves are
-equal BITWISE, not just to a tolerance.
+gradients are the same per-microbatch gradients summed in the same order (a + b for two terms).
+With full gradients on every rank (no_shard, optim) every update is the same arithmetic, so the
+curves are equal BITWISE. With sharded gradients (optim_grads, optim_grads_params) the gradient
+norm used for clipping is summed shard by shard, a different float32 order, so the curves agree
+to float32 rounding (measured: at most 7.4e-8 relative over 6 steps); the first step's loss,
+before any update, is still bitwise equal.
 """
 
 import pytest
@@ -24,8 +27,13 @@ def test_strategy_matches_single_process_bitwise(tmp_path, single_process_curve,
     result = run_training(tmp_path, *STEPS, "--parallelism.data_parallel_sharding_strategy",
                           strategy, nproc=2).check()
     assert f"Applied data parallel '{strategy}'" in result.output
-    assert len(single_process_curve) == 4
-    assert result.losses == single_process_curve
+    assert len(single_process_curve) == len(result.losses) == 4
+    if strategy in ("no_shard", "optim"):
+        assert result.losses == single_process_curve
+    else:
+        assert result.losses[0] == single_process_curve[0]
+        for a, b in zip(result.losses, single_process_curve):
+            assert a == pytest.approx(b, rel=1e-6)
 
 
 def test_pure_replication_degree_is_ddp(tmp_path, single_process_curve):
@@ -86,5 +94,7 @@ def test_moe_mtp_job_under_fsdp_matches_single_process(tmp_path):
     single = run_training(tmp_path, *args, "--training.global_batch_size", "16",
                           config="hybrid_moe.toml").check()
     fsdp = run_training(tmp_path, *args, nproc=2, config="hybrid_moe.toml").check()
-    assert len(single.losses) == 3
-    assert fsdp.losses == single.losses
+    assert len(single.losses) == len(fsdp.losses) == 3
+    assert fsdp.losses[0] == single.losses[0]
+    for a, b in zip(fsdp.losses, single.losses):
+        assert a == pytest.approx(b, rel=1e-6)
