@@ -51,6 +51,18 @@ class HybridOptimizersContainer(OptimizersContainer):
         self._validate_length(len(model_parts))
         self._post_init(all_params, optimizer_kwargs)
 
+    # Checkpoints hold fused parameters' states (Adam's moments) as logical components, like
+    # the parameters themselves, so they reload under any TP / FSDP layout.
+    def state_dict(self) -> dict[str, Any]:
+        from titan_hybrid.checkpoint.state import split_optimizer_state
+
+        return split_optimizer_state(super().state_dict(), self.model_parts)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from titan_hybrid.checkpoint.split import merge_state_dict
+
+        super().load_state_dict(merge_state_dict(state_dict))
+
 
 def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,
                             parallel_dims: ParallelDims, ft_manager=None) -> OptimizersContainer:

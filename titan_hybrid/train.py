@@ -25,13 +25,29 @@ def validate_job(config) -> None:
     validate_layout(config, model_args, int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def hybrid_trainer_class():
+    """torchtitan's Trainer whose checkpoints store fused tensors as logical components."""
+    from torchtitan.components.checkpoint import MODEL
+    from torchtitan.train import Trainer
+
+    from titan_hybrid.checkpoint.state import SplitModelWrapper
+
+    class HybridTrainer(Trainer):
+        def __init__(self, job_config):
+            super().__init__(job_config)
+            if job_config.model.name == "hybrid":
+                self.checkpointer.states[MODEL] = SplitModelWrapper(self.model_parts)
+
+    return HybridTrainer
+
+
 def main() -> None:
     import torchtitan.train as torchtitan_train
     from torchtitan.config import ConfigManager
 
     # torchtitan's main() parses the command line itself; check the parsed job first.
     validate_job(ConfigManager().parse_args(sys.argv[1:]))
-    torchtitan_train.main(torchtitan_train.Trainer)
+    torchtitan_train.main(hybrid_trainer_class())
     if cpu.accelerator_available():
         return
     # gloo's C++ teardown intermittently aborts at interpreter exit ("terminate called without

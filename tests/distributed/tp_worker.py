@@ -21,14 +21,18 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, deinterleave_from_tp
+from titan_hybrid.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    deinterleave_from_tp,
+    record_param_layouts,
+)
 
 
 def logical(model: torch.nn.Module, name: str, tensor: torch.Tensor, tp: int) -> torch.Tensor:
     """Full logical value of a (possibly sharded, possibly interleaved) parameter or grad."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     module_name, _, param_name = name.rpartition(".")
-    layout = getattr(model.get_submodule(module_name), "tp_layouts", {}).get(param_name)
+    layout = getattr(model.get_submodule(module_name), "param_layouts", {}).get(param_name)
     return full if layout is None else deinterleave_from_tp(full, layout, tp)
 
 
@@ -57,6 +61,7 @@ def main() -> None:
         dp_mesh = None
     with torch.device("meta"):
         model = HybridModel(args)
+    record_param_layouts(model)
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=bool(options.sequence_parallel),
                           loss_parallel=False)
     if dp_mesh is not None:

@@ -35,9 +35,11 @@ def test_mamba_parameters_are_sharded_by_their_own_annotations():
     args, plan = layouts("M")
     d_inner, heads = args.mamba_d_inner, args.mamba_n_heads
     gn = args.mamba.n_groups * args.mamba.d_state
-    assert plan["layers.0.mamba.in_proj.weight"] == TPLayout(0, (d_inner, d_inner, gn, gn, heads))
-    assert plan["layers.0.mamba.conv1d.weight"] == TPLayout(0, (d_inner, gn, gn))
-    assert plan["layers.0.mamba.conv1d.bias"] == TPLayout(0, (d_inner, gn, gn))
+    assert plan["layers.0.mamba.in_proj.weight"] == TPLayout(
+        0, (d_inner, d_inner, gn, gn, heads), partition_names=(".z", ".x", ".B", ".C", ".dt"))
+    conv = TPLayout(0, (d_inner, gn, gn), partition_names=(".x", ".B", ".C"))
+    assert plan["layers.0.mamba.conv1d.weight"] == conv
+    assert plan["layers.0.mamba.conv1d.bias"] == conv
     for name in ("A_log", "D", "dt_bias"):
         assert plan[f"layers.0.mamba.{name}"] == TPLayout(0)
     # A norm by class name (GatedGroupRMSNorm), yet sharded: the annotation must win.
@@ -53,15 +55,18 @@ def test_attention_mlp_gdn_moe_layouts():
         assert plan[f"layers.0.attention.{name}.weight"] == TPLayout(0)
     assert plan["layers.0.attention.wo.weight"] == TPLayout(1)
     hidden = args.mlp.hidden_dim
-    assert plan["layers.1.mlp.fc1.weight"] == TPLayout(0, (hidden, hidden))
+    assert plan["layers.1.mlp.fc1.weight"] == TPLayout(0, (hidden, hidden),
+                                                       partition_names=("_w", "_v"))
     assert plan["layers.1.mlp.fc2.weight"] == TPLayout(1)
     g = args.gdn
     key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
     assert plan["layers.2.gdn.in_proj.weight"] == TPLayout(
-        0, (key, key, value, value, g.n_value_heads, g.n_value_heads))
+        0, (key, key, value, value, g.n_value_heads, g.n_value_heads),
+        partition_names=(".query", ".key", ".value", ".z", ".beta", ".alpha"))
     # GDN's output norm is shared by all heads: replicated, with a partial gradient per rank.
     assert plan["layers.2.gdn.norm.weight"] == TPLayout(None, partial_grad=True)
-    assert plan["layers.3.moe.experts.fc1"] == TPLayout(1, (args.moe.hidden_dim,) * 2)
+    assert plan["layers.3.moe.experts.fc1"] == TPLayout(1, (args.moe.hidden_dim,) * 2,
+                                                        partition_names=("_w", "_v"))
     assert plan["layers.3.moe.experts.fc2"] == TPLayout(2)
     assert plan["layers.3.moe.router.gate.weight"].shard_dim is None
 

@@ -9,19 +9,21 @@ from torch import nn
 
 
 def annotate_tensor_parallel(
-    param: nn.Parameter, *, partition_dim: int = 0, partition_sizes: tuple[int, ...] | None = None
+    param: nn.Parameter, *, partition_dim: int = 0, components: dict[str, int] | None = None
 ) -> None:
     """Record on the PARAMETER how tensor parallelism splits it (Megatron's attribute names).
 
-    `partition_sizes` lists the components of a fused tensor along `partition_dim`: each TP rank
-    holds its own slice of every component, so the plan must split each component separately.
-    The TP plan reads these attributes before any name-based rule.
+    `components` lists the parts of a fused tensor along `partition_dim`, by checkpoint-key
+    suffix and size (e.g. {"_w": H, "_v": H}): each TP rank holds its own slice of every part,
+    so the plan splits each part separately (`partition_sizes`), and checkpoints store each
+    part under its own key (`partition_names`). The TP plan reads these attributes first.
     """
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
-    if partition_sizes is not None:
-        assert sum(partition_sizes) == param.shape[partition_dim], (partition_sizes, param.shape)
-        param.partition_sizes = tuple(partition_sizes)
+    if components is not None:
+        assert sum(components.values()) == param.shape[partition_dim], (components, param.shape)
+        param.partition_sizes = tuple(components.values())
+        param.partition_names = tuple(components)
 
 
 def annotate_replicated_on_local_shards(param: nn.Parameter) -> None:

@@ -33,21 +33,22 @@ class GatedDeltaNet(nn.Module):
         self.args = args
         key_dim = args.n_key_heads * args.key_head_dim
         value_dim = args.n_value_heads * args.value_head_dim
-        in_sizes = (key_dim, key_dim, value_dim, value_dim, args.n_value_heads,
-                    args.n_value_heads)
-        conv_sizes = (key_dim, key_dim, value_dim)
+        in_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim, ".z": value_dim,
+                    ".beta": args.n_value_heads, ".alpha": args.n_value_heads}
+        conv_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim}
+        in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
 
-        self.in_proj = nn.Linear(dim, sum(in_sizes), bias=False)
-        self.conv1d = nn.Conv1d(sum(conv_sizes), sum(conv_sizes), args.conv_width,
-                                groups=sum(conv_sizes), bias=False)
+        self.in_proj = nn.Linear(dim, in_size, bias=False)
+        self.conv1d = nn.Conv1d(conv_size, conv_size, args.conv_width, groups=conv_size,
+                                bias=False)
         self.A_log = nn.Parameter(torch.empty(args.n_value_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(args.n_value_heads))
         self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
 
-        annotate_tensor_parallel(self.in_proj.weight, partition_sizes=in_sizes)
+        annotate_tensor_parallel(self.in_proj.weight, components=in_parts)
         annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
-        annotate_tensor_parallel(self.conv1d.weight, partition_sizes=conv_sizes)
+        annotate_tensor_parallel(self.conv1d.weight, components=conv_parts)
         annotate_tensor_parallel(self.A_log)
         annotate_tensor_parallel(self.dt_bias)
         annotate_replicated_on_local_shards(self.norm.weight)

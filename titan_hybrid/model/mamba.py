@@ -31,12 +31,14 @@ class Mamba2Mixer(nn.Module):
         self.d_inner = args.expand * dim
         self.n_heads = self.d_inner // args.head_dim
         group_state = args.n_groups * args.d_state
-        in_sizes = (self.d_inner, self.d_inner, group_state, group_state, self.n_heads)
-        conv_sizes = (self.d_inner, group_state, group_state)
+        in_parts = {".z": self.d_inner, ".x": self.d_inner, ".B": group_state,
+                    ".C": group_state, ".dt": self.n_heads}
+        conv_parts = {".x": self.d_inner, ".B": group_state, ".C": group_state}
+        in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
 
-        self.in_proj = nn.Linear(dim, sum(in_sizes), bias=False)
-        self.conv1d = nn.Conv1d(sum(conv_sizes), sum(conv_sizes), args.conv_width,
-                                groups=sum(conv_sizes), bias=True)
+        self.in_proj = nn.Linear(dim, in_size, bias=False)
+        self.conv1d = nn.Conv1d(conv_size, conv_size, args.conv_width, groups=conv_size,
+                                bias=True)
         self.A_log = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
@@ -46,10 +48,10 @@ class Mamba2Mixer(nn.Module):
 
         # Every per-channel / per-head tensor is split with the heads under TP, including the
         # norm weight (a norm by name, but sharded).
-        annotate_tensor_parallel(self.in_proj.weight, partition_sizes=in_sizes)
+        annotate_tensor_parallel(self.in_proj.weight, components=in_parts)
         annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
-        annotate_tensor_parallel(self.conv1d.weight, partition_sizes=conv_sizes)
-        annotate_tensor_parallel(self.conv1d.bias, partition_sizes=conv_sizes)
+        annotate_tensor_parallel(self.conv1d.weight, components=conv_parts)
+        annotate_tensor_parallel(self.conv1d.bias, components=conv_parts)
         for param in (self.A_log, self.D, self.dt_bias, self.norm.weight):
             annotate_tensor_parallel(param)
 

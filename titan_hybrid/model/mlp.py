@@ -16,7 +16,7 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
         # Column parallel, each rank holding [W_local ; V_local]; the plan splits both parts.
         annotate_tensor_parallel(self.fc1.weight, partition_dim=0,
-                                 partition_sizes=(hidden_dim, hidden_dim))
+                                 components={"_w": hidden_dim, "_v": hidden_dim})
         annotate_tensor_parallel(self.fc2.weight, partition_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

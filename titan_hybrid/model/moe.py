@@ -47,7 +47,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.fc1 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.fc2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        annotate_tensor_parallel(self.fc1, partition_dim=1, partition_sizes=(hidden_dim, hidden_dim))
+        annotate_tensor_parallel(self.fc1, partition_dim=1,
+                                 components={"_w": hidden_dim, "_v": hidden_dim})
         annotate_tensor_parallel(self.fc2, partition_dim=2)
 
     def forward(self, x_sorted_ND: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:

@@ -42,7 +42,7 @@ def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for module, name, sharded, full in swapped:
-                layout = getattr(module, "tp_layouts", {}).get(name)
+                layout = getattr(module, "param_layouts", {}).get(name)
                 value = full.detach()
                 if layout is not None:
                     value = interleave_for_tp(value, layout, _tp_degree(sharded))

@@ -12,7 +12,7 @@ from torchtitan.tools.logging import logger
 
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, record_param_layouts
 from titan_hybrid.parallel.validate import sequence_parallel, sharding_strategy, validate_layout
 
 
@@ -32,6 +32,7 @@ def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
                        job_config: JobConfig) -> nn.Module:
     validate_layout(job_config, model.model_args, parallel_dims.world_size)
+    record_param_layouts(model)
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.
         plain_logits = not model.has_aux_loss and not len(model.mtp)

@@ -45,6 +45,7 @@ class TPLayout:
     shard_dim: int | None  # None: replicated
     partition_sizes: tuple[int, ...] | None = None
     partial_grad: bool = False  # replicated, but each rank's gradient is a partial sum
+    partition_names: tuple[str, ...] | None = None  # checkpoint-key suffix of each part
 
     def placement(self) -> Placement:
         return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
@@ -52,7 +53,8 @@ class TPLayout:
 
 def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> TPLayout:
     if getattr(param, "tensor_model_parallel", False):
-        return TPLayout(param.partition_dim, getattr(param, "partition_sizes", None))
+        return TPLayout(param.partition_dim, getattr(param, "partition_sizes", None),
+                        partition_names=getattr(param, "partition_names", None))
     partial = bool(getattr(param, "tensor_parallel_partial_grad", False))
     class_name = type(module).__name__
     if name == "weight" and class_name in COLUMN_PARALLEL_MODULES:
@@ -82,6 +84,17 @@ def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -
     n = len(local_sizes)
     return torch.cat([torch.cat(blocks[c::n], dim=layout.shard_dim) for c in range(n)],
                      dim=layout.shard_dim)
+
+
+def record_param_layouts(model: nn.Module) -> None:
+    """Classify every parameter while its annotations still exist (on the meta model: to_empty
+    and fully_shard replace parameter objects) and keep the result on its module, where the
+    TP plan, the layout-independent init and the checkpoint split read it."""
+    for module in model.modules():
+        layouts = {name: classify_parameter(module, name, param)
+                   for name, param in module._parameters.items() if param is not None}
+        if layouts:
+            module.__dict__["param_layouts"] = layouts
 
 
 # --------------------------------------------------------------------------- local views
@@ -155,22 +168,20 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: 
     for name, param in list(module._parameters.items()):
         if param is None:
             continue
-        layout = classify_parameter(module, name, param)
+        layout = module.param_layouts[name]
         # Outside the TP regions with sequence parallelism, every rank sees only its own
         # sequence shard, so replicated parameters there accumulate partial gradients too.
         partial_grad[name] = layout.partial_grad or (
             layout.shard_dim is None and (not outside_regions or sequence_parallel))
         dtensor = distribute_tensor(param.data, mesh, [layout.placement()], src_data_rank=None)
         module._parameters[name] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-        # Kept on the module: FSDP replaces the parameter objects later.
-        module.__dict__.setdefault("tp_layouts", {})[name] = layout
     module.tp_partial_grad = partial_grad
     return bool(partial_grad)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                           loss_parallel: bool) -> None:
-    """Apply TP (+SP) to a HybridModel built on the meta device (annotations still attached)."""
+    """Apply TP (+SP) to a HybridModel built on the meta device, after record_param_layouts."""
     mixers = []
     for layer in model.modules():
         kind = getattr(layer, "kind", None)

@@ -1,0 +1,160 @@
+"""Fused tensors checkpointed as their logical components, in global coordinates.
+
+Under tensor parallelism a fused tensor's global (DTensor) view is the per-rank concatenation
+[W_0; V_0; W_1; V_1]; saving that would tie the checkpoint to the TP size. Instead every fused
+parameter (and each optimizer state of it) is saved as one DCP entry per component, e.g.
+`layers.1.mlp.fc1.weight_w` / `_v`, `layers.0.mamba.in_proj.weight.z` / `.x` / `.B` / `.C` /
+`.dt`, each in the component's own global coordinates, whatever the TP / FSDP layout.
+
+No rank gathers anything: each rank describes the pieces of its local tensor as chunks of the
+components (offsets computed from the parameter's GLOBAL shape and this rank's global offsets,
+never from the local tensor's size), and DCP writes or reads exactly those chunks. The chunks
+are views of the local tensor, so a load lands in place. Optimizer states that arrive as plain
+local tensors instead of DTensors are placed with their parameter's layout (an upstream crash).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from titan_hybrid.parallel.tensor_parallel import TPLayout
+
+
+class ComponentChunks(torch.Tensor):
+    """DCP-checkpointable pieces of one global tensor that this rank holds (the `_Checkpointable`
+    protocol that DTensor implements; DCP wants a Tensor, so this is a data-less wrapper
+    subclass). `source` is the fused value (DTensor or tensor) whose local tensor the pieces
+    (offsets in the component's global coordinates, views) come from."""
+
+    chunks: list[tuple[torch.Size, torch.Tensor]]
+    source: torch.Tensor
+    fused_key: str  # the state-dict key of `source`
+
+    @staticmethod
+    def __new__(cls, global_shape: torch.Size, chunks, source: torch.Tensor, fused_key: str = ""):
+        local = source.to_local() if isinstance(source, DTensor) else source
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local.dtype,
+                                                      device=local.device)
+        wrapper.chunks, wrapper.source, wrapper.fused_key = chunks, source, fused_key
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(f"{func} on checkpoint components: they only carry pieces")
+
+    def __repr__(self) -> str:
+        return f"ComponentChunks(shape={tuple(self.shape)}, chunks={len(self.chunks)})"
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.shape),
+                    properties=TensorProperties.create_from_tensor(view),
+                    size=self.shape,
+                ),
+            )
+            for offsets, view in self.chunks
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, view in self.chunks:
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"no chunk at offset {index.offset} for {index.fqn}")
+
+
+def local_placement(value: torch.Tensor, reference: torch.Tensor | None):
+    """(local tensor, global shape, this rank's global offsets) of a parameter-shaped value.
+
+    A DTensor knows its own placement. A plain tensor is either the whole global tensor (single
+    process) or, when its parameter is a DTensor, this rank's shard of it: its place comes from
+    the PARAMETER's global shape and placements, not from its own size.
+    """
+    if isinstance(value, DTensor):
+        reference, value = value, value.to_local()
+    if isinstance(reference, DTensor):
+        sizes, offsets = compute_local_shape_and_global_offset(
+            reference.shape, reference.device_mesh, reference.placements)
+        if tuple(sizes) != tuple(value.shape):
+            raise ValueError(f"local tensor of shape {tuple(value.shape)} does not match its "
+                             f"parameter's shard {tuple(sizes)} of {tuple(reference.shape)}")
+        return value, torch.Size(reference.shape), torch.Size(offsets)
+    return value, value.shape, torch.Size([0] * value.dim())
+
+
+def tp_degree(tensor: torch.Tensor | None) -> int:
+    if not isinstance(tensor, DTensor):
+        return 1
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def split_components(key: str, value: torch.Tensor, layout: TPLayout,
+                     reference: torch.Tensor | None) -> dict[str, ComponentChunks]:
+    """Component entries (key + suffix -> chunks) for a fused parameter-shaped value."""
+    local, global_shape, offsets = local_placement(value, reference)
+    tp = tp_degree(reference if reference is not None else value)
+    dim = layout.shard_dim
+    local_sizes = [size // tp for size in layout.partition_sizes]
+    block = sum(local_sizes)
+    start, length = offsets[dim], local.shape[dim]
+    entries = {}
+    for index, (name, size) in enumerate(zip(layout.partition_names, layout.partition_sizes)):
+        chunks = []
+        for rank in range(tp):
+            # Component `index` of TP rank `rank` sits here in the interleaved global view.
+            lo = rank * block + sum(local_sizes[:index])
+            hi = lo + local_sizes[index]
+            overlap_lo, overlap_hi = max(lo, start), min(hi, start + length)
+            if overlap_lo >= overlap_hi:
+                continue
+            view = local.narrow(dim, overlap_lo - start, overlap_hi - overlap_lo)
+            component_offsets = list(offsets)
+            component_offsets[dim] = rank * local_sizes[index] + overlap_lo - lo
+            chunks.append((torch.Size(component_offsets), view))
+        shape = list(global_shape)
+        shape[dim] = size
+        entries[key + name] = ComponentChunks(torch.Size(shape), chunks, value)
+    return entries
+
+
+def split_state_dict(state_dict: dict, fused: dict[str, tuple[TPLayout, torch.Tensor]],
+                     key_of=lambda key: ("", key, "")) -> dict:
+    """Replace every fused entry by its components. `key_of(key)` -> (head, parameter fqn,
+    tail), e.g. ("state.", "layers.1.mlp.fc1.weight", ".exp_avg") for an optimizer state; a
+    component's key is head + fqn + component suffix + tail."""
+    out = {}
+    for key, value in state_dict.items():
+        head, fqn, tail = key_of(key)
+        if fqn in fused and isinstance(value, torch.Tensor) and value.dim() > 0:
+            layout, param = fused[fqn]
+            for name, chunks in split_components(fqn, value, layout, param).items():
+                chunks.fused_key = key
+                out[head + name + tail] = chunks
+        else:
+            out[key] = value
+    return out
+
+
+def merge_state_dict(state_dict: dict) -> dict:
+    """Undo split_state_dict after an in-place load: each group of components becomes its
+    fused value again (the pieces were views of it, so it holds the loaded data)."""
+    return {(value.fused_key if isinstance(value, ComponentChunks) else key):
+            (value.source if isinstance(value, ComponentChunks) else value)
+            for key, value in state_dict.items()}
