@@ -63,11 +63,11 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
         (("--training.dataset", "c4_test", "--training.dataset_path", "/no/such/dir"),
          "training.dataset_path '/no/such/dir' does not exist"),
         (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
-        (("--parallelism.tensor_parallel_degree", "2"), "tensor_parallel_degree=2"),
+        (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2"),
     ],
 )
 def test_bad_input_fails_before_training_with_a_clear_message(tmp_path, args, message):
-    nproc = 2 if "--parallelism.tensor_parallel_degree" in args else 1
+    nproc = 2 if "--parallelism.pipeline_parallel_degree" in args else 1
     result = run_training(tmp_path, *args, nproc=nproc)
     assert result.returncode != 0
     assert message in result.output
