@@ -1,0 +1,72 @@
+"""Checkpoints move between layouts: save under one, resume under another (gloo, real ranks).
+
+Fused tensors are stored as logical components, so the saved weights do not depend on the
+layout; the resumed losses equal the uninterrupted single-process run (bitwise at the first
+resumed step, whose loss depends only on the restored weights and data position; later steps
+to float32 rounding of the new layout's reductions).
+"""
+
+import shutil
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from tests.launch import run_training
+
+STEPS = ("--training.local_batch_size", "4", "--training.global_batch_size", "8")
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
+LAYOUTS = {
+    "1": ((), 1),
+    "tp2": (("--parallelism.tensor_parallel_degree", "2"), 2),
+    "fsdp2": ((), 2),
+    "no_shard2": (("--parallelism.data_parallel_sharding_strategy", "no_shard"), 2),
+    "fsdp2_tp2": (("--parallelism.tensor_parallel_degree", "2"), 4),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    return run_training(tmp, "--training.steps", "4", *STEPS).check().losses
+
+
+def save_then_resume(tmp_path, saved_under: str, resumed_under: str):
+    save_args, save_nproc = LAYOUTS[saved_under]
+    load_args, load_nproc = LAYOUTS[resumed_under]
+    # The same 4-step job (the LR schedule depends on it), interrupted after step 2: its
+    # step-4 checkpoint is removed so the resumed job starts from step 2.
+    run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *save_args,
+                 nproc=save_nproc).check()
+    shutil.rmtree(tmp_path / "outputs" / "ck" / "step-4")
+    metadata = dcp.FileSystemReader(str(tmp_path / "outputs" / "ck" / "step-2")).read_metadata()
+    resumed = run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *load_args,
+                           nproc=load_nproc).check()
+    assert "Training starts at step 3" in resumed.output
+    return metadata, resumed.losses
+
+
+def check_resumed(losses, uninterrupted):
+    assert len(losses) == 2
+    assert losses[0] == uninterrupted[2]
+    assert losses[1] == pytest.approx(uninterrupted[3], rel=1e-5)
+
+
+@pytest.mark.parametrize("saved_under, resumed_under", [
+    ("1", "tp2"), ("tp2", "1"), ("fsdp2", "1"), ("no_shard2", "fsdp2")])
+def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resumed_under):
+    metadata, losses = save_then_resume(tmp_path, saved_under, resumed_under)
+    keys = metadata.state_dict_metadata
+    # Components in global coordinates, never the (layout-dependent) fused tensor.
+    assert "layers.0.mamba.in_proj.weight" not in keys
+    z = keys["layers.0.mamba.in_proj.weight.z"]
+    assert tuple(z.size) == (512, 256)  # d_inner x dim, whatever the TP degree
+    assert "layers.1.mlp.fc1.weight_w" in keys and "layers.6.gdn.in_proj.weight.beta" in keys
+    assert "optimizer.state.layers.1.mlp.fc1.weight_v.exp_avg" in keys
+    check_resumed(losses, uninterrupted)
+
+
+@pytest.mark.slow
+def test_four_process_fsdp_x_tp_checkpoint_loads_in_one_process(tmp_path, uninterrupted):
+    _, losses = save_then_resume(tmp_path, "fsdp2_tp2", "1")
+    check_resumed(losses, uninterrupted)
