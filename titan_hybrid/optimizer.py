@@ -56,12 +56,14 @@ class HybridOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         from titan_hybrid.checkpoint.state import split_optimizer_state
 
-        return split_optimizer_state(super().state_dict(), self.model_parts)
+        state, self._originals = split_optimizer_state(super().state_dict(), self.model_parts)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from titan_hybrid.checkpoint.split import merge_state_dict
+        from titan_hybrid.checkpoint.state import physical_keys
 
-        super().load_state_dict(merge_state_dict(state_dict))
+        super().load_state_dict(merge_state_dict(physical_keys(state_dict, self._originals)))
 
 
 def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,

@@ -30,13 +30,25 @@ def hybrid_trainer_class():
     from torchtitan.components.checkpoint import MODEL
     from torchtitan.train import Trainer
 
-    from titan_hybrid.checkpoint.state import SplitModelWrapper
+    from titan_hybrid.checkpoint.state import SplitModelWrapper, check_against_checkpoint
+
+    def checked_dcp_load(dcp_load):
+        def load(state_dict, checkpoint_id, from_hf, from_quantized):
+            if not from_hf:
+                import torch.distributed.checkpoint as dcp
+
+                metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+                state_dict = check_against_checkpoint(state_dict, metadata, checkpoint_id)
+            return dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+        return load
 
     class HybridTrainer(Trainer):
         def __init__(self, job_config):
             super().__init__(job_config)
             if job_config.model.name == "hybrid":
                 self.checkpointer.states[MODEL] = SplitModelWrapper(self.model_parts)
+                self.checkpointer.dcp_load = checked_dcp_load(self.checkpointer.dcp_load)
 
     return HybridTrainer
 

@@ -1,13 +1,28 @@
-"""The model and optimizer state that torchtitan's CheckpointManager saves, with every fused
-tensor split into its logical components (see split.py), so checkpoints move between layouts."""
+"""The model and optimizer state that torchtitan's CheckpointManager saves and loads.
+
+Two transforms make checkpoints independent of the layout and of grouping:
+- every fused tensor is split into its logical components (split.py);
+- keys are LOGICAL: a bracket group's sub-layers take the group's index
+  (`[*-]` -> `layers.0.attention.*` and `layers.0.mlp.*`), so a grouped pattern and the plain
+  transformer-layer layout it mirrors share keys. The final norm also loads from
+  `final_layernorm.weight`.
+Before a load, the checkpoint's keys and shapes are checked against the model so that a
+mismatch fails with the keys named, before training starts.
+"""
 
 from __future__ import annotations
+
+import re
 
 from torch import nn
 from torchtitan.components.checkpoint import ModelWrapper
 
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
 from titan_hybrid.parallel.tensor_parallel import TPLayout
+
+NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
+_GROUPED_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\.layers\.\d+\.")
+FINAL_NORM_ALIASES = {"norm.weight": "final_layernorm.weight"}
 
 
 def fused_parameters(model_parts: list[nn.Module]) -> dict[str, tuple[TPLayout, object]]:
@@ -31,15 +46,90 @@ def optimizer_key(key: str) -> tuple[str, str, str]:
     return "", key, ""
 
 
+def logical_keys(state_dict: dict) -> tuple[dict, dict[str, str]]:
+    """Rename grouped sub-layer keys to the group's logical index. Returns the renamed dict and
+    {logical key: original key}. Sub-layers of one kind twice in a group keep their keys."""
+    renamed = {key: _GROUPED_KEY.sub(r"\1layers.\2.", key) for key in state_dict}
+    counts: dict[str, int] = {}
+    for new in renamed.values():
+        counts[new] = counts.get(new, 0) + 1
+    out, originals = {}, {}
+    for key, value in state_dict.items():
+        new = renamed[key] if counts[renamed[key]] == 1 else key
+        out[new] = value
+        if new != key:
+            originals[new] = key
+    return out, originals
+
+
+def physical_keys(state_dict: dict, originals: dict[str, str]) -> dict:
+    return {originals.get(key, key): value for key, value in state_dict.items()}
+
+
 class SplitModelWrapper(ModelWrapper):
-    """torchtitan's ModelWrapper with fused tensors saved as components."""
+    """torchtitan's ModelWrapper with fused tensors as components and logical keys."""
 
     def _get_state_dict(self):
-        return split_state_dict(super()._get_state_dict(), fused_parameters(self.model))
+        split = split_state_dict(super()._get_state_dict(), fused_parameters(self.model))
+        split, self._originals = logical_keys(split)
+        return split
 
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(merge_state_dict(state_dict))
+        state_dict = dict(state_dict)
+        for key, alias in FINAL_NORM_ALIASES.items():
+            if alias in state_dict and key not in state_dict:
+                state_dict[key] = state_dict.pop(alias)
+        super().load_state_dict(merge_state_dict(physical_keys(state_dict, self._originals)))
 
 
-def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> dict:
-    return split_state_dict(state_dict, fused_parameters(model_parts), key_of=optimizer_key)
+def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> tuple[dict, dict]:
+    split = split_state_dict(state_dict, fused_parameters(model_parts), key_of=optimizer_key)
+    return logical_keys(split)
+
+
+def flattened_tensors(state_dict: dict) -> dict:
+    """The tensor entries as DCP will key them: Stateful values are expanded under their name."""
+    flat = {}
+    for key, value in state_dict.items():
+        if hasattr(value, "state_dict") and not hasattr(value, "dim"):
+            for inner_key, inner in value.state_dict().items():
+                flat[f"{key}.{inner_key}"] = inner
+        else:
+            flat[key] = value
+    return flat
+
+
+def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str) -> dict:
+    """Raise ValueError naming every key the checkpoint lacks or holds with another shape.
+    Returns the state dict with the final norm renamed if the checkpoint uses the alias."""
+    stored = metadata.state_dict_metadata
+    state_dict = dict(state_dict)
+    for key, alias in FINAL_NORM_ALIASES.items():
+        if key in state_dict and key not in stored and alias in stored:
+            state_dict[alias] = state_dict.pop(key)
+    missing, mismatched = [], []
+    requested = flattened_tensors(state_dict)
+    for key, value in requested.items():
+        shape = getattr(value, "shape", None)
+        if shape is None or not hasattr(value, "dim"):
+            continue  # non-tensor states (dataloader, train_state, ...) are flattened by DCP
+        if key not in stored:
+            missing.append(key)
+        elif hasattr(stored[key], "size") and tuple(stored[key].size) != tuple(shape):
+            mismatched.append(f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(shape)}")
+    unexpected = [key for key in stored
+                  if not key.startswith(NON_MODEL_PREFIXES) and key not in requested]
+    if missing or mismatched or unexpected:
+        def listing(keys):
+            return ", ".join(sorted(keys)[:12]) + (" ..." if len(keys) > 12 else "")
+
+        lines = [f"checkpoint '{checkpoint_id}' does not match the model:"]
+        if missing:
+            lines.append(f"  {len(missing)} key(s) missing from the checkpoint: {listing(missing)}")
+        if unexpected:
+            lines.append(f"  {len(unexpected)} checkpoint key(s) the model does not have: "
+                         f"{listing(unexpected)}")
+        if mismatched:
+            lines.append(f"  {len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:12]))
+        raise ValueError("\n".join(lines))
+    return state_dict
