@@ -18,6 +18,12 @@ class Hybrid:
     loss_curve_file: str = ""
     """If set, append each logged step's exact loss as a JSON line to this file."""
 
+    load_layers_by_order: bool = False
+    """Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
+    loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init. For
+    a plain transformer checkpoint into a grouped or hybrid pattern (use with
+    --checkpoint.initial_load_path)."""
+
 
 @dataclass
 class Parallelism:

@@ -30,15 +30,27 @@ def hybrid_trainer_class():
     from torchtitan.components.checkpoint import MODEL
     from torchtitan.train import Trainer
 
-    from titan_hybrid.checkpoint.state import SplitModelWrapper, check_against_checkpoint
+    from titan_hybrid.checkpoint.state import (
+        SplitModelWrapper,
+        check_against_checkpoint,
+        map_layers_by_order,
+    )
 
-    def checked_dcp_load(dcp_load):
+    def checked_dcp_load(dcp_load, model_wrapper, by_order: bool):
         def load(state_dict, checkpoint_id, from_hf, from_quantized):
             if not from_hf:
                 import torch.distributed.checkpoint as dcp
+                from torchtitan.tools.logging import logger
 
                 metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
-                state_dict = check_against_checkpoint(state_dict, metadata, checkpoint_id)
+                if by_order:
+                    state_dict, renames, fresh = map_layers_by_order(
+                        state_dict, metadata.state_dict_metadata)
+                    model_wrapper.pending_renames = renames
+                    if fresh:
+                        logger.info(f"Layers by order: {fresh} layers keep their fresh init")
+                state_dict = check_against_checkpoint(state_dict, metadata, checkpoint_id,
+                                                      allow_unexpected=by_order)
             return dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
         return load
@@ -47,8 +59,12 @@ def hybrid_trainer_class():
         def __init__(self, job_config):
             super().__init__(job_config)
             if job_config.model.name == "hybrid":
-                self.checkpointer.states[MODEL] = SplitModelWrapper(self.model_parts)
-                self.checkpointer.dcp_load = checked_dcp_load(self.checkpointer.dcp_load)
+                wrapper = SplitModelWrapper(self.model_parts)
+                self.checkpointer.states[MODEL] = wrapper
+                by_order = getattr(getattr(job_config, "hybrid", None), "load_layers_by_order",
+                                   False)
+                self.checkpointer.dcp_load = checked_dcp_load(self.checkpointer.dcp_load,
+                                                              wrapper, by_order)
 
     return HybridTrainer
 

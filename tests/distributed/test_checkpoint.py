@@ -111,3 +111,27 @@ def test_unfinished_save_is_not_taken_as_the_latest(tmp_path):
     resumed = run_training(tmp_path, "--training.steps", "6", *STEPS, *CHECKPOINT).check()
     assert "Training starts at step 5" in resumed.output
     assert len(resumed.losses) == 2
+
+
+def test_transformer_checkpoint_loads_into_grouped_and_hybrid_patterns_by_order(tmp_path):
+    flat, grouped = ("--hybrid.pattern", "*-*-"), ("--hybrid.pattern", "[*-][*-]")
+    run_training(tmp_path / "flat", "--training.steps", "2", *STEPS, *CHECKPOINT, *flat).check()
+    source = str(tmp_path / "flat" / "outputs" / "ck" / "step-2")
+    initial = ("--checkpoint.enable", "--checkpoint.initial_load_path", source,
+               "--checkpoint.folder", "fresh", "--training.steps", "1", *STEPS)
+    # The same weights seen through the flat and the grouped model: identical first loss.
+    same = run_training(tmp_path / "same", *initial, *flat).check()
+    into_grouped = run_training(tmp_path / "grouped", *initial, *grouped,
+                                "--hybrid.load_layers_by_order").check()
+    assert into_grouped.losses == same.losses
+    # Without the option the keys differ and the load is refused, naming them.
+    refused = run_training(tmp_path / "refused", *initial, *grouped)
+    assert refused.returncode != 0 and "layers.0.mlp.fc1.weight_w" in refused.output
+    # A hybrid pattern takes the attention and MLP layers; its Mamba layers keep fresh init.
+    hybrid = run_training(tmp_path / "hybrid", *initial, "--hybrid.pattern", "M*-M*-",
+                          "--hybrid.load_layers_by_order").check()
+    assert "['mamba'] layers keep their fresh init" in hybrid.output
+    ambiguous = run_training(tmp_path / "ambiguous", *initial, "--hybrid.pattern", "*-*-*-",
+                             "--hybrid.load_layers_by_order")
+    assert ambiguous.returncode != 0
+    assert "the model has 3 attention layer(s) [0, 2, 4], the checkpoint 2 [0, 2]" in ambiguous.output

@@ -74,8 +74,12 @@ class SplitModelWrapper(ModelWrapper):
         split, self._originals = logical_keys(split)
         return split
 
+    # Set by the loader when it reads layers by order: {checkpoint key: model key}.
+    pending_renames: dict[str, str] = {}
+
     def load_state_dict(self, state_dict) -> None:
-        state_dict = dict(state_dict)
+        state_dict = {self.pending_renames.get(k, k): v for k, v in state_dict.items()}
+        self.pending_renames = {}
         for key, alias in FINAL_NORM_ALIASES.items():
             if alias in state_dict and key not in state_dict:
                 state_dict[key] = state_dict.pop(alias)
@@ -85,6 +89,63 @@ class SplitModelWrapper(ModelWrapper):
 def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> tuple[dict, dict]:
     split = split_state_dict(state_dict, fused_parameters(model_parts), key_of=optimizer_key)
     return logical_keys(split)
+
+
+_LAYER_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\."
+                        r"(mamba|gdn|attention|mlp|moe)(_norm)?\.")
+
+
+def _layers_by_kind(keys) -> dict[str, list[int]]:
+    """Logical layer indices of each kind, in order, that the keys mention."""
+    found: dict[str, set[int]] = {}
+    for key in keys:
+        match = _LAYER_KEY.match(key)
+        if match:
+            found.setdefault(match.group(3), set()).add(int(match.group(2)))
+    return {kind: sorted(indices) for kind, indices in found.items()}
+
+
+def map_layers_by_order(state_dict: dict, stored_keys) -> tuple[dict, dict[str, str], list[str]]:
+    """Rename the model's layer keys to the checkpoint's by order within each layer kind: the
+    k-th attention layer of the model reads the k-th attention layer of the checkpoint, and so
+    on (a plain transformer `*-*-` into `[*-][*-]`, or into a hybrid's attention / MLP layers).
+    Kinds the checkpoint lacks keep their fresh init (returned by name). A kind with a different
+    number of layers on the two sides has no unambiguous mapping: ValueError.
+    Returns (renamed state dict, {checkpoint key: model key}, fresh kinds)."""
+    model_layers = _layers_by_kind(flattened_tensors(state_dict))
+    stored_layers = _layers_by_kind(stored_keys)
+    renames: dict[tuple[str, int], int] = {}
+    fresh = []
+    for kind, indices in model_layers.items():
+        if kind not in stored_layers:
+            fresh.append(kind)
+            continue
+        if len(stored_layers[kind]) != len(indices):
+            raise ValueError(
+                f"cannot map layers by order: the model has {len(indices)} {kind} layer(s) "
+                f"{indices}, the checkpoint {len(stored_layers[kind])} {stored_layers[kind]}")
+        renames.update({(kind, mine): theirs for mine, theirs in zip(indices, stored_layers[kind])})
+
+    def rename(key: str) -> str | None:
+        match = _LAYER_KEY.match(key)
+        if not match:
+            return key
+        kind, index = match.group(3), int(match.group(2))
+        if kind in fresh:
+            return None
+        theirs = renames[(kind, index)]
+        return f"{match.group(1)}layers.{theirs}.{key[len(match.group(1)) + len(f'layers.{index}.'):]}"
+
+    mapped, model_key_of = {}, {}
+    for key, value in state_dict.items():
+        if hasattr(value, "state_dict") and not hasattr(value, "dim"):
+            mapped[key] = value  # Stateful (optimizer, ...): a cross-load is model-only
+            continue
+        new = rename(key)
+        if new is not None:
+            mapped[new] = value
+            model_key_of[new] = key
+    return mapped, model_key_of, fresh
 
 
 def flattened_tensors(state_dict: dict) -> dict:
@@ -99,7 +160,8 @@ def flattened_tensors(state_dict: dict) -> dict:
     return flat
 
 
-def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str) -> dict:
+def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
+                             allow_unexpected: bool = False) -> dict:
     """Raise ValueError naming every key the checkpoint lacks or holds with another shape.
     Returns the state dict with the final norm renamed if the checkpoint uses the alias."""
     stored = metadata.state_dict_metadata
@@ -117,8 +179,8 @@ def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str) -> 
             missing.append(key)
         elif hasattr(stored[key], "size") and tuple(stored[key].size) != tuple(shape):
             mismatched.append(f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(shape)}")
-    unexpected = [key for key in stored
-                  if not key.startswith(NON_MODEL_PREFIXES) and key not in requested]
+    unexpected = [] if allow_unexpected else [
+        key for key in stored if not key.startswith(NON_MODEL_PREFIXES) and key not in requested]
     if missing or mismatched or unexpected:
         def listing(keys):
             return ", ".join(sorted(keys)[:12]) + (" ..." if len(keys) > 12 else "")
