@@ -50,6 +50,11 @@ class ComponentChunks(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
             return args[0]
+        if func is torch.ops.aten._to_copy.default:
+            # torchtitan casts a model-only export (checkpoint.export_dtype): cast each piece.
+            self, kwargs = args[0], kwargs or {}
+            chunks = [(offsets, view.to(**kwargs)) for offsets, view in self.chunks]
+            return ComponentChunks(self.shape, chunks, self.source, self.fused_key)
         raise NotImplementedError(f"{func} on checkpoint components: they only carry pieces")
 
     def __repr__(self) -> str:
