@@ -22,10 +22,11 @@ gradients, for a fixed random cotangent, give the agreement column: max|ours - t
 max|theirs| over the output and over all gradients); then `--repeats` rounds, each timing one
 fwd+bwd of both implementations back to back (order alternating), best time kept (at T >= 8192
 at most 2 rounds). tokens/s = batch * T / best time; the ratio is ours / theirs (> 1: faster).
-Peak memory: each (op, impl, T) runs once in a fresh subprocess, which warms up at T = 128 and
-then records the growth of the peak RSS (ru_maxrss) over the RSS before the measured step, so
-it counts activations, autograd buffers and gradients (not weights or inputs). Ratio ours /
-theirs (< 1: ours uses less).
+Peak memory: each (op, impl, T) runs once in a fresh subprocess, which warms up at T = 128,
+builds its inputs, resets the peak RSS (Linux VmHWM, the figure ru_maxrss reports) through
+/proc/self/clear_refs, and records how far one fwd+bwd raises it above the RSS before the step:
+activations, autograd buffers and gradients, not weights or inputs (torch has no CPU allocator
+statistics; RSS also counts what malloc keeps cached). Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7): at T = 2048, ours >= 2x their tokens/s and lower peak memory.
 """
 
@@ -36,7 +37,6 @@ import gc
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -148,18 +148,27 @@ def compare(op: str, T: int, repeats: int, batch: int = BATCH) -> dict:
     return result
 
 
+def _rss_and_peak() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return tuple(int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
 def peak_memory_probe(op: str, impl: str, T: int) -> dict:
     """Run in a fresh process: peak-RSS growth (bytes) of one fwd+bwd step."""
     fwd_bwd(*make_case(op, CHUNK)[impl])  # one-time allocations (thread pools, kernels)
     fn, leaves = make_case(op, T)[impl]
     gc.collect()
-    with open("/proc/self/statm") as f:
-        rss_before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:  # "5" resets the peak RSS (VmHWM, what ru_maxrss reports) to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    rss_before, peak_before = _rss_and_peak()
     fwd_bwd(fn, leaves)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # If the step never exceeded an earlier high-water mark the figure is only a lower bound.
-    return {"bytes": peak - rss_before, "lower_bound": peak <= maxrss_before}
+    peak = _rss_and_peak()[1]
+    # Without the reset an earlier, higher peak can hide the step's: then only a lower bound.
+    return {"bytes": peak - rss_before, "lower_bound": peak <= peak_before}
 
 
 def peak_memory(op: str, impl: str, T: int) -> dict:

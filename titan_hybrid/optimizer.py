@@ -33,13 +33,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def _build_one(model: nn.Module, optimizer_cls, optimizer_kwargs) -> torch.optim.Optimizer:
-    groups = param_groups(model, optimizer_kwargs["weight_decay"])
+    optimizer = optimizer_cls(param_groups(model, optimizer_kwargs["weight_decay"]),
+                              **optimizer_kwargs)
     zero1_mesh = getattr(model, "zero1_mesh", None)  # set by the `optim` strategy
-    if zero1_mesh is None:
-        return optimizer_cls(groups, **optimizer_kwargs)
-    from titan_hybrid.parallel.zero1 import ZeroOneOptimizer
+    if zero1_mesh is not None:
+        from titan_hybrid.parallel.zero1 import shard_optimizer_state
 
-    return ZeroOneOptimizer(groups, optimizer_cls, optimizer_kwargs, mesh=zero1_mesh)
+        shard_optimizer_state(optimizer, zero1_mesh)
+    return optimizer
 
 
 class HybridOptimizersContainer(OptimizersContainer):

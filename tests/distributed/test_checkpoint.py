@@ -20,6 +20,7 @@ LAYOUTS = {
     "tp2": (("--parallelism.tensor_parallel_degree", "2"), 2),
     "fsdp2": ((), 2),
     "no_shard2": (("--parallelism.data_parallel_sharding_strategy", "no_shard"), 2),
+    "zero1_2": (("--parallelism.data_parallel_sharding_strategy", "optim"), 2),
     "fsdp2_tp2": (("--parallelism.tensor_parallel_degree", "2"), 4),
 }
 
@@ -52,7 +53,10 @@ def check_resumed(losses, uninterrupted):
 
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
-    ("1", "tp2"), ("tp2", "1"), ("fsdp2", "1"), ("no_shard2", "fsdp2")])
+    ("1", "tp2"), ("fsdp2", "1"), ("zero1_2", "tp2"),
+    # Same code paths in the other direction: kept for the slow run.
+    pytest.param("tp2", "1", marks=pytest.mark.slow),
+    pytest.param("no_shard2", "fsdp2", marks=pytest.mark.slow)])
 def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resumed_under):
     metadata, losses = save_then_resume(tmp_path, saved_under, resumed_under)
     keys = metadata.state_dict_metadata
