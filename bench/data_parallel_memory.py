@@ -4,8 +4,8 @@
 
 Baseline: the same model and optimizer in one process. Each strategy runs one real training
 step (forward, backward, AdamW step) in NPROC gloo processes; the table shows what each rank
-holds after the step (parameters at rest, gradients, optimizer state) and the ratio to one
-process. ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 also parameters.
+holds (gradients after backward; parameters at rest and optimizer state after the step) and
+the ratio to one process. ZeRO-1 shards optimizer state, ZeRO-2 also gradients, ZeRO-3 also parameters.
 Note: FSDP2 keeps parameters sharded at rest under ZeRO-2 too; what ZeRO-2 changes is that they
 stay gathered between forward and backward (peak, not at-rest, memory).
 """
@@ -63,13 +63,15 @@ def measure(flavor: str, strategy: str | None) -> dict[str, int]:
     out = model(tokens)
     logits = out[0] if isinstance(out, tuple) else out
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-    optimizers.step()
     params = list(model.parameters())
+    # Gradients as backward leaves them (ZeRO-1 drops other ranks' gradients only at the step).
+    grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+    optimizers.step()
     state = [t for opt in optimizers.optimizers for s in opt.state.values()
              for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     return {
         "params": sum(_local_bytes(p) for p in params),
-        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "grads": grads,
         "optimizer": sum(_local_bytes(t) for t in state),
     }
 

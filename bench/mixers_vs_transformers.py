@@ -45,7 +45,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import NemotronHConfig
-from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer, mamba2_chunk_scan
+from transformers.models.nemotron_h.modeling_nemotron_h import (
+    NemotronHMamba2Mixer,
+    mamba2_chunk_scan,
+)
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 from transformers.utils import logging as hf_logging
 
@@ -62,7 +65,8 @@ GDN_HEADS, GDN_DIM = 8, 128
 OPS = {  # op -> (label, baseline)
     "ssd": ("SSD scan", "transformers NemotronH torch path (mamba2_chunk_scan)"),
     "mixer": ("Mamba2 mixer", "transformers NemotronH torch path (NemotronHMamba2Mixer)"),
-    "gdn": ("gated delta rule", "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
+    "gdn": ("gated delta rule",
+            "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
 }
 
 
@@ -206,7 +210,8 @@ def main() -> None:
         for T in seq_lens:
             res = compare(op, T, min(args.repeats, 2) if T >= 8192 else args.repeats)
             if not args.no_memory:
-                res["ours_mem"], res["theirs_mem"] = (peak_memory(op, i, T) for i in ("ours", "theirs"))
+                res["ours_mem"] = peak_memory(op, "ours", T)
+                res["theirs_mem"] = peak_memory(op, "theirs", T)
             rows.append((op, T, res))
             print(f"  done {OPS[op][0]} T={T}", file=sys.stderr, flush=True)
 
