@@ -1,7 +1,7 @@
 """Our SSD scan, Mamba2 mixer and gated delta rule against transformers' pure-PyTorch paths.
 
     .venv/bin/python bench/mixers_vs_transformers.py [--seq-lens 512 2048 8192]
-        [--gdn-seq-lens 512 2048] [--repeats 5] [--no-memory]
+        [--gdn-seq-lens 512 2048] [--repeats 5] [--threads N] [--no-memory]
 
 Compared, forward + backward on CPU in fp32 (issue 7, item 1):
   * SSD scan: `titan_hybrid.ops.ssd.mamba_chunk_scan_combined` vs the torch fallback of
@@ -21,12 +21,13 @@ Method: same inputs and weights for both; one warm-up step each (its outputs and
 gradients, for a fixed random cotangent, give the agreement column: max|ours - theirs| /
 max|theirs| over the output and over all gradients); then `--repeats` rounds, each timing one
 fwd+bwd of both implementations back to back (order alternating), best time kept (at T >= 8192
-at most 2 rounds). tokens/s = batch * T / best time; the ratio is ours / theirs (> 1: faster).
+at most 3 rounds). tokens/s = batch * T / best time; the ratio is ours / theirs (> 1: faster).
 Peak memory: each (op, impl, T) runs once in a fresh subprocess, which warms up at T = 128,
 builds its inputs, resets the peak RSS (Linux VmHWM, the figure ru_maxrss reports) through
 /proc/self/clear_refs, and records how far one fwd+bwd raises it above the RSS before the step:
 activations, autograd buffers and gradients, not weights or inputs (torch has no CPU allocator
-statistics; RSS also counts what malloc keeps cached). Ratio ours / theirs (< 1: ours uses less).
+statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
+RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7): at T = 2048, ours >= 2x their tokens/s and lower peak memory.
 """
 
@@ -176,8 +177,13 @@ def peak_memory_probe(op: str, impl: str, T: int) -> dict:
 
 
 def peak_memory(op: str, impl: str, T: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe", op, impl, str(T)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", op, impl, str(T),
+           "--threads", str(torch.get_num_threads())]
+    # A fixed mmap threshold stops glibc from raising it (to up to 32 MiB) as tensors are freed,
+    # so every tensor above 64 KiB is mapped and unmapped: RSS then follows live tensors, and
+    # repeated probes agree to ~0.1% instead of varying by ~20% with heap fragmentation.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -194,9 +200,12 @@ def main() -> None:
     parser.add_argument("--gdn-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the gated delta rule")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--probe", nargs=3, metavar=("OP", "IMPL", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.probe:
         op, impl, T = args.probe
         print(json.dumps(peak_memory_probe(op, impl, int(T))))
@@ -208,7 +217,7 @@ def main() -> None:
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
                          ("gdn", args.gdn_seq_lens)):
         for T in seq_lens:
-            res = compare(op, T, min(args.repeats, 2) if T >= 8192 else args.repeats)
+            res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
             if not args.no_memory:
                 res["ours_mem"] = peak_memory(op, "ours", T)
                 res["theirs_mem"] = peak_memory(op, "theirs", T)

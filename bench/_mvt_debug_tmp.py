@@ -1,0 +1,251 @@
+"""Our SSD scan, Mamba2 mixer and gated delta rule against transformers' pure-PyTorch paths.
+
+    .venv/bin/python bench/mixers_vs_transformers.py [--seq-lens 512 2048 8192]
+        [--gdn-seq-lens 512 2048] [--repeats 5] [--threads N] [--no-memory]
+
+Compared, forward + backward on CPU in fp32 (issue 7, item 1):
+  * SSD scan: `titan_hybrid.ops.ssd.mamba_chunk_scan_combined` vs the torch fallback of
+    `mamba2_chunk_scan` in transformers' NemotronH (used when mamba_ssm is absent).
+  * Mamba2 mixer: `titan_hybrid.model.mamba.Mamba2Mixer` vs `NemotronHMamba2Mixer` (training
+    mode, no cache: its torch path). Both hold the same parameter names and the same
+    [z | x | B | C | dt] in_proj layout, so the state dict copies across unchanged. NemotronH
+    clamps dt below at config.time_step_min; it is set to 0 (a no-op after softplus) so the
+    two compute the same function (ours applies no clamp).
+  Shapes: hidden 512, 16 heads of head_dim 64 (expand 2), state 64, 4 groups, chunk 128, batch 2.
+  * Gated delta rule: `titan_hybrid.ops.gated_delta.chunk_gated_delta_rule` vs transformers'
+    Qwen3-Next `torch_chunk_gated_delta_rule` (its fla fallback), B=2, H=8, K=V=128, chunk 64,
+    q/k L2-normalised in the kernel.
+  Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
+
+Method: same inputs and weights for both; one warm-up step each (its outputs and input/weight
+gradients, for a fixed random cotangent, give the agreement column: max|ours - theirs| /
+max|theirs| over the output and over all gradients); then `--repeats` rounds, each timing one
+fwd+bwd of both implementations back to back (order alternating), best time kept (at T >= 8192
+at most 3 rounds). tokens/s = batch * T / best time; the ratio is ours / theirs (> 1: faster).
+Peak memory: each (op, impl, T) runs once in a fresh subprocess, which warms up at T = 128,
+builds its inputs, resets the peak RSS (Linux VmHWM, the figure ru_maxrss reports) through
+/proc/self/clear_refs, and records how far one fwd+bwd raises it above the RSS before the step:
+activations, autograd buffers and gradients, not weights or inputs (torch has no CPU allocator
+statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
+RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
+Targets (issue 7): at T = 2048, ours >= 2x their tokens/s and lower peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import NemotronHConfig
+from transformers.models.nemotron_h.modeling_nemotron_h import (
+    NemotronHMamba2Mixer,
+    mamba2_chunk_scan,
+)
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+from transformers.utils import logging as hf_logging
+
+from titan_hybrid.model.args import MambaArgs
+from titan_hybrid.model.common import inverse_softplus
+from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
+from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
+
+hf_logging.set_verbosity_error()  # silence "falling back to its reference PyTorch implementation"
+
+DIM, HEADS, HEAD_DIM, STATE, GROUPS, CHUNK, BATCH = 512, 16, 64, 64, 4, 128, 2
+GDN_HEADS, GDN_DIM = 8, 128
+OPS = {  # op -> (label, baseline)
+    "ssd": ("SSD scan", "transformers NemotronH torch path (mamba2_chunk_scan)"),
+    "mixer": ("Mamba2 mixer", "transformers NemotronH torch path (NemotronHMamba2Mixer)"),
+    "gdn": ("gated delta rule",
+            "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
+}
+
+
+def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
+    """{"ours": (forward_fn, leaves), "theirs": (forward_fn, leaves)} on the same inputs and
+    weights; `leaves` (inputs, then parameters) line up one to one between the two."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return torch.randn(*shape, generator=gen) * scale + shift
+
+    if op == "ssd":
+        x, dt = rnd(batch, T, HEADS, HEAD_DIM), rnd(batch, T, HEADS, scale=0.5)
+        B, C = rnd(batch, T, GROUPS, STATE, scale=0.5), rnd(batch, T, GROUPS, STATE, scale=0.5)
+        A_log = torch.empty(HEADS).uniform_(1, 16, generator=gen).log()  # Mamba2's init
+        dt0 = torch.empty(HEADS).uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
+        leaves = [t.requires_grad_() for t in (x, dt, B, C, A_log, inverse_softplus(dt0),
+                                                torch.ones(HEADS))]
+
+        def scan_fn(scan):
+            x, dt, B, C, A_log, dt_bias, D = leaves
+            return lambda: scan(x, dt, -torch.exp(A_log), B, C, CHUNK, D=D, dt_bias=dt_bias,
+                                dt_softplus=True)
+        return {"ours": (scan_fn(mamba_chunk_scan_combined), leaves),
+                "theirs": (scan_fn(mamba2_chunk_scan), leaves)}
+    if op == "mixer":
+        torch.manual_seed(seed)
+        ours = Mamba2Mixer(dim=DIM, args=MambaArgs(d_state=STATE, head_dim=HEAD_DIM,
+                                                   n_groups=GROUPS, expand=2, conv_width=4,
+                                                   chunk_size=CHUNK), norm_eps=1e-5)
+        with torch.no_grad():
+            ours.init_weights(init_std=0.02, out_std=0.02)
+        config = NemotronHConfig(
+            hidden_size=DIM, mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM, ssm_state_size=STATE,
+            n_groups=GROUPS, expand=2, conv_kernel=4, chunk_size=CHUNK, use_conv_bias=True,
+            use_bias=False, layer_norm_epsilon=1e-5, time_step_min=0.0,
+            layers_block_type=["mamba"], num_hidden_layers=1)
+        theirs = NemotronHMamba2Mixer(config, layer_idx=0)
+        theirs.load_state_dict(ours.state_dict())  # same names, shapes and [z|x|B|C|dt] layout
+        x = rnd(batch, T, DIM).requires_grad_()
+        return {name: (lambda m=m: m(x), [x] + [p for _, p in sorted(m.named_parameters())])
+                for name, m in (("ours", ours.train()), ("theirs", theirs.train()))}
+    if op == "gdn":
+        shape = (batch, T, GDN_HEADS, GDN_DIM)
+        q, k, v = rnd(*shape), rnd(*shape), rnd(*shape)
+        g = F.logsigmoid(rnd(batch, T, GDN_HEADS, shift=3.0))  # log-decay <= 0, mean ~ -0.07
+        beta = torch.sigmoid(rnd(batch, T, GDN_HEADS))
+        leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+        def gdn_fn(rule):
+            return lambda: rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
+        return {"ours": (gdn_fn(chunk_gated_delta_rule), leaves),
+                "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
+    raise ValueError(op)
+
+
+def fwd_bwd(fn, leaves, cotangent=None):
+    out = fn()
+    if cotangent is None:
+        cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return out.detach(), torch.autograd.grad(out, leaves, cotangent), cotangent
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(op: str, T: int, repeats: int, batch: int = BATCH) -> dict:
+    """Warm-up + agreement check, then interleaved best-of-`repeats` fwd+bwd timings."""
+    case = make_case(op, T, batch)
+    ours_out, ours_grads, cot = fwd_bwd(*case["ours"])
+    theirs_out, theirs_grads, _ = fwd_bwd(*case["theirs"], cot)
+    result = {"err_out": rel_err(ours_out, theirs_out),
+              "err_grad": max(rel_err(a, b) for a, b in zip(ours_grads, theirs_grads))}
+    del ours_out, ours_grads, theirs_out, theirs_grads
+    best = {"ours": math.inf, "theirs": math.inf}
+    for r in range(repeats):
+        for impl in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):
+            start = time.perf_counter()
+            fwd_bwd(*case[impl], cot)
+            best[impl] = min(best[impl], time.perf_counter() - start); print(op, T, impl, round(time.perf_counter() - start, 3), file=sys.stderr, flush=True)
+    result.update({f"{impl}_tok_s": batch * T / t for impl, t in best.items()})
+    return result
+
+
+def _rss_and_peak() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return tuple(int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def peak_memory_probe(op: str, impl: str, T: int) -> dict:
+    """Run in a fresh process: peak-RSS growth (bytes) of one fwd+bwd step."""
+    fwd_bwd(*make_case(op, CHUNK)[impl])  # one-time allocations (thread pools, kernels)
+    fn, leaves = make_case(op, T)[impl]
+    gc.collect()
+    try:  # "5" resets the peak RSS (VmHWM, what ru_maxrss reports) to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    rss_before, peak_before = _rss_and_peak()
+    fwd_bwd(fn, leaves)
+    peak = _rss_and_peak()[1]
+    # Without the reset an earlier, higher peak can hide the step's: then only a lower bound.
+    return {"bytes": peak - rss_before, "lower_bound": peak <= peak_before}
+
+
+def peak_memory(op: str, impl: str, T: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", op, impl, str(T),
+           "--threads", str(torch.get_num_threads())]
+    # A fixed mmap threshold stops glibc from raising it (to up to 32 MiB) as tensors are freed,
+    # so every tensor above 64 KiB is mapped and unmapped: RSS then follows live tensors, and
+    # repeated probes agree to ~0.1% instead of varying by ~20% with heap fragmentation.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fmt_mib(mem: dict | None) -> str:
+    if mem is None:
+        return "-"
+    return f"{mem['bytes'] / 2**20:,.0f}{'+' if mem['lower_bound'] else ''}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 8192],
+                        help="sequence lengths for the SSD scan and the Mamba2 mixer")
+    parser.add_argument("--gdn-seq-lens", type=int, nargs="+", default=[512, 2048],
+                        help="sequence lengths for the gated delta rule")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
+    parser.add_argument("--probe", nargs=3, metavar=("OP", "IMPL", "T"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe:
+        op, impl, T = args.probe
+        print(json.dumps(peak_memory_probe(op, impl, int(T))))
+        return
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32, forward + backward")
+    rows = []
+    for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
+                         ("gdn", args.gdn_seq_lens)):
+        for T in seq_lens:
+            res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
+            if not args.no_memory:
+                res["ours_mem"] = peak_memory(op, "ours", T)
+                res["theirs_mem"] = peak_memory(op, "theirs", T)
+            rows.append((op, T, res))
+            print(f"  done {OPS[op][0]} T={T}", file=sys.stderr, flush=True)
+
+    head = ("| T | ours tok/s | baseline tok/s | speed ours/base | ours peak MiB | "
+            "baseline peak MiB | memory ours/base | max rel err out / grads |")
+    for op, (label, baseline) in OPS.items():
+        print(f"\n{label} vs {baseline}, batch {BATCH}\n\n{head}\n" + "| --- " * 8 + "|")
+        for row_op, T, r in rows:
+            if row_op != op:
+                continue
+            mem = r.get("ours_mem"), r.get("theirs_mem")
+            mem_ratio = f"{mem[0]['bytes'] / mem[1]['bytes']:.2f}" if mem[0] else "-"
+            print(f"| {T} | {r['ours_tok_s']:,.0f} | {r['theirs_tok_s']:,.0f} | "
+                  f"{r['ours_tok_s'] / r['theirs_tok_s']:.2f}x | {fmt_mib(mem[0])} | "
+                  f"{fmt_mib(mem[1])} | {mem_ratio} | {r['err_out']:.1e} / {r['err_grad']:.1e} |")
+    print("\nPeak MiB: growth of peak RSS during one fwd+bwd in a fresh process "
+          "('+': lower bound).\nTargets at T=2048: speed >= 2.00x and memory ratio < 1.")
+    for op, T, r in rows:
+        if T == 2048:
+            speed = r["ours_tok_s"] / r["theirs_tok_s"]
+            mem = (r["ours_mem"]["bytes"] / r["theirs_mem"]["bytes"]) if "ours_mem" in r else None
+            print(f"  {OPS[op][0]}: speed {speed:.2f}x ({'met' if speed >= 2 else 'NOT met'}), "
+                  + ("memory not measured" if mem is None else
+                     f"memory {mem:.2f} ({'met' if mem < 1 else 'NOT met'})"))
+
+
+if __name__ == "__main__":
+    main()
