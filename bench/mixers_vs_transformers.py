@@ -38,6 +38,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -143,13 +144,15 @@ def compare(op: str, T: int, repeats: int, batch: int = BATCH) -> dict:
     result = {"err_out": rel_err(ours_out, theirs_out),
               "err_grad": max(rel_err(a, b) for a, b in zip(ours_grads, theirs_grads))}
     del ours_out, ours_grads, theirs_out, theirs_grads
-    best = {"ours": math.inf, "theirs": math.inf}
+    times = {"ours": [], "theirs": []}
     for r in range(repeats):
         for impl in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):
             start = time.perf_counter()
             fwd_bwd(*case[impl], cot)
-            best[impl] = min(best[impl], time.perf_counter() - start)
-    result.update({f"{impl}_tok_s": batch * T / t for impl, t in best.items()})
+            times[impl].append(time.perf_counter() - start)
+    for impl, ts in times.items():
+        result[f"{impl}_tok_s"] = batch * T / min(ts)
+        result[f"{impl}_spread"] = statistics.median(ts) / min(ts)  # > ~1.2: a noisy machine
     return result
 
 
@@ -222,7 +225,8 @@ def main() -> None:
                 res["ours_mem"] = peak_memory(op, "ours", T)
                 res["theirs_mem"] = peak_memory(op, "theirs", T)
             rows.append((op, T, res))
-            print(f"  done {OPS[op][0]} T={T}", file=sys.stderr, flush=True)
+            print(f"  done {OPS[op][0]} T={T}; median/best time: ours {res['ours_spread']:.2f}, "
+                  f"baseline {res['theirs_spread']:.2f}", file=sys.stderr, flush=True)
 
     head = ("| T | ours tok/s | baseline tok/s | speed ours/base | ours peak MiB | "
             "baseline peak MiB | memory ours/base | max rel err out / grads |")

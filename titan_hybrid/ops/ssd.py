@@ -146,9 +146,11 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     else:
         state_BGRPN = initial_states.to(f).reshape(b, g, r, p, n)
     entering = []
-    for ci in range(c):
+    # unbind, not indexing: the backward of `t[:, ci]` writes a full-size zero gradient per
+    # chunk, which makes the backward quadratic in the number of chunks.
+    for carry_BGR, chunk_state_BGRPN in zip(carry_BCGR.unbind(1), states_BCGRPN.unbind(1)):
         entering.append(state_BGRPN)
-        state_BGRPN = state_BGRPN * carry_BCGR[:, ci, ..., None, None] + states_BCGRPN[:, ci]
+        state_BGRPN = state_BGRPN * carry_BGR[..., None, None] + chunk_state_BGRPN
     prev_BCGRPN = torch.stack(entering, dim=1)
 
     # 4) Contribution of the state entering each chunk, decayed to each position.
