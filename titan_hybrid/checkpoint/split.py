@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from titan_hybrid.parallel.tensor_parallel import TPLayout
+from titan_hybrid.parallel.tensor_parallel import TPLayout, tp_degree
 
 
 class ComponentChunks(torch.Tensor):
@@ -101,13 +101,6 @@ def local_placement(value: torch.Tensor, reference: torch.Tensor | None):
                              f"parameter's shard {tuple(sizes)} of {tuple(reference.shape)}")
         return value, torch.Size(reference.shape), torch.Size(offsets)
     return value, value.shape, torch.Size([0] * value.dim())
-
-
-def tp_degree(tensor: torch.Tensor | None) -> int:
-    if not isinstance(tensor, DTensor):
-        return 1
-    names = tensor.device_mesh.mesh_dim_names or ()
-    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
 
 
 def split_components(key: str, value: torch.Tensor, layout: TPLayout,

@@ -18,12 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_hybrid.parallel.tensor_parallel import interleave_for_tp
-
-
-def _tp_degree(tensor: DTensor) -> int:
-    names = tensor.device_mesh.mesh_dim_names or ()
-    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
+from titan_hybrid.parallel.tensor_parallel import interleave_for_tp, tp_degree
 
 
 @contextlib.contextmanager
@@ -45,7 +40,7 @@ def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
                 layout = getattr(module, "param_layouts", {}).get(name)
                 value = full.detach()
                 if layout is not None:
-                    value = interleave_for_tp(value, layout, _tp_degree(sharded))
+                    value = interleave_for_tp(value, layout, tp_degree(sharded))
                 # Every rank holds the same full tensor, so each keeps its slice without
                 # communication (src_data_rank=None).
                 local = distribute_tensor(value, sharded.device_mesh, sharded.placements,

@@ -66,6 +66,14 @@ def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> TPL
     return TPLayout(None, partial_grad=partial)
 
 
+def tp_degree(tensor: torch.Tensor | None) -> int:
+    """Size of the "tp" dimension of a DTensor's mesh (1 for plain tensors or no TP)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
 def interleave_for_tp(full: torch.Tensor, layout: TPLayout, tp: int) -> torch.Tensor:
     """Logical [A; B; ...] -> per-rank concatenation [A_0; B_0; A_1; B_1; ...] along the dim."""
     if layout.partition_sizes is None or tp == 1:
