@@ -23,6 +23,10 @@ def validate_job(config) -> None:
     model_args = copy.deepcopy(hybrid_flavors[config.model.flavor])
     model_args.update_from_config(config)
     validate_layout(config, model_args, int(os.environ.get("WORLD_SIZE", "1")))
+    if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
+        from titan_hybrid.checkpoint.hf_nemotron_h import check_nemotron_h_compatible
+
+        check_nemotron_h_compatible(model_args)
 
 
 def hybrid_trainer_class():
@@ -36,9 +40,12 @@ def hybrid_trainer_class():
         map_layers_by_order,
     )
 
-    def checked_dcp_load(dcp_load, model_wrapper, by_order: bool):
+    def checked_dcp_load(dcp_load, model_wrapper, by_order: bool, sd_adapter):
         def load(state_dict, checkpoint_id, from_hf, from_quantized):
-            if not from_hf:
+            if from_hf:
+                metadata = sd_adapter.get_hf_storage_reader(checkpoint_id).read_metadata()
+                check_against_checkpoint(sd_adapter.to_hf(state_dict), metadata, checkpoint_id)
+            else:
                 import torch.distributed.checkpoint as dcp
                 from torchtitan.tools.logging import logger
 
@@ -55,6 +62,23 @@ def hybrid_trainer_class():
 
         return load
 
+    def dcp_save_with_hf_config(dcp_save, model_args):
+        """An HF save also writes the config.json that `transformers` needs to read it."""
+        def save(state_dict, checkpoint_id, *args, to_hf=False, **kwargs):
+            result = dcp_save(state_dict, checkpoint_id, *args, to_hf=to_hf, **kwargs)
+            import torch.distributed as dist
+
+            if to_hf and (not dist.is_initialized() or dist.get_rank() == 0):
+                import json
+
+                from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
+
+                with open(os.path.join(checkpoint_id, "config.json"), "w") as f:
+                    json.dump(nemotron_h_config(model_args), f, indent=2)
+            return result
+
+        return save
+
     class HybridTrainer(Trainer):
         def __init__(self, job_config):
             super().__init__(job_config)
@@ -63,8 +87,10 @@ def hybrid_trainer_class():
                 self.checkpointer.states[MODEL] = wrapper
                 by_order = getattr(getattr(job_config, "hybrid", None), "load_layers_by_order",
                                    False)
-                self.checkpointer.dcp_load = checked_dcp_load(self.checkpointer.dcp_load,
-                                                              wrapper, by_order)
+                self.checkpointer.dcp_load = checked_dcp_load(
+                    self.checkpointer.dcp_load, wrapper, by_order, self.checkpointer.sd_adapter)
+                self.checkpointer.dcp_save = dcp_save_with_hf_config(
+                    self.checkpointer.dcp_save, self.model_args)
 
     return HybridTrainer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
+from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
 from titan_hybrid.data.loader import build_global_batch_dataloader, register_pydoc_dataset
 from titan_hybrid.loss import build_hybrid_loss
 from titan_hybrid.metrics import build_hybrid_metrics_processor
@@ -29,6 +30,7 @@ def hybrid_train_spec() -> TrainSpec:
         build_tokenizer_fn=build_hybrid_tokenizer,
         build_loss_fn=build_hybrid_loss,
         build_metrics_processor_fn=build_hybrid_metrics_processor,
+        state_dict_adapter=NemotronHStateDictAdapter,
     )
 
 

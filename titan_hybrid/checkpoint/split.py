@@ -37,6 +37,7 @@ class ComponentChunks(torch.Tensor):
     chunks: list[tuple[torch.Size, torch.Tensor]]
     source: torch.Tensor
     fused_key: str  # the state-dict key of `source`
+    layout: TPLayout | None = None  # of `source`, when it is a fused parameter-shaped value
 
     @staticmethod
     def __new__(cls, global_shape: torch.Size, chunks, source: torch.Tensor, fused_key: str = ""):
@@ -54,7 +55,9 @@ class ComponentChunks(torch.Tensor):
             # torchtitan casts a model-only export (checkpoint.export_dtype): cast each piece.
             self, kwargs = args[0], kwargs or {}
             chunks = [(offsets, view.to(**kwargs)) for offsets, view in self.chunks]
-            return ComponentChunks(self.shape, chunks, self.source, self.fused_key)
+            copy = type(self)(self.shape, chunks, self.source, self.fused_key)
+            copy.layout = self.layout
+            return copy
         raise NotImplementedError(f"{func} on checkpoint components: they only carry pieces")
 
     def __repr__(self) -> str:
@@ -129,6 +132,7 @@ def split_components(key: str, value: torch.Tensor, layout: TPLayout,
         shape = list(global_shape)
         shape[dim] = size
         entries[key + name] = ComponentChunks(torch.Size(shape), chunks, value)
+        entries[key + name].layout = layout
     return entries
 
 
@@ -156,3 +160,42 @@ def merge_state_dict(state_dict: dict) -> dict:
     return {(value.fused_key if isinstance(value, ComponentChunks) else key):
             (value.source if isinstance(value, ComponentChunks) else value)
             for key, value in state_dict.items()}
+
+
+def _adjacent(first: tuple[torch.Size, torch.Tensor], second: tuple[torch.Size, torch.Tensor],
+              dim: int) -> bool:
+    """Whether `second` continues `first` along `dim`, globally and in memory."""
+    (offsets_a, a), (offsets_b, b) = first, second
+    expected = list(offsets_a)
+    expected[dim] += a.shape[dim]
+    return (list(offsets_b) == expected and a.stride() == b.stride()
+            and a.shape[:dim] + a.shape[dim + 1:] == b.shape[:dim] + b.shape[dim + 1:]
+            and b.data_ptr() == a.data_ptr() + a.shape[dim] * a.stride(dim) * a.element_size())
+
+
+def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Tensor:
+    """The fused tensor made of `parts` laid end to end along `dim`, in global coordinates (the
+    order a format like Hugging Face's stores, not the TP-interleaved in-memory order). Each
+    part is ComponentChunks (its pieces keep their views, so a load lands in place) or, in a
+    single process, a plain tensor. Pieces that continue each other (no TP) become one."""
+    if not all(isinstance(part, ComponentChunks) for part in parts):
+        return torch.cat(parts, dim)
+    chunks, start = [], 0
+    for part in parts:
+        for offsets, view in part.chunks:
+            shifted = list(offsets)
+            shifted[dim] += start
+            piece = (torch.Size(shifted), view)
+            if chunks and _adjacent(chunks[-1], piece, dim):
+                previous_offsets, previous = chunks.pop()
+                piece = (previous_offsets, previous.as_strided(
+                    previous.shape[:dim] + (previous.shape[dim] + view.shape[dim],)
+                    + previous.shape[dim + 1:], previous.stride(), previous.storage_offset()))
+            chunks.append(piece)
+        start += part.shape[dim]
+    shape = list(parts[0].shape)
+    shape[dim] = start
+    fused = (cls or ComponentChunks)(torch.Size(shape), chunks, parts[0].source,
+                                     parts[0].fused_key)
+    fused.layout = parts[0].layout
+    return fused

@@ -23,11 +23,13 @@ class AttentionArgs:
     n_kv_heads: int = 2
     head_dim: int = 64
     rope_theta: float = 10000.0
+    use_rope: bool = True  # Nemotron-H's attention layers have no position embedding
 
 
 @dataclass
 class MLPArgs:
     hidden_dim: int = 512
+    activation: str = "swiglu"  # or "relu2": Nemotron-H's non-gated squared-ReLU MLP
 
 
 @dataclass
@@ -42,6 +44,7 @@ class MambaArgs:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     a_init_range: tuple[float, float] = (1.0, 16.0)
+    dt_limit: tuple[float, float] = (0.0, float("inf"))  # clamp of softplus(dt + dt_bias)
 
 
 @dataclass
@@ -102,7 +105,10 @@ class HybridModelArgs(BaseModelArgs):
                 raise ValueError(
                     f"mamba: nheads={self.mamba_n_heads} is not divisible by "
                     f"mamba.n_groups={self.mamba.n_groups} (each group must own whole heads)")
-        if "*" in symbols and self.attention.head_dim % 2:
+        if "-" in symbols and self.mlp.activation not in ("swiglu", "relu2"):
+            raise ValueError(f"mlp: activation '{self.mlp.activation}' is not 'swiglu' or "
+                             "'relu2'")
+        if "*" in symbols and self.attention.use_rope and self.attention.head_dim % 2:
             raise ValueError(f"attention: head_dim={self.attention.head_dim} must be even "
                              "(rotary embeddings rotate channel pairs)")
         if "*" in symbols and self.attention.n_heads % self.attention.n_kv_heads:
@@ -177,6 +183,13 @@ hybrid_flavors = FlavorRegistry({
     "debug": _debug(),
     "debug_moe": dataclasses.replace(_debug(), pattern="M*EME/*-"),
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
+    # Nemotron-H's layer kinds (no RoPE, squared-ReLU MLP, dt clamped at 1e-3): the HF format.
+    "debug_nemotron_h": dataclasses.replace(
+        _debug(), pattern="M-M*-M-",
+        attention=AttentionArgs(n_heads=4, n_kv_heads=2, head_dim=64, use_rope=False),
+        mlp=MLPArgs(hidden_dim=512, activation="relu2"),
+        mamba=MambaArgs(d_state=32, head_dim=32, n_groups=2, chunk_size=64,
+                        dt_limit=(1e-3, float("inf")))),
     # ~0.9B non-embedding parameters, dense: 12 Mamba, 10 MLP, 3 attention layers.
     "nemotron_h_1b": _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"),
     # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.1B parameters, <1B

@@ -32,6 +32,7 @@ class Attention(nn.Module):
     def __init__(self, *, dim: int, args: AttentionArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.use_rope = args.use_rope
         self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -46,7 +47,8 @@ class Attention(nn.Module):
         q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
-        q, k = apply_rotary(q, rope_TD2), apply_rotary(k, rope_TD2)
+        if self.use_rope:
+            q, k = apply_rotary(q, rope_TD2), apply_rotary(k, rope_TD2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=q.shape[1] != k.shape[1])

@@ -78,6 +78,7 @@ class Mamba2Mixer(nn.Module):
             dt_bias=self.dt_bias,
             seq_idx=seq_idx,
             dt_softplus=True,
+            dt_limit=args.dt_limit,
         )
         y = self.norm(y_BTHP.reshape(batch, seq_len, d_inner), z)
         return self.out_proj(y)

@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward with one fused fc1 holding [W ; V] (gate rows, then up rows)."""
+"""Feed-forward layers: SwiGLU with one fused fc1 holding [W ; V] (gate rows, then up rows), and
+Nemotron-H's non-gated squared-ReLU MLP."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ class SwiGLU(nn.Module):
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         init_linear(self.fc1, std=init_std)
         init_linear(self.fc2, std=out_std)
+
+
+class SquaredReLUMLP(SwiGLU):
+    """fc2(relu(fc1(x))^2); same parameter names and init as SwiGLU, fc1 is not fused."""
+
+    def __init__(self, *, dim: int, hidden_dim: int) -> None:
+        nn.Module.__init__(self)
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
+        annotate_tensor_parallel(self.fc1.weight, partition_dim=0)
+        annotate_tensor_parallel(self.fc2.weight, partition_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)).square())

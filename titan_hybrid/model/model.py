@@ -23,7 +23,7 @@ from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.attention import Attention, rotary_tables
 from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.mamba import Mamba2Mixer
-from titan_hybrid.model.mlp import SwiGLU
+from titan_hybrid.model.mlp import SquaredReLUMLP, SwiGLU
 from titan_hybrid.model.moe import MoE
 from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.pattern import SYMBOL_NAMES, Item, parse_hybrid_pattern
@@ -39,7 +39,8 @@ def build_mixer(symbol: str, args: HybridModelArgs) -> nn.Module:
     if symbol == "*":
         return Attention(dim=dim, args=args.attention)
     if symbol == "-":
-        return SwiGLU(dim=dim, hidden_dim=args.mlp.hidden_dim)
+        mlp_class = SquaredReLUMLP if args.mlp.activation == "relu2" else SwiGLU
+        return mlp_class(dim=dim, hidden_dim=args.mlp.hidden_dim)
     if symbol == "E":
         return MoE(dim=dim, args=args.moe)
     raise ValueError(f"unknown layer symbol '{symbol}'")

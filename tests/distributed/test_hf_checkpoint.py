@@ -1,0 +1,97 @@
+"""HF Nemotron-H checkpoints in the real trainer: `--checkpoint.initial_load_in_hf` reads a
+`transformers` checkpoint under 1 process and under TP=2 / FSDP=2 (same first loss), and
+`--checkpoint.last_save_in_hf` writes it back. With lr=0 the weights do not move, so the
+written checkpoint must equal the one read, bit for bit, and load into transformers."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.launch import run_training
+from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
+from titan_hybrid.model.args import hybrid_flavors
+
+transformers = pytest.importorskip("transformers")
+
+RUN = ("--model.flavor", "debug_nemotron_h", "--training.steps", "1", "--optimizer.lr", "0",
+       "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+       "--training.seq_len", "128")
+
+
+def safetensors_of(folder):
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_source")
+    args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], max_seq_len=128)
+    config = {k: v for k, v in nemotron_h_config(args).items()
+              if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return folder
+
+
+LAYOUTS = {"1": ((), 1), "tp2": (("--parallelism.tensor_parallel_degree", "2"), 2),
+           "fsdp2": ((), 2), "fsdp2_tp2": (("--parallelism.tensor_parallel_degree", "2"), 4)}
+
+
+def round_trip(tmp_path, hf_checkpoint, layout):
+    """Load the HF checkpoint, train one step at lr=0, save in HF format; check what was
+    written and return the first loss."""
+    extra, nproc = LAYOUTS[layout]
+    result = run_training(
+        tmp_path, *RUN, *extra, "--checkpoint.enable", "--checkpoint.folder", "ck",
+        "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(hf_checkpoint),
+        "--checkpoint.last_save_in_hf", nproc=nproc).check()
+    saved = tmp_path / "outputs" / "ck" / "step-1"
+    original, written = safetensors_of(hf_checkpoint), safetensors_of(saved)
+    assert sorted(written) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(written[key], tensor), key
+    config = json.loads((saved / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == "M-M*-M-"
+    transformers.NemotronHForCausalLM.from_pretrained(str(saved))  # config + weights load
+    return result.losses[0]
+
+
+@pytest.fixture(scope="module")
+def single_process_loss(tmp_path_factory, hf_checkpoint):
+    return round_trip(tmp_path_factory.mktemp("hf_1"), hf_checkpoint, "1")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2",
+                                    pytest.param("fsdp2_tp2", marks=pytest.mark.slow)])
+def test_hf_checkpoint_round_trips_under_each_layout(tmp_path, hf_checkpoint,
+                                                     single_process_loss, layout):
+    # Same data, same weights: the first loss is a property of the checkpoint, not the layout.
+    loss = round_trip(tmp_path, hf_checkpoint, layout)
+    assert loss == pytest.approx(single_process_loss, rel=1e-6)
+
+
+def test_hf_load_of_a_mismatched_model_names_the_keys(tmp_path, hf_checkpoint):
+    result = run_training(
+        tmp_path, *RUN, "--hybrid.pattern", "M-M*-M-M", "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(hf_checkpoint))
+    assert result.returncode != 0
+    assert "backbone.layers.7.mixer.in_proj.weight" in result.output
+    assert "Training starts at step" not in result.output
+
+
+def test_hf_flags_with_a_model_the_format_cannot_hold_fail_at_once(tmp_path):
+    result = run_training(tmp_path, "--training.steps", "1", "--checkpoint.enable",
+                          "--checkpoint.last_save_in_hf")
+    assert result.returncode != 0
+    assert "cannot use the HF Nemotron-H format" in result.output
+    assert "Training starts at step" not in result.output

@@ -1,0 +1,287 @@
+"""Hugging Face Nemotron-H interop: a torchtitan state-dict adapter for the hub format that
+`transformers`' `nemotron_h` model reads (`backbone.layers.N.mixer.*`), and config.json <->
+HybridModelArgs.
+
+With it `--checkpoint.initial_load_in_hf` and `--checkpoint.last_save_in_hf` work under any
+TP / FSDP layout. The adapter sees the state dict of SplitModelWrapper, whose fused tensors
+are already components in global coordinates, so a fused HF tensor (Mamba in_proj
+[z | x | B | C | dt], conv [x | B | C]) is those components laid end to end: every rank writes
+or reads only the pieces it holds, nothing is gathered.
+
+Nemotron-H has Mamba2, attention without position embeddings and a non-gated squared-ReLU MLP:
+patterns of `M`, `*`, `-` with `mlp.activation = "relu2"` and `attention.use_rope = False`.
+Other models get a ValueError naming the field when the adapter is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
+from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
+from titan_hybrid.pattern import SYMBOL_NAMES, parse_hybrid_pattern
+
+HF_BLOCK_TYPES = {"M": "mamba", "*": "attention", "-": "mlp"}  # hybrid_override_pattern
+HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "mamba": "M",
+                  "attention": "*"}
+_RENAMES = {  # kind -> {our parameter: HF parameter under `mixer.`}
+    "mamba": {name: name for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")},
+    "attention": {"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",
+                  "wv.weight": "v_proj.weight", "wo.weight": "o_proj.weight"},
+    "mlp": {"fc1.weight": "up_proj.weight", "fc2.weight": "down_proj.weight"},
+}
+_MAMBA_FUSED = {"in_proj.weight": (".z", ".x", ".B", ".C", ".dt"),
+                "conv1d.weight": (".x", ".B", ".C"), "conv1d.bias": (".x", ".B", ".C")}
+
+
+def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
+    """ValueError naming the first field the HF Nemotron-H format cannot represent."""
+    pattern = parse_hybrid_pattern(args.pattern)
+    unsupported = sorted(set(pattern.physical_layer_symbols(include_mtp=True)) - set(HF_BLOCK_TYPES))
+    problems = []
+    if unsupported:
+        problems.append(f"hybrid.pattern '{args.pattern}' has layer types {unsupported}; the "
+                        "format holds only M, * and -")
+    if pattern.mtp_depths:
+        problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths; the format has none")
+    symbols = set(pattern.physical_layer_symbols(include_mtp=True))
+    if "-" in symbols and args.mlp.activation != "relu2":
+        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'relu2'")
+    if "*" in symbols and args.attention.use_rope:
+        problems.append("attention.use_rope=True: Nemotron-H attention has no position embedding")
+    if "M" in symbols and args.mamba.dt_limit[1] != float("inf"):
+        problems.append(f"mamba.dt_limit={args.mamba.dt_limit} must have no upper bound")
+    if problems:
+        raise ValueError("model cannot use the HF Nemotron-H format: " + "; ".join(problems))
+
+
+def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, str]]:
+    """(checkpoint key prefix, kind) of each physical layer in order: HF layer N is entry N.
+    Prefixes are the LOGICAL keys SplitModelWrapper uses (a group's sub-layer takes the group's
+    index unless its kind occurs twice in the group)."""
+    layers = []
+    for index, item in enumerate(parse_hybrid_pattern(args.pattern).main):
+        if isinstance(item, str):
+            layers.append((f"layers.{index}.", SYMBOL_NAMES[item]))
+            continue
+        for inner, symbol in enumerate(item):
+            unique = item.count(symbol) == 1
+            prefix = f"layers.{index}." if unique else f"layers.{index}.layers.{inner}."
+            layers.append((prefix, SYMBOL_NAMES[symbol]))
+    return layers
+
+
+def _mamba_component_sizes(args: HybridModelArgs) -> dict[str, int]:
+    group_state = args.mamba.n_groups * args.mamba.d_state
+    return {".z": args.mamba_d_inner, ".x": args.mamba_d_inner, ".B": group_state,
+            ".C": group_state, ".dt": args.mamba_n_heads}
+
+
+class HFFusedChunks(ComponentChunks):
+    """A fused HF tensor made of components. Reading lands in place through the pieces. For
+    writing, DCP's safetensors writer keeps one piece per key per rank, and under TP a rank's
+    pieces are scattered over the HF tensor (its z, x, B, C, dt rows): then the tensor is
+    gathered, one at a time, and each rank writes an even block of its rows. Without TP a
+    rank's rows are contiguous in the HF tensor too (one merged piece): nothing is gathered.
+    The choice depends on the layout alone, never on a rank's own pieces, so that every rank
+    takes part in the same collectives."""
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        if tp_degree(self.source) == 1:
+            return super().__create_write_items__(fqn, obj)
+        full = deinterleave_from_tp(self.source.full_tensor(), self.layout,
+                                    tp_degree(self.source)).to(self.dtype)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        block = -(-full.shape[0] // world)
+        rows = full[rank * block:(rank + 1) * block].clone()
+        if rows.shape[0] == 0:
+            return []
+        offsets = torch.Size([rank * block] + [0] * (full.dim() - 1))
+        self._write_piece = (offsets, rows)
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
+                properties=TensorProperties.create_from_tensor(rows), size=self.shape))]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        piece = getattr(self, "_write_piece", None)
+        if piece is not None and piece[0] == index.offset:
+            return piece[1]
+        return super().__get_tensor_shard__(index)
+
+
+class NemotronHStateDictAdapter(BaseStateDictAdapter):
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
+        self.model_args = model_args
+        self.hf_assets_path = hf_assets_path
+        self.fqn_to_index_mapping = None
+        index_file = os.path.join(hf_assets_path or "", "model.safetensors.index.json")
+        if hf_assets_path and os.path.isfile(index_file):
+            with open(index_file) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.fqn_to_index_mapping = {key: int(re.search(r"\d+", file).group(0))
+                                         for key, file in weight_map.items()}
+        # HF key -> (fused value handed out by to_hf, {our key: component}) so that from_hf
+        # returns the very components a load wrote into.
+        self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
+
+    def _key_map(self) -> dict[str, str | tuple[str, ...]]:
+        """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
+        check_nemotron_h_compatible(self.model_args)
+        mapping: dict[str, str | tuple[str, ...]] = {
+            "backbone.embeddings.weight": "tok_embeddings.weight",
+            "backbone.norm_f.weight": "norm.weight",
+            "lm_head.weight": "output.weight",
+        }
+        for number, (prefix, kind) in enumerate(physical_layer_prefixes(self.model_args)):
+            hf = f"backbone.layers.{number}."
+            mapping[hf + "norm.weight"] = f"{prefix}{kind}_norm.weight"
+            for ours, theirs in _RENAMES[kind].items():
+                mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind}.{ours}"
+            if kind == "mamba":
+                for name, parts in _MAMBA_FUSED.items():
+                    mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}mamba.{name}{p}" for p in parts)
+        return mapping
+
+    def to_hf(self, state_dict: dict) -> dict:
+        hf_state_dict = {}
+        self._fused_handed_out = {}
+        for hf_key, ours in self._key_map().items():
+            if isinstance(ours, str):
+                if ours in state_dict:
+                    hf_state_dict[hf_key] = state_dict[ours]
+                continue
+            if not all(key in state_dict for key in ours):
+                continue  # on another pipeline stage
+            fused = concat_components([state_dict[key] for key in ours], dim=0, cls=HFFusedChunks)
+            hf_state_dict[hf_key] = fused
+            self._fused_handed_out[hf_key] = (fused, {key: state_dict[key] for key in ours})
+        return hf_state_dict
+
+    def from_hf(self, hf_state_dict: dict) -> dict:
+        sizes = _mamba_component_sizes(self.model_args)
+        state_dict = {}
+        for hf_key, ours in self._key_map().items():
+            if hf_key not in hf_state_dict:
+                continue
+            value = hf_state_dict[hf_key]
+            if isinstance(ours, str):
+                state_dict[ours] = value
+                continue
+            handed_out = self._fused_handed_out.get(hf_key)
+            if handed_out is not None and handed_out[0] is value:
+                state_dict.update(handed_out[1])  # loaded in place through the components' views
+                continue
+            parts = [key.rsplit(".", 1)[1] for key in ours]
+            pieces = value.split([sizes["." + part] for part in parts], dim=0)
+            state_dict.update(zip(ours, pieces))
+        return state_dict
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        if from_quantized:
+            raise ValueError("checkpoint.initial_load_in_hf_quantized: Nemotron-H checkpoints are "
+                             "read unquantized only")
+        return HuggingFaceStorageReader(path)
+
+
+# --------------------------------------------------------------------------- config.json
+def nemotron_h_config(args: HybridModelArgs) -> dict:
+    """The config.json a `transformers` NemotronHForCausalLM needs for these weights."""
+    check_nemotron_h_compatible(args)
+    pattern = parse_hybrid_pattern(args.pattern).physical_layer_symbols(include_mtp=False)
+    attention, mamba = args.attention, args.mamba
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "hybrid_override_pattern": "".join(pattern),
+        "num_hidden_layers": len(pattern),
+        "layer_norm_epsilon": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": False,
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "attention_bias": False,
+        "intermediate_size": args.mlp.hidden_dim,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "mamba_num_heads": args.mamba_n_heads,
+        "mamba_head_dim": mamba.head_dim,
+        "n_groups": mamba.n_groups,
+        "ssm_state_size": mamba.d_state,
+        "conv_kernel": mamba.conv_width,
+        "chunk_size": mamba.chunk_size,
+        "expand": mamba.expand,
+        "mamba_hidden_act": "silu",
+        "use_bias": False,
+        "use_conv_bias": True,
+        # transformers clamps softplus(dt + dt_bias) from below at time_step_min.
+        "time_step_min": mamba.dt_limit[0],
+        "time_step_max": mamba.dt_max,
+        "time_step_floor": mamba.dt_init_floor,
+        "residual_in_fp32": False,
+    }
+
+
+def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None = None
+                                      ) -> HybridModelArgs:
+    """HybridModelArgs for an HF Nemotron-H config.json (dense: Mamba2, attention, MLP)."""
+    if "hybrid_override_pattern" in config:
+        pattern = config["hybrid_override_pattern"]
+    else:
+        types = config.get("layers_block_type", [])
+        unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
+        if unknown:
+            raise ValueError(f"layers_block_type has {unknown}: only mamba, attention and mlp "
+                             "layers are supported")
+        pattern = "".join(HF_LAYER_TYPES[t] for t in types)
+    for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
+                            ("tie_word_embeddings", False), ("use_bias", False),
+                            ("mlp_bias", False), ("attention_bias", False),
+                            ("use_conv_bias", True)):
+        if config.get(field, expected) != expected:
+            raise ValueError(f"Nemotron-H config: {field}={config[field]!r} is not supported "
+                             f"(expected {expected!r})")
+    dim = config["hidden_size"]
+    d_inner = config["mamba_num_heads"] * config["mamba_head_dim"]
+    if d_inner % dim:
+        raise ValueError(f"Nemotron-H config: mamba_num_heads*mamba_head_dim={d_inner} is not a "
+                         f"multiple of hidden_size={dim}")
+    base = base or HybridModelArgs()
+    return dataclasses.replace(
+        base,
+        pattern=pattern,
+        dim=dim,
+        vocab_size=config["vocab_size"],
+        norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        attention=AttentionArgs(n_heads=config["num_attention_heads"],
+                                n_kv_heads=config["num_key_value_heads"],
+                                head_dim=config.get("head_dim") or dim // config["num_attention_heads"],
+                                use_rope=False),
+        mlp=MLPArgs(hidden_dim=config["intermediate_size"], activation="relu2"),
+        mamba=MambaArgs(d_state=config["ssm_state_size"], head_dim=config["mamba_head_dim"],
+                        n_groups=config["n_groups"], expand=d_inner // dim,
+                        conv_width=config.get("conv_kernel", 4),
+                        chunk_size=config.get("chunk_size", 128),
+                        dt_max=config.get("time_step_max", 0.1),
+                        dt_init_floor=config.get("time_step_floor", 1e-4),
+                        dt_limit=(config.get("time_step_min", 1e-3), float("inf"))),
+    )
