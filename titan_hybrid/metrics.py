@@ -3,19 +3,18 @@
 The console prints losses to 5 decimals; comparing parallel layouts bit for bit needs the exact
 values. With `--hybrid.loss_curve_file PATH`, every logged step appends one JSON line
 `{"step": s, "loss": float, "grad_norm": float}` (full float precision, rank 0 only; under
-pipeline parallelism the first rank that holds the loss).
+pipeline parallelism the rank torchtitan logs from: the first rank of the last stage).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 
@@ -30,17 +29,16 @@ class HybridMetricsProcessor(MetricsProcessor):
         hybrid = getattr(job_config, "hybrid", None)
         path = getattr(hybrid, "loss_curve_file", "") if hybrid is not None else ""
         self.loss_curve_file = Path(path) if path else None
+        self.curve_rank = _get_metrics_rank(parallel_dims, job_config)
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
         if self.loss_curve_file is None:
             return
-        loss = _as_float(global_avg_loss)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        # Ranks without the loss (non-last pipeline stages) report -1.
-        has_loss = not math.isclose(loss, -1.0)
-        if not has_loss or (rank != 0 and not self.parallel_dims.pp_enabled):
+        if rank != self.curve_rank:
             return
+        loss = _as_float(global_avg_loss)
         self.loss_curve_file.parent.mkdir(parents=True, exist_ok=True)
         with self.loss_curve_file.open("a") as f:
             f.write(json.dumps({"step": step, "loss": loss,

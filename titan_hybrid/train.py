@@ -80,6 +80,17 @@ def hybrid_trainer_class():
         return save
 
     class HybridTrainer(Trainer):
+        def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+            if not self.parallel_dims.pp_enabled:
+                return super().forward_backward_step(
+                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+            # Pipeline microbatch losses are divided by the token count before their backward
+            # (titan_hybrid.parallel.pipeline); torchtitan divides their sum once more.
+            self.pp_schedule.scaled_loss.global_valid_tokens = global_valid_tokens
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+            return loss * global_valid_tokens if self.pp_has_last_stage else loss
+
         def __init__(self, job_config):
             super().__init__(job_config)
             if job_config.model.name == "hybrid":
@@ -87,8 +98,9 @@ def hybrid_trainer_class():
                 self.checkpointer.states[MODEL] = wrapper
                 by_order = getattr(getattr(job_config, "hybrid", None), "load_layers_by_order",
                                    False)
+                sd_adapter = getattr(self.checkpointer, "sd_adapter", None)  # None: disabled
                 self.checkpointer.dcp_load = checked_dcp_load(
-                    self.checkpointer.dcp_load, wrapper, by_order, self.checkpointer.sd_adapter)
+                    self.checkpointer.dcp_load, wrapper, by_order, sd_adapter)
                 self.checkpointer.dcp_save = dcp_save_with_hf_config(
                     self.checkpointer.dcp_save, self.model_args)
 

@@ -13,6 +13,7 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.tokenizer import build_hybrid_tokenizer
 
 TRAIN_SPEC_NAME = "hybrid"
@@ -23,7 +24,7 @@ def hybrid_train_spec() -> TrainSpec:
         model_cls=HybridModel,
         model_args=hybrid_flavors,
         parallelize_fn=parallelize_hybrid,
-        pipelining_fn=None,
+        pipelining_fn=pipeline_hybrid,
         build_optimizers_fn=build_hybrid_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_global_batch_dataloader,

@@ -42,7 +42,9 @@ class Attention(nn.Module):
         annotate_tensor_parallel(self.wo.weight, partition_dim=1)
 
     def forward(self, x_BTD: torch.Tensor, rope_TD2: torch.Tensor) -> torch.Tensor:
+        """`rope_TD2` is the model's whole table: positions 0..seq_len-1 are used."""
         batch, seq_len, _ = x_BTD.shape
+        rope_TD2 = rope_TD2[:seq_len]
         # -1 instead of the head count: under tensor parallelism each rank holds fewer heads.
         q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)

@@ -17,6 +17,7 @@ import math
 import zlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.args import HybridModelArgs
@@ -134,6 +135,7 @@ class HybridModel(ModelProtocol):
         self.mtp = nn.ModuleList(MTPDepth(pattern.mtp, model_args)
                                  for _ in range(pattern.mtp_depths))
         self.has_aux_loss = "E" in model_args.symbols()
+        self.mtp_depths = pattern.mtp_depths
         self.register_buffer("rope", self._rope_table(), persistent=False)
 
     def _rope_table(self) -> torch.Tensor:
@@ -173,21 +175,39 @@ class HybridModel(ModelProtocol):
                 torch.manual_seed(args.init_seed * 1_000_003 + zlib.crc32(name.encode()))
                 init(unit)
 
-    def forward(self, tokens: torch.Tensor):
-        seq_len = tokens.shape[1]
-        rope = self.rope[:seq_len]
-        h = self.tok_embeddings(tokens)
-        aux_loss = h.new_zeros((), dtype=torch.float32)
-        for layer in self.layers.values():
-            h, aux_loss = layer(h, aux_loss, rope)
-        logits = self.output(self.norm(h))
-        if not self.mtp and not self.has_aux_loss:
-            return logits
-        mtp_logits = []
-        for depth, mtp_depth in enumerate(self.mtp, start=1):
+    def forward(self, tokens_or_hidden: torch.Tensor, *carried: torch.Tensor):
+        """Tokens [B, T] -> logits, or (logits, aux_loss, *mtp_logits) with MoE layers or MTP.
+
+        Pipeline stages are copies of this model with the parts of other stages set to None (or
+        dropped from `layers` / `mtp`). A stage without the embedding receives what the stage
+        before returned: the hidden state, then the aux loss (MoE patterns), then the embeddings
+        of the tokens 1..depths ahead that the MTP depths on the last stage read (they are
+        computed on the first stage, where the embedding lives, and ride along)."""
+        if self.tok_embeddings is not None:
+            tokens = tokens_or_hidden
+            h = self.tok_embeddings(tokens)
             # Depth k sees the embedding of token t+k; the last k positions have no such token
             # (their targets are ignored by the loss), so they read a padding token 0.
-            future = torch.nn.functional.pad(tokens[:, depth:], (0, depth))
-            h, aux_loss, normed = mtp_depth(h, self.tok_embeddings(future), aux_loss, rope)
+            futures = [self.tok_embeddings(F.pad(tokens[:, depth:], (0, depth)))
+                       for depth in range(1, self.mtp_depths + 1)]
+            # A leaf that requires grad, so that every stage's aux output does (a pipeline
+            # stage sends gradients for all of its outputs).
+            aux_loss = torch.zeros((), device=h.device,
+                                   requires_grad=self.has_aux_loss and torch.is_grad_enabled())
+        else:
+            h = tokens_or_hidden
+            aux_loss = carried[0] if self.has_aux_loss else h.new_zeros((), dtype=torch.float32)
+            futures = list(carried[1:] if self.has_aux_loss else carried)
+        for layer in self.layers.values():
+            h, aux_loss = layer(h, aux_loss, self.rope)
+        if self.output is None:  # a pipeline stage before the last
+            carry = ([aux_loss] if self.has_aux_loss else []) + futures
+            return (h, *carry) if carry else h
+        logits = self.output(self.norm(h))
+        if not self.mtp_depths and not self.has_aux_loss:
+            return logits
+        mtp_logits = []
+        for mtp_depth, future in zip(self.mtp, futures, strict=True):
+            h, aux_loss, normed = mtp_depth(h, future, aux_loss, self.rope)
             mtp_logits.append(self.output(normed))
         return (logits, aux_loss, *mtp_logits)

@@ -211,9 +211,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         _make_region(mixer, tp_mesh, sequence_parallel)
 
     sequence = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
+    plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
         "output": ColwiseParallel(input_layouts=sequence,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # A pipeline stage may hold neither.
+    parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
+                                        if getattr(model, name) is not None})

@@ -6,7 +6,7 @@ from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
 # Parallelisms whose implementation has not landed yet; asking for one fails fast.
-_NOT_YET = ("context_parallel_degree", "expert_parallel_degree", "pipeline_parallel_degree")
+_NOT_YET = ("context_parallel_degree", "expert_parallel_degree")
 
 
 def sharding_strategy(job_config) -> str:
@@ -48,6 +48,19 @@ def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: i
         checks += [("training.seq_len (sequence parallel)", seq_len)]
     for field, value in checks:
         _require_divisible(field, value, name, tp)
+
+
+def validate_pipeline(job_config, model_args: HybridModelArgs) -> None:
+    from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
+
+    p = job_config.parallelism
+    module_names_per_stage(model_args, p.pipeline_parallel_degree,
+                           stages_per_rank(job_config, model_args))  # pattern split errors
+    local_batch, microbatch = (job_config.training.local_batch_size,
+                               p.pipeline_parallel_microbatch_size)
+    if local_batch % microbatch:
+        raise ValueError(f"training.local_batch_size={local_batch} is not divisible by "
+                         f"parallelism.pipeline_parallel_microbatch_size={microbatch}")
 
 
 def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
@@ -101,6 +114,8 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
                              f"the pattern '{model_args.pattern}' has no MoE ('E') layer")
         _require_divisible("moe.num_experts", model_args.moe.num_experts,
                            "expert_parallel_degree", p.expert_parallel_degree)
+    if p.pipeline_parallel_degree > 1:
+        validate_pipeline(job_config, model_args)
     for name in _NOT_YET:
         degree = getattr(p, name)
         if degree > 1:

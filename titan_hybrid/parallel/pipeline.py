@@ -1,0 +1,119 @@
+"""Pipeline parallelism: torchtitan's `pipelining_fn` for HybridModel.
+
+Stages come from the pattern (HybridPattern.pipeline_stages): with `|` segments, segment
+`virtual_stage * pp_size + pp_rank` is a stage; without them the layers are split evenly, never
+through a bracket group. The embedding lives on the first stage; the final norm, the LM head and
+the MTP depths on the last (the MTP depths' future-token embeddings are computed on the first
+stage and passed along, see HybridModel.forward). Each stage is a copy of the model with the
+other stages' parts removed, parallelized like a whole model, and driven by one of torch's
+schedules (GPipe, 1F1B, Interleaved1F1B, the zero-bubble variants, DualPipeV).
+
+torchtitan's pipeline path back-propagates the summed loss of each microbatch; here the loss
+function divides by the step's global valid-token count (set by the trainer before each step),
+so gradients equal the non-pipelined ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_parallel import (
+    build_pipeline_schedule,
+    pipeline_module_split,
+)
+from torchtitan.tools.logging import logger
+
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.pattern import parse_hybrid_pattern
+
+
+def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
+    """Virtual stages per rank: set by `|` segments when the pattern has them, else 1 for
+    single-stage schedules and 2 (V-shaped schedules: exactly 2) for looped ones, unless
+    parallelism.pipeline_parallel_layers_per_stage says otherwise."""
+    parallelism = job_config.parallelism
+    pp = parallelism.pipeline_parallel_degree
+    schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
+    single = issubclass(schedule, PipelineScheduleSingle)
+    pattern = parse_hybrid_pattern(model_args.pattern)
+    if len(pattern.segments) > 1:
+        count = len(pattern.segments) // pp if len(pattern.segments) % pp == 0 else 0
+    elif parallelism.pipeline_parallel_layers_per_stage:
+        per_stage = parallelism.pipeline_parallel_layers_per_stage
+        count = pattern.num_physical_layers // (per_stage * pp)
+        if count * per_stage * pp != pattern.num_physical_layers:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_layers_per_stage={per_stage}: the "
+                f"{pattern.num_physical_layers} physical layers of '{model_args.pattern}' are not "
+                f"a multiple of layers_per_stage * pipeline_parallel_degree={per_stage * pp}")
+    else:
+        count = 1 if single else 2
+    if single and count != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"runs one stage per rank, but the pattern / layers_per_stage give {count}; use a "
+            "looped schedule (e.g. Interleaved1F1B) or fewer '|' segments")
+    if schedule in (ScheduleZBVZeroBubble, ScheduleDualPipeV) and count != 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"needs exactly 2 stages per rank, the pattern gives {count}")
+    if not single and count < 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"needs at least 2 stages per rank, the pattern gives {count}")
+    return count
+
+
+def module_names_per_stage(model_args: HybridModelArgs, pp: int,
+                           virtual_stages: int) -> list[list[str]]:
+    """The model's module names that each pipeline stage keeps, in stage order."""
+    pattern = parse_hybrid_pattern(model_args.pattern)
+    stages = pattern.pipeline_stages(pp, virtual_stages)
+    names = []
+    for stage in stages:
+        kept = [f"layers.{stage.first_logical_index + offset}" for offset in range(len(stage.items))]
+        if stage.index == 0:
+            kept.insert(0, "tok_embeddings")
+        if stage.index == len(stages) - 1:
+            kept += ["norm", "output"] + [f"mtp.{depth}" for depth in range(pattern.mtp_depths)]
+        names.append(kept)
+    return names
+
+
+class GlobalTokenScaledLoss:
+    """The per-microbatch loss divided by the step's global valid-token count."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn = loss_fn
+        self.global_valid_tokens: torch.Tensor | None = None
+
+    def __call__(self, pred, labels):
+        return self.loss_fn(pred, labels) / self.global_valid_tokens
+
+
+def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
+                    device: torch.device, model_args: HybridModelArgs, parallelize_fn,
+                    loss_fn):
+    pp_mesh = parallel_dims.get_mesh("pp")
+    virtual = stages_per_rank(job_config, model_args)
+    names = module_names_per_stage(model_args, parallel_dims.pp, virtual)
+    for index, stage_names in enumerate(names):
+        logger.info(f"Pipeline stage {index}: {stage_names}")
+    stages, model_parts = pipeline_module_split(
+        model, pp_mesh, job_config.parallelism.pipeline_parallel_schedule, device, names)
+    for index, part in enumerate(model_parts):
+        model_parts[index] = parallelize_fn(part, parallel_dims, job_config)
+        stages[index].submod = model_parts[index]
+    scaled_loss = GlobalTokenScaledLoss(loss_fn)
+    schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
+    schedule.scaled_loss = scaled_loss  # the trainer sets its token count each step
+    return (schedule, model_parts, any(stage.is_first for stage in stages),
+            any(stage.is_last for stage in stages))
