@@ -63,11 +63,13 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
         (("--training.dataset", "c4_test", "--training.dataset_path", "/no/such/dir"),
          "training.dataset_path '/no/such/dir' does not exist"),
         (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
-        (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2"),
+        (("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*"),
+         "3 physical layers cannot be split evenly into 2 pipeline stages"),
+        (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree=2"),
     ],
 )
 def test_bad_input_fails_before_training_with_a_clear_message(tmp_path, args, message):
-    nproc = 2 if "--parallelism.pipeline_parallel_degree" in args else 1
+    nproc = 2 if any(arg.endswith("parallel_degree") for arg in args) else 1
     result = run_training(tmp_path, *args, nproc=nproc)
     assert result.returncode != 0
     assert message in result.output

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 
+import torch.distributed as dist
 from torch import nn
 from torchtitan.components.checkpoint import ModelWrapper
 
@@ -161,9 +162,11 @@ def flattened_tensors(state_dict: dict) -> dict:
 
 
 def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
-                             allow_unexpected: bool = False) -> dict:
-    """Raise ValueError naming every key the checkpoint lacks or holds with another shape.
-    Returns the state dict with the final norm renamed if the checkpoint uses the alias."""
+                             allow_unexpected: bool = False, group=None) -> dict:
+    """Raise ValueError naming every key the checkpoint lacks or holds with another shape, or
+    holds although no rank of `group` (all ranks by default: a pipeline stage holds only its
+    own layers) asks for it. Returns the state dict with the final norm renamed if the
+    checkpoint uses the alias."""
     stored = metadata.state_dict_metadata
     state_dict = dict(state_dict)
     for key, alias in FINAL_NORM_ALIASES.items():
@@ -179,8 +182,13 @@ def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
             missing.append(key)
         elif hasattr(stored[key], "size") and tuple(stored[key].size) != tuple(shape):
             mismatched.append(f"{key}: checkpoint {tuple(stored[key].size)}, model {tuple(shape)}")
+    wanted = set(requested)
+    if not allow_unexpected and dist.is_initialized() and dist.get_world_size(group) > 1:
+        every_rank: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every_rank, wanted, group=group)
+        wanted = set().union(*every_rank)
     unexpected = [] if allow_unexpected else [
-        key for key in stored if not key.startswith(NON_MODEL_PREFIXES) and key not in requested]
+        key for key in stored if not key.startswith(NON_MODEL_PREFIXES) and key not in wanted]
     if missing or mismatched or unexpected:
         def listing(keys):
             return ", ".join(sorted(keys)[:12]) + (" ..." if len(keys) > 12 else "")

@@ -32,6 +32,7 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.parallel.tensor_parallel import record_param_layouts
 from titan_hybrid.pattern import parse_hybrid_pattern
 
 
@@ -107,6 +108,7 @@ def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: J
     names = module_names_per_stage(model_args, parallel_dims.pp, virtual)
     for index, stage_names in enumerate(names):
         logger.info(f"Pipeline stage {index}: {stage_names}")
+    record_param_layouts(model)  # before the stage copies lose the parameter annotations
     stages, model_parts = pipeline_module_split(
         model, pp_mesh, job_config.parallelism.pipeline_parallel_schedule, device, names)
     for index, part in enumerate(model_parts):

@@ -97,8 +97,12 @@ def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -
 def record_param_layouts(model: nn.Module) -> None:
     """Classify every parameter while its annotations still exist (on the meta model: to_empty
     and fully_shard replace parameter objects) and keep the result on its module, where the
-    TP plan, the layout-independent init and the checkpoint split read it."""
+    TP plan, the layout-independent init and the checkpoint split read it. Modules that
+    already hold layouts keep them: a pipeline stage is a deep copy, which keeps the module's
+    layouts but not the annotations on its parameters."""
     for module in model.modules():
+        if "param_layouts" in module.__dict__:
+            continue
         layouts = {name: classify_parameter(module, name, param)
                    for name, param in module._parameters.items() if param is not None}
         if layouts:

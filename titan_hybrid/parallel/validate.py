@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
@@ -54,13 +56,23 @@ def validate_pipeline(job_config, model_args: HybridModelArgs) -> None:
     from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
 
     p = job_config.parallelism
-    module_names_per_stage(model_args, p.pipeline_parallel_degree,
-                           stages_per_rank(job_config, model_args))  # pattern split errors
+    virtual_stages = stages_per_rank(job_config, model_args)
+    module_names_per_stage(model_args, p.pipeline_parallel_degree, virtual_stages)  # split errors
     local_batch, microbatch = (job_config.training.local_batch_size,
                                p.pipeline_parallel_microbatch_size)
     if local_batch % microbatch:
         raise ValueError(f"training.local_batch_size={local_batch} is not divisible by "
                          f"parallelism.pipeline_parallel_microbatch_size={microbatch}")
+    stages = p.pipeline_parallel_degree * virtual_stages
+    if p.pipeline_parallel_schedule == "DualPipeV" and not torch.accelerator.is_available():
+        raise ValueError("parallelism.pipeline_parallel_schedule 'DualPipeV' needs an "
+                         "accelerator (torch's DualPipeV runs on device streams); on CPU use "
+                         "ZBVZeroBubble for a V-shaped schedule")
+    if p.pipeline_parallel_schedule == "DualPipeV" and local_batch // microbatch < stages:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule 'DualPipeV' needs at least as many "
+            f"microbatches as stages: {local_batch // microbatch} microbatches "
+            f"(training.local_batch_size / pipeline_parallel_microbatch_size), {stages} stages")
 
 
 def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
