@@ -41,13 +41,20 @@ def test_pipeline_schedules_match_one_process(tmp_path, single_process, schedule
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--parallelism.tensor_parallel_degree", "2")],
-                         ids=["pp2_fsdp2", "pp2_tp2"])
-def test_pipeline_composes_with_fsdp_and_tensor_parallel(tmp_path, single_process, extra):
-    # 4 ranks: with FSDP the batch splits over 2 data-parallel ranks of 2 rows each.
-    local = ("--training.local_batch_size", "2") if not extra else ()
-    result = run_training(tmp_path, "--training.steps", "4", *BATCH, *PIPELINE, *local, *extra,
+def test_pipeline_composes_with_fsdp(tmp_path):
+    # 4 ranks, PP2 x FSDP2: each data-parallel rank takes 4 of the 8 rows, in 2 microbatches.
+    batch = ("--training.global_batch_size", "8", "--training.seq_len", "128")
+    reference = run_training(tmp_path / "one", "--training.steps", "3", *batch,
+                             "--training.local_batch_size", "2", **MOE).check()
+    result = run_training(tmp_path / "pp_fsdp", "--training.steps", "3", *batch, *PIPELINE,
                           *TWO_STAGES, nproc=4, **MOE).check()
+    assert result.losses == pytest.approx(reference.losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_composes_with_tensor_parallel(tmp_path, single_process):
+    result = run_training(tmp_path, "--training.steps", "4", *BATCH, *PIPELINE, *TWO_STAGES,
+                          "--parallelism.tensor_parallel_degree", "2", nproc=4, **MOE).check()
     assert result.losses == pytest.approx(single_process, rel=1e-5)
 
 

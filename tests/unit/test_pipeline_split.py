@@ -60,6 +60,8 @@ def test_stages_per_rank(schedule, pattern, expected):
     ((), "[M*E]M", "opens a group that an even split into 2 stages"),
     (("--training.local_batch_size", "6", "--parallelism.pipeline_parallel_microbatch_size",
       "4"), "M*EM", "local_batch_size=6 is not divisible by parallelism.pipeline_parallel_"),
+    (("--parallelism.pipeline_parallel_schedule", "1F1B", "--training.local_batch_size", "2"),
+     "M*EM", "'1F1B' needs at least as many microbatches as stages: 1 microbatches"),
     (("--parallelism.pipeline_parallel_schedule", "DualPipeV"), "M*EM",
      "'DualPipeV' needs an accelerator" if not torch.accelerator.is_available() else
      "'DualPipeV' needs at least as many microbatches as stages: 2 microbatches"),

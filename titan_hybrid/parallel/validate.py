@@ -64,6 +64,11 @@ def validate_pipeline(job_config, model_args: HybridModelArgs) -> None:
         raise ValueError(f"training.local_batch_size={local_batch} is not divisible by "
                          f"parallelism.pipeline_parallel_microbatch_size={microbatch}")
     stages = p.pipeline_parallel_degree * virtual_stages
+    if p.pipeline_parallel_schedule == "1F1B" and local_batch // microbatch < stages:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '1F1B' needs at least as many microbatches "
+            f"as stages: {local_batch // microbatch} microbatches (training.local_batch_size="
+            f"{local_batch} / pipeline_parallel_microbatch_size={microbatch}), {stages} stages")
     if p.pipeline_parallel_schedule == "DualPipeV" and not torch.accelerator.is_available():
         raise ValueError("parallelism.pipeline_parallel_schedule 'DualPipeV' needs an "
                          "accelerator (torch's DualPipeV runs on device streams); on CPU use "
