@@ -104,7 +104,7 @@ class HFFusedChunks(ComponentChunks):
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         if tp_degree(self.source) == 1:
             return super().__create_write_items__(fqn, obj)
-        full = deinterleave_from_tp(self.source.full_tensor(), self.layout,
+        full = deinterleave_from_tp(self.source.full_tensor(), self.tp_layout,
                                     tp_degree(self.source)).to(self.dtype)
         rank, world = dist.get_rank(), dist.get_world_size()
         block = -(-full.shape[0] // world)

@@ -37,14 +37,16 @@ class ComponentChunks(torch.Tensor):
     chunks: list[tuple[torch.Size, torch.Tensor]]
     source: torch.Tensor
     fused_key: str  # the state-dict key of `source`
-    layout: TPLayout | None = None  # of `source`, when it is a fused parameter-shaped value
+    tp_layout: TPLayout | None  # of `source`, when it is a fused parameter-shaped value
 
     @staticmethod
-    def __new__(cls, global_shape: torch.Size, chunks, source: torch.Tensor, fused_key: str = ""):
+    def __new__(cls, global_shape: torch.Size, chunks, source: torch.Tensor, fused_key: str = "",
+                tp_layout: TPLayout | None = None):
         local = source.to_local() if isinstance(source, DTensor) else source
         wrapper = torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local.dtype,
                                                       device=local.device)
         wrapper.chunks, wrapper.source, wrapper.fused_key = chunks, source, fused_key
+        wrapper.tp_layout = tp_layout
         return wrapper
 
     @classmethod
@@ -55,9 +57,7 @@ class ComponentChunks(torch.Tensor):
             # torchtitan casts a model-only export (checkpoint.export_dtype): cast each piece.
             self, kwargs = args[0], kwargs or {}
             chunks = [(offsets, view.to(**kwargs)) for offsets, view in self.chunks]
-            copy = type(self)(self.shape, chunks, self.source, self.fused_key)
-            copy.layout = self.layout
-            return copy
+            return type(self)(self.shape, chunks, self.source, self.fused_key, self.tp_layout)
         raise NotImplementedError(f"{func} on checkpoint components: they only carry pieces")
 
     def __repr__(self) -> str:
@@ -131,8 +131,7 @@ def split_components(key: str, value: torch.Tensor, layout: TPLayout,
             chunks.append((torch.Size(component_offsets), view))
         shape = list(global_shape)
         shape[dim] = size
-        entries[key + name] = ComponentChunks(torch.Size(shape), chunks, value)
-        entries[key + name].layout = layout
+        entries[key + name] = ComponentChunks(torch.Size(shape), chunks, value, tp_layout=layout)
     return entries
 
 
@@ -195,7 +194,5 @@ def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Te
         start += part.shape[dim]
     shape = list(parts[0].shape)
     shape[dim] = start
-    fused = (cls or ComponentChunks)(torch.Size(shape), chunks, parts[0].source,
-                                     parts[0].fused_key)
-    fused.layout = parts[0].layout
-    return fused
+    return (cls or ComponentChunks)(torch.Size(shape), chunks, parts[0].source,
+                                    parts[0].fused_key, parts[0].tp_layout)
