@@ -31,6 +31,11 @@ class Parallelism:
     """Megatron-FSDP names: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
     optim_grads_params (ZeRO-3). With HSDP it applies to the shard dimension."""
 
+    expert_parallel_overlap: bool = False
+    """Run the forward of each microbatch together with the backward of the previous one so
+    that their expert-parallel all-to-alls overlap the other's compute (combined 1F1B). Needs
+    expert_parallel_degree > 1 and at least 2 microbatches per step (gradient accumulation)."""
+
     disable_sequence_parallel: bool = False
     """With tensor parallelism, norms and the residual stream are sharded along the sequence
     between TP regions (all-gather on entry, reduce-scatter on exit) unless this is set."""

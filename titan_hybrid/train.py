@@ -39,6 +39,8 @@ def hybrid_trainer_class():
         check_against_checkpoint,
         map_layers_by_order,
     )
+    from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
+    from titan_hybrid.parallel.validate import expert_parallel_overlap
 
     def checked_dcp_load(dcp_load, model_wrapper, by_order: bool, sd_adapter):
         def load(state_dict, checkpoint_id, from_hf, from_quantized):
@@ -80,7 +82,11 @@ def hybrid_trainer_class():
         return save
 
     class HybridTrainer(Trainer):
+        ep_overlap = None  # CombinedOneFOneB with --parallelism.expert_parallel_overlap
+
         def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+            if self.ep_overlap is not None:
+                return self.overlapped_forward_backward(input_dict, labels, global_valid_tokens)
             if not self.parallel_dims.pp_enabled:
                 return super().forward_backward_step(
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
@@ -91,8 +97,23 @@ def hybrid_trainer_class():
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
             return loss * global_valid_tokens if self.pp_has_last_stage else loss
 
+        def overlapped_forward_backward(self, input_dict, labels, global_valid_tokens):
+            """This microbatch's forward, run together with the previous one's backward."""
+            inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                input_dict, labels)
+
+            def forward():
+                with self.train_context(), self.maybe_enable_amp:
+                    pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                    return self.loss_fn(pred, labels) / global_valid_tokens
+
+            return self.ep_overlap(forward)
+
         def __init__(self, job_config):
             super().__init__(job_config)
+            if expert_parallel_overlap(job_config):
+                self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
+                                                   self.gradient_accumulation_steps)
             if job_config.model.name == "hybrid":
                 wrapper = SplitModelWrapper(self.model_parts)
                 self.checkpointer.states[MODEL] = wrapper

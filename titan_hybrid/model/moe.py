@@ -72,6 +72,10 @@ class MoE(nn.Module):
                                       num_experts=args.num_experts)
         self.shared_expert = (SwiGLU(dim=dim, hidden_dim=args.shared_expert_hidden_dim)
                               if args.shared_expert_hidden_dim > 0 else None)
+        # Router statistics since the metrics last read them (titan_hybrid.metrics): slots
+        # routed to each expert, and the summed load-balancing loss with its forward count.
+        self.register_buffer("routed_tokens", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, this layer's load-balancing loss times its coefficient)."""
@@ -81,9 +85,12 @@ class MoE(nn.Module):
         # its contiguous block, scatter-add the weighted results back to their tokens.
         slot_order = experts_NK.flatten().argsort(stable=True)
         token_of_slot = slot_order // self.args.top_k
-        tokens_per_expert = torch.bincount(experts_NK.flatten(),
-                                           minlength=self.args.num_experts).tolist()
-        expert_out = self.experts(x_ND[token_of_slot], tokens_per_expert)
+        tokens_per_expert = torch.bincount(experts_NK.flatten(), minlength=self.args.num_experts)
+        with torch.no_grad():
+            self.routed_tokens += tokens_per_expert
+            aux_value = aux_loss.detach().to(self.aux_loss_sum.dtype)
+            self.aux_loss_sum += torch.stack((aux_value, torch.ones_like(aux_value)))
+        expert_out = self.experts(x_ND[token_of_slot], tokens_per_expert.tolist())
         slot_weights = weights_NK.flatten()[slot_order].unsqueeze(-1)
         out_ND = torch.zeros_like(x_ND).index_add_(
             0, token_of_slot, (upcast(expert_out) * slot_weights).type_as(x_ND))
@@ -92,6 +99,8 @@ class MoE(nn.Module):
         return out_ND.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
+        self.routed_tokens.zero_()
+        self.aux_loss_sum.zero_()
         init_linear(self.router.gate, std=init_std)
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert is not None:

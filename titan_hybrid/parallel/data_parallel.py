@@ -9,7 +9,8 @@
 
 Units: the embedding, every top-level layer (a Mamba / attention / MLP / MoE / GDN layer, or a
 whole bracket group with its sub-layers), every MTP depth, the final norm with the LM head, then
-the root. A Mamba layer left in the root unit would be all-gathered for the whole step, which
+the root. Under expert parallelism each MoE layer's experts are a unit of their own, sharded
+over the ranks that hold the same experts. A Mamba layer left in the root unit would be all-gathered for the whole step, which
 defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
 all-reduces start as soon as each unit's backward is done.
 """
@@ -37,6 +38,12 @@ def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     return units
 
 
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    from titan_hybrid.model.moe import MoE
+
+    return [module.experts for module in model.modules() if isinstance(module, MoE)]
+
+
 def apply_data_parallel(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -45,7 +52,10 @@ def apply_data_parallel(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """`expert_mesh`: under expert parallelism, the ranks that hold the same experts (torchtitan's
+    "efsdp"); each MoE layer's experts become their own unit sharded over it."""
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
                          f"of {SHARDING_STRATEGIES}")
@@ -60,6 +70,10 @@ def apply_data_parallel(
         if cpu_offload:
             config["offload_policy"] = CPUOffloadPolicy()
         reshard = strategy == "optim_grads_params"
+        if expert_mesh is not None:
+            for experts in expert_modules(model):
+                fully_shard(experts, **{**config, "mesh": expert_mesh},
+                            reshard_after_forward=reshard)
         for index, unit in enumerate(units):
             # The LM head runs right after the last layer and first in backward: resharding
             # it in between would only add an all-gather.

@@ -11,9 +11,16 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
+from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
+from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, record_param_layouts
-from titan_hybrid.parallel.validate import sequence_parallel, sharding_strategy, validate_layout
+from titan_hybrid.parallel.validate import (
+    expert_parallel_overlap,
+    sequence_parallel,
+    sharding_strategy,
+    validate_layout,
+)
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -29,6 +36,15 @@ def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
     return strategy, parallel_dims.get_mesh("fsdp")
 
 
+def expert_data_parallel_mesh(parallel_dims: ParallelDims):
+    """Ranks holding the same experts under EP (torchtitan's "efsdp", with HSDP's replicas)."""
+    if not parallel_dims.ep_enabled:
+        return None
+    if parallel_dims.dp_replicate_enabled:
+        return parallel_dims.get_mesh(["dp_replicate", "efsdp"])
+    return parallel_dims.get_mesh("efsdp")
+
+
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
                        job_config: JobConfig) -> nn.Module:
     validate_layout(job_config, model.model_args, parallel_dims.world_size)
@@ -42,6 +58,9 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
         logger.info(f"Applied tensor parallel (sequence parallel: "
                     f"{sequence_parallel(job_config)})")
+    if parallel_dims.ep_enabled:
+        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+        logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint,
                  base_folder=job_config.job.dump_folder)
@@ -54,9 +73,12 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
             cpu_offload=job_config.training.enable_cpu_offload,
+            expert_mesh=expert_data_parallel_mesh(parallel_dims),
         )
         # The optimizer builder reads this to shard optimizer state for ZeRO-1.
         model.zero1_mesh = dp_mesh if strategy == "optim" else None
         logger.info(f"Applied data parallel '{strategy}' over {dp_mesh.mesh_dim_names}")
+    if expert_parallel_overlap(job_config):
+        install_overlap_hooks(model)
     model.init_materializer = full_tensor_materializer
     return model

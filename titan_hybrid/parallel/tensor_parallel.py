@@ -110,7 +110,7 @@ def record_param_layouts(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- local views
-def _use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
+def use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
     """During root's forward, the DTensor parameters of `owners` (root and/or its submodules,
     which the model code may read directly, e.g. `self.conv1d.weight`) are their local views."""
 
@@ -206,12 +206,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
             continue
         if _distribute_params(module, tp_mesh, outside_regions=True,
                               sequence_parallel=sequence_parallel):
-            _use_local_views(module, [module])
+            use_local_views(module, [module])
     for mixer in mixers:
         owners = [m for m in mixer.modules()
                   if _distribute_params(m, tp_mesh, outside_regions=False,
                                         sequence_parallel=sequence_parallel)]
-        _use_local_views(mixer, owners)
+        use_local_views(mixer, owners)
         _make_region(mixer, tp_mesh, sequence_parallel)
 
     sequence = Shard(1) if sequence_parallel else Replicate()

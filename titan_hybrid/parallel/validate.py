@@ -8,12 +8,16 @@ from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
 # Parallelisms whose implementation has not landed yet; asking for one fails fast.
-_NOT_YET = ("context_parallel_degree", "expert_parallel_degree")
+_NOT_YET = ("context_parallel_degree",)
 
 
 def sharding_strategy(job_config) -> str:
     return getattr(job_config.parallelism, "data_parallel_sharding_strategy",
                    "optim_grads_params")
+
+
+def expert_parallel_overlap(job_config) -> bool:
+    return getattr(job_config.parallelism, "expert_parallel_overlap", False)
 
 
 def sequence_parallel(job_config) -> bool:
@@ -80,6 +84,50 @@ def validate_pipeline(job_config, model_args: HybridModelArgs) -> None:
             f"(training.local_batch_size / pipeline_parallel_microbatch_size), {stages} stages")
 
 
+def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
+                             strategy: str) -> None:
+    ep = p.expert_parallel_degree
+    if "E" not in model_args.symbols():
+        raise ValueError(f"parallelism.expert_parallel_degree={ep} but the pattern "
+                         f"'{model_args.pattern}' has no MoE ('E') layer")
+    _require_divisible("moe.num_experts", model_args.moe.num_experts, "expert_parallel_degree", ep)
+    if shard % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} must divide data_parallel_shard_degree="
+            f"{shard}: expert parallelism spreads experts over ranks of the FSDP dimension")
+    if p.tensor_parallel_degree > 1:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree="
+            f"{p.tensor_parallel_degree}: expert parallelism combined with tensor parallelism "
+            "is not supported yet")
+    if strategy in ("no_shard", "optim"):
+        raise ValueError(
+            f"parallelism.data_parallel_sharding_strategy '{strategy}' with "
+            f"expert_parallel_degree={ep}: expert parallelism runs with 'optim_grads' or "
+            "'optim_grads_params' (experts are sharded over the ranks that hold the same experts)")
+
+
+def validate_overlap(job_config, *, data_parallel: int) -> None:
+    p, training = job_config.parallelism, job_config.training
+    if p.expert_parallel_degree < 2:
+        raise ValueError(
+            "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
+            f"the expert-parallel all-to-alls), got {p.expert_parallel_degree}")
+    if p.pipeline_parallel_degree > 1:
+        raise ValueError(
+            "parallelism.expert_parallel_overlap with pipeline_parallel_degree="
+            f"{p.pipeline_parallel_degree} is not supported yet; use it with PP = 1")
+    global_batch = training.global_batch_size
+    if global_batch < 0:
+        global_batch = training.local_batch_size * data_parallel
+    if global_batch < 2 * training.local_batch_size * data_parallel:
+        raise ValueError(
+            "parallelism.expert_parallel_overlap pairs the forward of each microbatch with the "
+            f"backward of the previous one, so it needs >= 2 microbatches per step: "
+            f"training.global_batch_size={global_batch} must be at least 2 * local_batch_size("
+            f"{training.local_batch_size}) * data-parallel degree({data_parallel})")
+
+
 def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
     p = job_config.parallelism
     degrees = {
@@ -126,11 +174,9 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
                                  seq_len=job_config.training.seq_len,
                                  sequence_parallel=sequence_parallel(job_config))
     if p.expert_parallel_degree > 1:
-        if "E" not in model_args.symbols():
-            raise ValueError(f"parallelism.expert_parallel_degree={p.expert_parallel_degree} but "
-                             f"the pattern '{model_args.pattern}' has no MoE ('E') layer")
-        _require_divisible("moe.num_experts", model_args.moe.num_experts,
-                           "expert_parallel_degree", p.expert_parallel_degree)
+        validate_expert_parallel(p, model_args, shard=shard, strategy=strategy)
+    if expert_parallel_overlap(job_config):
+        validate_overlap(job_config, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(job_config, model_args)
     for name in _NOT_YET:

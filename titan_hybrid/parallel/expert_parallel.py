@@ -1,0 +1,106 @@
+"""Expert parallelism: each rank of the EP group holds E/ep of every MoE layer's experts, and
+the tokens routed to an expert travel to its rank and back with all-to-alls.
+
+The model's MoE sorts its (token, expert) slots by expert and calls
+`experts(x_sorted, tokens_per_expert)`; single-device code runs every expert there. Under EP the
+experts module's parameters become DTensors sharded on dim 0 (the expert dim) over the EP mesh,
+and two hooks around its forward move the tokens:
+
+    dispatch (pre-hook)   exchange the slot counts, all-to-all the sorted slots to the ranks
+                          owning their experts, regroup the received slots by local expert
+    combine (post-hook)   undo the regrouping, all-to-all the expert outputs back
+
+so the module computes on local experts only and the MoE's combine (weighting, scatter-add to
+tokens) is untouched. Backward is the same all-to-alls with the splits swapped. The all-to-alls
+go through `ep_overlap.all_to_all`, where the EP-overlap schedule lets the other microbatch run
+while they are in flight.
+
+Expert gradients arrive already summed over the EP group (every rank's tokens reach the owning
+rank); data parallelism then shards experts over the ranks that hold the same experts
+("efsdp", see data_parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from titan_hybrid.model.moe import MoE
+from titan_hybrid.parallel.ep_overlap import all_to_all
+from titan_hybrid.parallel.tensor_parallel import use_local_views
+
+
+class _Routing:
+    """What dispatch learned that combine needs to send the outputs back."""
+
+    def __init__(self, send_splits: list[int], recv_splits: list[int], by_expert: torch.Tensor):
+        self.send_splits = send_splits
+        self.recv_splits = recv_splits
+        self.by_expert = by_expert  # received slot order -> grouped by local expert
+
+
+def _exchange_counts(tokens_per_expert: list[int], group) -> torch.Tensor:
+    """[ep, local experts]: row s holds the slot counts rank s sends to this rank's experts."""
+    import torch.distributed as dist
+
+    ep = group.size()
+    sent = torch.tensor(tokens_per_expert, dtype=torch.int64)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return received.view(ep, -1)
+
+
+def _group_by_local_expert(received_RE: torch.Tensor) -> torch.Tensor:
+    """Indices that reorder slots received as (source rank, local expert) blocks into
+    (local expert, source rank) blocks, so each local expert's slots are contiguous."""
+    starts = (received_RE.flatten().cumsum(0) - received_RE.flatten()).view_as(received_RE)
+    blocks = [torch.arange(start, start + count)
+              for expert in range(received_RE.shape[1])
+              for start, count in zip(starts[:, expert].tolist(), received_RE[:, expert].tolist())]
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+
+
+class ExpertDispatcher:
+    """The dispatch / combine hooks of one experts module."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.group = ep_mesh.get_group()
+        self.pending: list[_Routing] = []  # a stack: activation recompute nests forwards
+
+    def dispatch(self, module: nn.Module, args):
+        x_sorted, tokens_per_expert = args
+        ep = self.group.size()
+        received_RE = _exchange_counts(tokens_per_expert, self.group)
+        send_splits = torch.tensor(tokens_per_expert).view(ep, -1).sum(1).tolist()
+        recv_splits = received_RE.sum(1).tolist()
+        received = all_to_all(x_sorted, send_splits=send_splits, recv_splits=recv_splits,
+                              group=self.group)
+        by_expert = _group_by_local_expert(received_RE).to(x_sorted.device)
+        self.pending.append(_Routing(send_splits, recv_splits, by_expert))
+        return received[by_expert], received_RE.sum(0).tolist()
+
+    def combine(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        routing = self.pending.pop()
+        unsorted = torch.empty_like(output).index_copy(0, routing.by_expert, output)
+        # Back along the same paths: what this rank received it now sends.
+        return all_to_all(unsorted, send_splits=routing.recv_splits,
+                          recv_splits=routing.send_splits, group=self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over `ep_mesh` (dim 0) and route tokens with
+    all-to-alls. Applied to the model on the meta device, before data parallelism."""
+    for moe in model.modules():
+        if not isinstance(moe, MoE):
+            continue
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        experts.tp_partial_grad = {}
+        use_local_views(experts, [experts])
+        dispatcher = ExpertDispatcher(ep_mesh)
+        experts.register_forward_pre_hook(dispatcher.dispatch)
+        experts.register_forward_hook(dispatcher.combine)
