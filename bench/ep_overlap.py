@@ -12,7 +12,7 @@ issue to completion, count exchange included), the quantity the overlap can hide
 collectives on its own threads, so on CPU the overlap is real but competes with compute for
 the same cores.
 
-Configs: `debug_moe` (the CPU MoE job's model) and `comm_heavy`, a MoE-only stack with 16 small
+Configs: `debug_moe` (the CPU MoE job's model) and `comm_heavy`, four MoE layers of 16 tiny
 experts and top-8 routing, where the all-to-alls are a large part of the step.
 """
 
@@ -36,9 +36,9 @@ def model_args(config: str):
 
     args = copy.deepcopy(hybrid_flavors["debug_moe"])
     if config == "comm_heavy":
-        args = dataclasses.replace(args, pattern="*E*E*E",
+        args = dataclasses.replace(args, pattern="EEEE",
                                    moe=dataclasses.replace(args.moe, num_experts=16, top_k=8,
-                                                           hidden_dim=32,
+                                                           hidden_dim=8,
                                                            shared_expert_hidden_dim=0))
     return args
 
