@@ -61,8 +61,8 @@ def time_config(config: str, *, microbatches: int, repeats: int, rows: int, seq:
                for _ in range(microbatches)]
 
     def loss_of(model, tokens):
-        out = model(tokens)
-        return sum(o.float().square().mean() for o in out[2:]) + out[0].float().square().mean() + out[1]
+        logits, aux_loss, *mtp_logits = model(tokens)
+        return sum(l.float().square().mean() for l in (logits, *mtp_logits)) + aux_loss
 
     comm_seconds = [0.0]
 

@@ -23,6 +23,7 @@ rank); data parallelism then shards experts over the ranks that hold the same ex
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -43,8 +44,6 @@ class _Routing:
 
 def _exchange_counts(tokens_per_expert: list[int], group) -> torch.Tensor:
     """[ep, local experts]: row s holds the slot counts rank s sends to this rank's experts."""
-    import torch.distributed as dist
-
     ep = group.size()
     sent = torch.tensor(tokens_per_expert, dtype=torch.int64)
     received = torch.empty_like(sent)
