@@ -44,3 +44,14 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
     if curve.exists():
         losses = [json.loads(line)["loss"] for line in curve.read_text().splitlines()]
     return TrainResult(proc.returncode, proc.stdout + proc.stderr, losses)
+
+
+def run_worker(script: Path, *args: str, nproc: int = 2) -> dict:
+    """torchrun a worker script; returns the JSON of its last `RESULT {json}` line."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(script), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])

@@ -12,26 +12,13 @@ router statistics in the curve file are global-batch statistics, so they match t
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import run_training
+from tests.launch import run_training, run_worker
 
 WORKER = Path(__file__).with_name("ep_worker.py")
-
-
-def run_worker(*args: str) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(WORKER), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def worst(errors: dict) -> tuple[str, float]:
@@ -48,7 +35,7 @@ def worst(errors: dict) -> tuple[str, float]:
     pytest.param(("--strategy", "optim_grads"), marks=pytest.mark.slow),
 ])
 def test_expert_parallel_and_overlap_gradients(args):
-    result = run_worker(*args)
+    result = run_worker(WORKER, *args)
     assert result["logits_vs_reference"] < 1e-5
     assert worst(result["grads_vs_reference"])[1] < 2e-5, worst(result["grads_vs_reference"])
     assert result["losses_equal"] and result["logits_equal"]

@@ -41,13 +41,18 @@ def test_pipeline_schedules_match_one_process(tmp_path, single_process, schedule
 
 
 @pytest.mark.slow
-def test_pipeline_composes_with_fsdp(tmp_path):
-    # 4 ranks, PP2 x FSDP2: each data-parallel rank takes 4 of the 8 rows, in 2 microbatches.
+@pytest.mark.parametrize("extra", [(), ("--parallelism.expert_parallel_degree", "2")],
+                         ids=["fsdp", "fsdp_ep"])
+def test_pipeline_composes_with_fsdp_and_expert_parallel(tmp_path, extra):
+    # 4 ranks, PP2 x FSDP2 (optionally = EP2): each data-parallel rank takes 4 of the 8 rows,
+    # in 2 microbatches. Measured with EP: equal to one process within 1.1e-7 relative.
     batch = ("--training.global_batch_size", "8", "--training.seq_len", "128")
     reference = run_training(tmp_path / "one", "--training.steps", "3", *batch,
                              "--training.local_batch_size", "2", **MOE).check()
     result = run_training(tmp_path / "pp_fsdp", "--training.steps", "3", *batch, *PIPELINE,
-                          *TWO_STAGES, nproc=4, **MOE).check()
+                          *TWO_STAGES, *extra, nproc=4, **MOE).check()
+    if extra:
+        assert "Applied expert parallel over 2 ranks" in result.output
     assert result.losses == pytest.approx(reference.losses, rel=1e-5)
 
 
@@ -77,16 +82,3 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path, single_process, sav
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(single_process[2:], rel=1e-6)
 
-
-@pytest.mark.slow
-def test_pipeline_composes_with_expert_parallel(tmp_path):
-    # 4 ranks, PP2 x (FSDP2 = EP2): each data-parallel rank takes 4 of the 8 rows, in 2
-    # microbatches. Measured: equal to one process within 1.1e-7 relative.
-    batch = ("--training.global_batch_size", "8", "--training.seq_len", "128")
-    reference = run_training(tmp_path / "one", "--training.steps", "3", *batch,
-                             "--training.local_batch_size", "2", **MOE).check()
-    result = run_training(tmp_path / "pp_ep", "--training.steps", "3", *batch, *PIPELINE,
-                          *TWO_STAGES, "--parallelism.expert_parallel_degree", "2", nproc=4,
-                          **MOE).check()
-    assert "Applied expert parallel over 2 ranks" in result.output
-    assert result.losses == pytest.approx(reference.losses, rel=1e-5)

@@ -1,27 +1,13 @@
 """Tensor (+sequence) parallelism against one device: logical weights, logits, every gradient,
 and the trainer's loss curve (gloo, real ranks)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch import run_training
+from tests.launch import run_training, run_worker
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def run_worker(nproc: int, *args: str) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(WORKER), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def check_against_single_device(result: dict) -> None:
@@ -36,7 +22,7 @@ def check_against_single_device(result: dict) -> None:
 @pytest.mark.parametrize("flavor, sequence_parallel", [
     ("debug", "1"), ("debug", "0"), ("debug_moe", "1"), ("debug_grouped", "1")])
 def test_tp2_matches_single_device(flavor, sequence_parallel):
-    result = run_worker(2, "--flavor", flavor, "--sequence-parallel", sequence_parallel)
+    result = run_worker(WORKER, "--flavor", flavor, "--sequence-parallel", sequence_parallel)
     check_against_single_device(result)
     shapes = result["local_shapes"]
     if flavor == "debug":
@@ -58,7 +44,7 @@ def test_tp2_matches_single_device(flavor, sequence_parallel):
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", ["debug", "debug_moe"])
 def test_fsdp2_x_tp2_matches_single_device(flavor):
-    check_against_single_device(run_worker(4, "--flavor", flavor, "--dp", "2"))
+    check_against_single_device(run_worker(WORKER, "--flavor", flavor, "--dp", "2", nproc=4))
 
 
 def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path):

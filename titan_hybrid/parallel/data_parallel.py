@@ -23,6 +23,8 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from titan_hybrid.model.moe import MoE
+
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
@@ -39,8 +41,6 @@ def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    from titan_hybrid.model.moe import MoE
-
     return [module.experts for module in model.modules() if isinstance(module, MoE)]
 
 
