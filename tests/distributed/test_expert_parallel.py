@@ -12,9 +12,11 @@ router statistics in the curve file are global-batch statistics, so they match t
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training, run_worker
 
@@ -73,3 +75,28 @@ def test_expert_parallel_training_matches_one_process(tmp_path, single_process, 
     for step_mine, step_ref in zip(mine, stats, strict=True):
         assert step_mine == pytest.approx(step_ref, rel=1e-5)
         assert step_mine["moe/min_expert_load"] <= 1.0 <= step_mine["moe/max_expert_load"]
+
+
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
+
+
+@pytest.mark.parametrize("saved_under, resumed_under", [
+    ((2, EP2), (1, ())),
+    pytest.param((1, ()), (2, EP2), marks=pytest.mark.slow)])
+def test_checkpoint_moves_between_expert_layouts(tmp_path, single_process, saved_under,
+                                                 resumed_under):
+    (save_nproc, save_args), (load_nproc, load_args) = saved_under, resumed_under
+    run_training(tmp_path, *BATCH, *CHECKPOINT, *save_args, nproc=save_nproc, **MOE).check()
+    # The same 3-step job interrupted after step 2: its final checkpoint is removed.
+    shutil.rmtree(tmp_path / "outputs" / "ck" / "step-3")
+    metadata = dcp.FileSystemReader(str(tmp_path / "outputs" / "ck" / "step-2")).read_metadata()
+    keys = metadata.state_dict_metadata
+    # Experts in global coordinates (all experts, SwiGLU halves apart), whatever the EP degree.
+    assert "layers.2.moe.experts.fc1" not in keys
+    assert tuple(keys["layers.2.moe.experts.fc1_w"].size) == (8, 256, 256)
+    assert "optimizer.state.layers.2.moe.experts.fc1_v.exp_avg" in keys
+    resumed = run_training(tmp_path, *BATCH, *CHECKPOINT, *load_args, nproc=load_nproc,
+                           **MOE).check()
+    assert "Training starts at step 3" in resumed.output
+    assert resumed.losses == pytest.approx(single_process[0][2:], rel=1e-5)
