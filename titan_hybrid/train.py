@@ -111,7 +111,8 @@ def hybrid_trainer_class():
 
         def __init__(self, job_config):
             super().__init__(job_config)
-            if expert_parallel_overlap(job_config):
+            # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
+            if expert_parallel_overlap(job_config) and not self.parallel_dims.pp_enabled:
                 self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
                                                    self.gradient_accumulation_steps)
             if job_config.model.name == "hybrid":

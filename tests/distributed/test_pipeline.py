@@ -40,19 +40,33 @@ def test_pipeline_schedules_match_one_process(tmp_path, single_process, schedule
     assert result.losses == single_process
 
 
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+OVERLAP = (*EP2, "--parallelism.expert_parallel_overlap")
+INTERLEAVED = ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *FOUR_STAGES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--parallelism.expert_parallel_degree", "2")],
-                         ids=["fsdp", "fsdp_ep"])
-def test_pipeline_composes_with_fsdp_and_expert_parallel(tmp_path, extra):
-    # 4 ranks, PP2 x FSDP2 (optionally = EP2): each data-parallel rank takes 4 of the 8 rows,
-    # in 2 microbatches. Measured with EP: equal to one process within 1.1e-7 relative.
+@pytest.mark.parametrize("extra, microbatch", [
+    ((), 2), (EP2, 2), (OVERLAP, 1), ((*OVERLAP, *INTERLEAVED), 1)],
+    ids=["fsdp", "fsdp_ep", "fsdp_ep_overlap", "fsdp_ep_overlap_interleaved"])
+def test_pipeline_composes_with_fsdp_and_expert_parallel(tmp_path, extra, microbatch):
+    # 4 ranks, PP2 x FSDP2 (optionally = EP2, with the overlap schedule inside the pipeline):
+    # each data-parallel rank takes 4 of the 8 rows, in 4 / microbatch microbatches. Measured
+    # against one process: EP within 1.1e-7 relative; EP-overlap (1F1B and Interleaved1F1B,
+    # 2 to 5 overlapped backward/forward pairs per rank and step) within 1.1e-7.
     batch = ("--training.global_batch_size", "8", "--training.seq_len", "128")
     reference = run_training(tmp_path / "one", "--training.steps", "3", *batch,
-                             "--training.local_batch_size", "2", **MOE).check()
-    result = run_training(tmp_path / "pp_fsdp", "--training.steps", "3", *batch, *PIPELINE,
-                          *TWO_STAGES, *extra, nproc=4, **MOE).check()
+                             "--training.local_batch_size", str(microbatch), **MOE).check()
+    pipeline = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                "--parallelism.pipeline_parallel_microbatch_size", str(microbatch))
+    segments = () if INTERLEAVED[0] in extra else TWO_STAGES
+    result = run_training(tmp_path / "pp_fsdp", "--training.steps", "3", *batch, *pipeline,
+                          *segments, *extra, nproc=4, **MOE).check()
     if extra:
         assert "Applied expert parallel over 2 ranks" in result.output
+    if OVERLAP[-1] in extra:
+        assert "EP-overlap: 0 backward/forward pairs" not in result.output
+        assert "backward/forward pairs overlapped per step" in result.output
     assert result.losses == pytest.approx(reference.losses, rel=1e-5)
 
 

@@ -35,8 +35,9 @@ def job(*args):
     ((*EP2, "--parallelism.expert_parallel_overlap", "--training.local_batch_size", "2"), 2,
      r"needs >= 2 microbatches per step: training.global_batch_size=4"),
     ((*EP2, "--parallelism.expert_parallel_overlap", *TWO_MICROBATCHES,
-      "--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M*E|ME/*-"), 4,
-     "expert_parallel_overlap with pipeline_parallel_degree=2"),
+      "--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M*E|ME/*-",
+      "--parallelism.pipeline_parallel_schedule", "GPipe"), 4,
+     "expert_parallel_overlap with pipeline_parallel_schedule='GPipe' is not supported"),
 ])
 def test_unsupported_expert_layouts_are_named(args, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -47,6 +48,9 @@ def test_supported_expert_layouts_pass():
     validate_layout(job(*EP2), MOE, 2)
     validate_layout(job(*EP2, "--parallelism.expert_parallel_overlap", *TWO_MICROBATCHES), MOE, 2)
     validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2"),
+                    dataclasses.replace(MOE, pattern="M*E|ME/*-"), 4)
+    validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2",
+                        "--parallelism.expert_parallel_overlap"),
                     dataclasses.replace(MOE, pattern="M*E|ME/*-"), 4)
 
 

@@ -32,7 +32,9 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
+from titan_hybrid.parallel.validate import expert_parallel_overlap
 from titan_hybrid.pattern import parse_hybrid_pattern
 
 
@@ -116,6 +118,9 @@ def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: J
         stages[index].submod = model_parts[index]
     scaled_loss = GlobalTokenScaledLoss(loss_fn)
     schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
+    if expert_parallel_overlap(job_config):
+        schedule = overlap_pipeline_schedule(schedule, stages,
+                                             job_config.parallelism.pipeline_parallel_schedule)
     schedule.scaled_loss = scaled_loss  # the trainer sets its token count each step
     return (schedule, model_parts, any(stage.is_first for stage in stages),
             any(stage.is_last for stage in stages))

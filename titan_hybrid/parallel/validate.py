@@ -9,6 +9,8 @@ from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
 # Parallelisms whose implementation has not landed yet; asking for one fails fast.
 _NOT_YET = ("context_parallel_degree",)
+# Pipeline schedules that parallelism.expert_parallel_overlap runs inside (ep_overlap_pipeline).
+OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def sharding_strategy(job_config) -> str:
@@ -114,9 +116,12 @@ def validate_overlap(job_config, *, data_parallel: int) -> None:
             "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
             f"the expert-parallel all-to-alls), got {p.expert_parallel_degree}")
     if p.pipeline_parallel_degree > 1:
-        raise ValueError(
-            "parallelism.expert_parallel_overlap with pipeline_parallel_degree="
-            f"{p.pipeline_parallel_degree} is not supported yet; use it with PP = 1")
+        if p.pipeline_parallel_schedule not in OVERLAP_SCHEDULES:
+            raise ValueError(
+                "parallelism.expert_parallel_overlap with pipeline_parallel_schedule="
+                f"'{p.pipeline_parallel_schedule}' is not supported; use one of "
+                f"{OVERLAP_SCHEDULES}")
+        return  # the pipeline's microbatches pair up; the schedule checks its own order
     global_batch = training.global_batch_size
     if global_batch < 0:
         global_batch = training.local_batch_size * data_parallel
