@@ -77,13 +77,30 @@ def test_expert_parallel_training_matches_one_process(tmp_path, single_process, 
         assert step_mine["moe/min_expert_load"] <= 1.0 <= step_mine["moe/max_expert_load"]
 
 
+EP2_TP2 = (*EP2, "--parallelism.tensor_parallel_degree", "2",
+           "--parallelism.expert_tensor_parallel_degree", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_expert_and_tensor_parallel_training_matches_one_process(tmp_path, single_process,
+                                                                 overlap):
+    # 4 ranks: FSDP2 = EP2, x TP2 (experts' hidden units split over TP, ETP = TP). Measured:
+    # losses bitwise equal to one process, with and without the overlap schedule.
+    extra = ("--parallelism.expert_parallel_overlap",) if overlap else ()
+    result = run_training(tmp_path, *BATCH, *EP2_TP2, *extra, nproc=4, **MOE).check()
+    assert "Applied expert parallel over 2 ranks" in result.output
+    assert result.losses == pytest.approx(single_process[0], rel=1e-5)
+
+
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
               "--checkpoint.no_last_save_model_only")
 
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
     ((2, EP2), (1, ())),
-    pytest.param((1, ()), (2, EP2), marks=pytest.mark.slow)])
+    pytest.param((1, ()), (2, EP2), marks=pytest.mark.slow),
+    pytest.param((4, EP2_TP2), (2, EP2), marks=pytest.mark.slow)])
 def test_checkpoint_moves_between_expert_layouts(tmp_path, single_process, saved_under,
                                                  resumed_under):
     (save_nproc, save_args), (load_nproc, load_args) = saved_under, resumed_under

@@ -25,7 +25,8 @@ def job(*args):
 
 @pytest.mark.parametrize("args, world, message", [
     ((*EP2, "--parallelism.tensor_parallel_degree", "2"), 4,
-     "expert_parallel_degree=2 with tensor_parallel_degree=2"),
+     "expert_tensor_parallel_degree=1 with tensor_parallel_degree=2 and "
+     "expert_parallel_degree=2: experts are split like the dense layers (ETP = TP)"),
     ((*EP2, "--parallelism.data_parallel_sharding_strategy", "no_shard"), 2,
      "data_parallel_sharding_strategy 'no_shard' with expert_parallel_degree=2"),
     (("--parallelism.expert_parallel_degree", "4"), 2,
@@ -46,6 +47,8 @@ def test_unsupported_expert_layouts_are_named(args, world, message):
 
 def test_supported_expert_layouts_pass():
     validate_layout(job(*EP2), MOE, 2)
+    validate_layout(job(*EP2, "--parallelism.tensor_parallel_degree", "2",
+                        "--parallelism.expert_tensor_parallel_degree", "2"), MOE, 4)
     validate_layout(job(*EP2, "--parallelism.expert_parallel_overlap", *TWO_MICROBATCHES), MOE, 2)
     validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2"),
                     dataclasses.replace(MOE, pattern="M*E|ME/*-"), 4)

@@ -90,16 +90,25 @@ class ExpertDispatcher:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts over `ep_mesh` (dim 0) and route tokens with
-    all-to-alls. Applied to the model on the meta device, before data parallelism."""
+    all-to-alls. Applied to the model on the meta device, after tensor parallelism and before
+    data parallelism. With TP, `ep_mesh` is torchtitan's 2-D ("ep", "etp") mesh: experts keep
+    their TP sharding (hidden units) on "etp", and each TP rank exchanges its (identical,
+    replicated) tokens with the EP ranks of the same TP index."""
+    tensor_parallel = ep_mesh.ndim == 2
     for moe in model.modules():
         if not isinstance(moe, MoE):
             continue
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            placements = [Shard(0), *param.placements] if tensor_parallel else [Shard(0)]
+            full = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            sharded = distribute_tensor(full, ep_mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
-        experts.tp_partial_grad = {}
+        if not hasattr(experts, "tp_partial_grad"):  # set by TP
+            experts.tp_partial_grad = {}
+        # Experts are their own FSDP unit, which gathers their parameters at their forward,
+        # after any outer region swapped in local views; so they swap their own.
         use_local_views(experts, [experts])
-        dispatcher = ExpertDispatcher(ep_mesh)
+        dispatcher = ExpertDispatcher(ep_mesh["ep"] if tensor_parallel else ep_mesh)
         experts.register_forward_pre_hook(dispatcher.dispatch)
         experts.register_forward_hook(dispatcher.combine)

@@ -59,7 +59,8 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied tensor parallel (sequence parallel: "
                     f"{sequence_parallel(job_config)})")
     if parallel_dims.ep_enabled:
-        apply_expert_parallel(model, parallel_dims.get_mesh("ep"))
+        ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
+        apply_expert_parallel(model, ep_mesh)
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint,

@@ -67,11 +67,15 @@ def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> TPL
 
 
 def tp_degree(tensor: torch.Tensor | None) -> int:
-    """Size of the "tp" dimension of a DTensor's mesh (1 for plain tensors or no TP)."""
+    """Size of the "tp" (experts: "etp") dimension of a DTensor's mesh (1 for plain tensors
+    or no TP)."""
     if not isinstance(tensor, DTensor):
         return 1
     names = tensor.device_mesh.mesh_dim_names or ()
-    return tensor.device_mesh.size(names.index("tp")) if "tp" in names else 1
+    for name in ("tp", "etp"):
+        if name in names:
+            return tensor.device_mesh.size(names.index(name))
+    return 1
 
 
 def interleave_for_tp(full: torch.Tensor, layout: TPLayout, tp: int) -> torch.Tensor:
@@ -112,12 +116,16 @@ def record_param_layouts(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- local views
 def use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
     """During root's forward, the DTensor parameters of `owners` (root and/or its submodules,
-    which the model code may read directly, e.g. `self.conv1d.weight`) are their local views."""
+    which the model code may read directly, e.g. `self.conv1d.weight`) are their local views.
+
+    Swaps nest: under EP x TP the MoE region swaps its experts, then the experts' own FSDP unit
+    puts its gathered parameters back, and the experts' own swap replaces those."""
 
     def swap(module, args):
         for owner in owners:
-            owner._tp_saved_params = dict(owner._parameters)
-            for name, param in owner._tp_saved_params.items():
+            saved = dict(owner._parameters)
+            owner.__dict__.setdefault("_tp_saved_params", []).append(saved)
+            for name, param in saved.items():
                 if isinstance(param, DTensor):
                     partial = owner.tp_partial_grad.get(name, False)
                     grad = [Partial()] if partial else param.placements
@@ -125,8 +133,7 @@ def use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
 
     def restore(module, args, output):
         for owner in owners:
-            owner._parameters.update(owner._tp_saved_params)
-            del owner._tp_saved_params
+            owner._parameters.update(owner._tp_saved_params.pop())
         return output
 
     root.register_forward_pre_hook(swap)

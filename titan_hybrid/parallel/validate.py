@@ -97,11 +97,13 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
         raise ValueError(
             f"parallelism.expert_parallel_degree={ep} must divide data_parallel_shard_degree="
             f"{shard}: expert parallelism spreads experts over ranks of the FSDP dimension")
-    if p.tensor_parallel_degree > 1:
+    etp = getattr(p, "expert_tensor_parallel_degree", 1)
+    if etp != p.tensor_parallel_degree:
         raise ValueError(
-            f"parallelism.expert_parallel_degree={ep} with tensor_parallel_degree="
-            f"{p.tensor_parallel_degree}: expert parallelism combined with tensor parallelism "
-            "is not supported yet")
+            f"parallelism.expert_tensor_parallel_degree={etp} with tensor_parallel_degree="
+            f"{p.tensor_parallel_degree} and expert_parallel_degree={ep}: experts are split "
+            "like the dense layers (ETP = TP); set expert_tensor_parallel_degree="
+            f"{p.tensor_parallel_degree}")
     if strategy in ("no_shard", "optim"):
         raise ValueError(
             f"parallelism.data_parallel_sharding_strategy '{strategy}' with "
