@@ -45,8 +45,7 @@ def router_statistics(model_parts, batch_group) -> dict[str, float]:
         counts_LE, aux_L2 = packed.split((counts_LE.numel(), aux_L2.numel()))
         counts_LE, aux_L2 = counts_LE.view(len(moes), -1), aux_L2.view(len(moes), 2)
     for moe in moes:
-        moe.routed_tokens.zero_()
-        moe.aux_loss_sum.zero_()
+        moe.reset_router_statistics()
     load_LE = counts_LE / counts_LE.mean(dim=1, keepdim=True).clamp(min=1)
     return {"moe/max_expert_load": load_LE.max().item(),
             "moe/min_expert_load": load_LE.min().item(),

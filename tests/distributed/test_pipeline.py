@@ -47,13 +47,15 @@ INTERLEAVED = ("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", *F
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, microbatch", [
-    ((), 2), (EP2, 2), (OVERLAP, 1), ((*OVERLAP, *INTERLEAVED), 1)],
-    ids=["fsdp", "fsdp_ep", "fsdp_ep_overlap", "fsdp_ep_overlap_interleaved"])
+    ((), 2), (EP2, 2), (OVERLAP, 1),
+    ((*OVERLAP, *INTERLEAVED, "--activation_checkpoint.mode", "full"), 1)],
+    ids=["fsdp", "fsdp_ep", "fsdp_ep_overlap", "fsdp_ep_overlap_interleaved_ac"])
 def test_pipeline_composes_with_fsdp_and_expert_parallel(tmp_path, extra, microbatch):
     # 4 ranks, PP2 x FSDP2 (optionally = EP2, with the overlap schedule inside the pipeline):
     # each data-parallel rank takes 4 of the 8 rows, in 4 / microbatch microbatches. Measured
     # against one process: EP within 1.1e-7 relative; EP-overlap (1F1B and Interleaved1F1B,
-    # 2 to 5 overlapped backward/forward pairs per rank and step) within 1.1e-7.
+    # 2 to 5 overlapped backward/forward pairs per rank and step; Interleaved1F1B with full
+    # activation checkpointing) within 1.1e-7.
     batch = ("--training.global_batch_size", "8", "--training.seq_len", "128")
     reference = run_training(tmp_path / "one", "--training.steps", "3", *batch,
                              "--training.local_batch_size", str(microbatch), **MOE).check()

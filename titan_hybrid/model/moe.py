@@ -98,9 +98,12 @@ class MoE(nn.Module):
             out_ND = out_ND + self.shared_expert(x_ND)
         return out_ND.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
 
-    def init_weights(self, *, init_std: float, out_std: float) -> None:
+    def reset_router_statistics(self) -> None:
         self.routed_tokens.zero_()
         self.aux_loss_sum.zero_()
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        self.reset_router_statistics()
         init_linear(self.router.gate, std=init_std)
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert is not None:

@@ -32,6 +32,7 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.moe import MoE
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
 from titan_hybrid.parallel.validate import expert_parallel_overlap
@@ -102,6 +103,20 @@ class GlobalTokenScaledLoss:
         return self.loss_fn(pred, labels) / self.global_valid_tokens
 
 
+def _forget_metadata_inference_routing(stage) -> None:
+    """torch's first schedule step runs each stage once on the first microbatch to learn the
+    shapes it sends; that run must not count in the router statistics of step 1."""
+    cleanup = stage._post_metadata_inference_cleanup
+
+    def cleanup_and_reset() -> None:
+        cleanup()
+        for module in stage.submod.modules():
+            if isinstance(module, MoE):
+                module.reset_router_statistics()
+
+    stage._post_metadata_inference_cleanup = cleanup_and_reset
+
+
 def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
                     device: torch.device, model_args: HybridModelArgs, parallelize_fn,
                     loss_fn):
@@ -116,6 +131,8 @@ def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: J
     for index, part in enumerate(model_parts):
         model_parts[index] = parallelize_fn(part, parallel_dims, job_config)
         stages[index].submod = model_parts[index]
+    for stage in stages:
+        _forget_metadata_inference_routing(stage)
     scaled_loss = GlobalTokenScaledLoss(loss_fn)
     schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
     if expert_parallel_overlap(job_config):
