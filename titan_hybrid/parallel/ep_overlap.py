@@ -1,7 +1,8 @@
 """EP-overlap: the forward of one microbatch runs together with the backward of the previous
 one, so that each one's expert-parallel all-to-alls are in flight while the other computes
 (Megatron's combined 1F1B at PP = 1: forward of microbatch 0 alone, then forward(i+1) with
-backward(i), the last backward alone).
+backward(i), the last backward alone; under PP, ep_overlap_pipeline.py pairs them inside the
+pipeline schedule with the same machinery).
 
 Mechanism. Two threads take turns: the trainer's thread runs the forward, a helper thread the
 backward, and only one of them computes at a time. Every all-to-all of the MoE dispatch and
