@@ -34,7 +34,8 @@ class Parallelism:
     expert_parallel_overlap: bool = False
     """Run the forward of each microbatch together with the backward of the previous one so
     that their expert-parallel all-to-alls overlap the other's compute (combined 1F1B). Needs
-    expert_parallel_degree > 1 and at least 2 microbatches per step (gradient accumulation)."""
+    expert_parallel_degree > 1; at PP = 1 at least 2 microbatches per step (gradient
+    accumulation), under PP the 1F1B or Interleaved1F1B schedule."""
 
     disable_sequence_parallel: bool = False
     """With tensor parallelism, norms and the residual stream are sharded along the sequence

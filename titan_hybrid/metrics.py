@@ -25,6 +25,8 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.model.moe import MoE
+
 
 def _as_float(value) -> float:
     return value.item() if isinstance(value, torch.Tensor) else float(value)
@@ -32,8 +34,6 @@ def _as_float(value) -> float:
 
 def router_statistics(model_parts, batch_group) -> dict[str, float]:
     """Read and reset the MoE layers' routing counters (see MoE.routed_tokens)."""
-    from titan_hybrid.model.moe import MoE
-
     moes = [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
     if not moes:
         return {}

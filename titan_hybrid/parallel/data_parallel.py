@@ -10,8 +10,8 @@
 Units: the embedding, every top-level layer (a Mamba / attention / MLP / MoE / GDN layer, or a
 whole bracket group with its sub-layers), every MTP depth, the final norm with the LM head, then
 the root. Under expert parallelism each MoE layer's experts are a unit of their own, sharded
-over the ranks that hold the same experts. A Mamba layer left in the root unit would be all-gathered for the whole step, which
-defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
+over the ranks that hold the same experts. A Mamba layer left in the root unit would be
+all-gathered for the whole step, which defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
 all-reduces start as soon as each unit's backward is done.
 """
 
