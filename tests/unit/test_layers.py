@@ -26,6 +26,7 @@ from titan_hybrid.model.args import (
 )
 from titan_hybrid.model.attention import Attention, rotary_tables
 from titan_hybrid.model.gdn import GatedDeltaNet
+from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mlp import SwiGLU
 from titan_hybrid.model.moe import MoE
@@ -285,7 +286,8 @@ def test_attention_matches_explicit_softmax_with_complex_rope():
     freqs = theta ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     angles = torch.arange(seq_len, dtype=torch.float64)[:, None] * freqs
     table = torch.stack((angles.cos(), angles.sin()), dim=-1)
-    assert_same_fn(m, lambda t: m(t, table), lambda t: naive_attention(m, t, theta), x)
+    layout = TokenLayout(positions=None, seq_idx=None, rope_table=table)
+    assert_same_fn(m, lambda t: m(t, layout), lambda t: naive_attention(m, t, theta), x)
 
 
 def test_rotary_tables_match_float64_angles():
@@ -360,14 +362,25 @@ def _documents(seq_idx_BT):
     return docs
 
 
-@pytest.mark.parametrize("layer", ["mamba", "gdn"])
+def _positions_in_documents(seq_idx_BT):
+    positions = torch.zeros_like(seq_idx_BT)
+    for row, start, end in _documents(seq_idx_BT):
+        positions[row, start:end] = torch.arange(end - start)
+    return positions
+
+
+@pytest.mark.parametrize("layer", ["mamba", "gdn", "attention"])
 def test_packed_documents_equal_separate_runs(layer):
-    """seq_idx: state and conv taps never cross a document boundary, so the packed forward (and
-    every gradient) equals running each document on its own."""
+    """seq_idx: state and conv taps never cross a document boundary, attention never looks into
+    another document, and rotary positions restart, so the packed forward (and every gradient)
+    equals running each document on its own."""
     args = tiny_args()
+    seq_idx = torch.tensor(PACKED_SEQ_IDX)
+    table = rotary_tables(head_dim=8, max_seq_len=128, theta=500.0).double()
     if layer == "mamba":
         m = randomize_(Mamba2Mixer(dim=DIM, args=args.mamba, norm_eps=args.norm_eps), seed=6)
-        seq_idx = torch.tensor(PACKED_SEQ_IDX)
+    elif layer == "attention":
+        m = randomize_(Attention(dim=DIM, args=args.attention), seed=8)
     else:
         m = randomize_(GatedDeltaNet(dim=DIM, args=args.gdn, norm_eps=args.norm_eps), seed=7)
         # > 64 tokens per row so documents also cross the GDN kernel's chunk boundary
@@ -375,15 +388,19 @@ def test_packed_documents_equal_separate_runs(layer):
     docs = _documents(seq_idx)
     x = torch.randn(*seq_idx.shape, DIM, dtype=torch.float64)
 
+    packed = TokenLayout(positions=_positions_in_documents(seq_idx), seq_idx=seq_idx,
+                         rope_table=table)
+    alone = TokenLayout(positions=None, seq_idx=None, rope_table=table)
+
     def separately(t):
         rows = [[] for _ in range(t.shape[0])]
         for row, start, end in docs:
-            rows[row].append(m(t[row:row + 1, start:end]))
+            rows[row].append(m(t[row:row + 1, start:end], alone))
         return torch.cat([torch.cat(parts, dim=1) for parts in rows], dim=0)
 
-    assert_same_fn(m, lambda t: m(t, seq_idx=seq_idx), separately, x)
-    # And the packing matters: without seq_idx the result differs.
-    assert not torch.allclose(m(x), m(x, seq_idx=seq_idx))
+    assert_same_fn(m, lambda t: m(t, packed), separately, x)
+    # And the packing matters: without it the result differs.
+    assert not torch.allclose(m(x, alone), m(x, packed))
 
 
 # ------------------------------------------------------------------ tensor-parallel annotations

@@ -1,8 +1,11 @@
-"""Causal grouped-query self-attention with rotary position embeddings."""
+"""Causal grouped-query self-attention with rotary position embeddings.
+
+Queries see the keys at or before them in their own document (see model/layout.py). The softmax
+itself is `CausalAttentionCore`, a module without parameters, so that context parallelism can
+hand it the keys and values of the whole sequence (titan_hybrid.parallel.context_parallel).
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,7 @@ from torch import nn
 
 from titan_hybrid.model.args import AttentionArgs
 from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
+from titan_hybrid.model.layout import TokenLayout
 
 
 def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -19,13 +23,36 @@ def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rotary(x_BTHD: torch.Tensor, table_TD2: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x_BTHD: torch.Tensor, table_BTD2: torch.Tensor) -> torch.Tensor:
+    """`table_BTD2`: the table rows of each token's position (batch dim 1 broadcasts)."""
     # Rotate interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
     pairs = upcast(x_BTHD).unflatten(-1, (-1, 2))
-    cos, sin = table_TD2[None, :, None, :, 0], table_TD2[None, :, None, :, 1]
+    cos, sin = table_BTD2[:, :, None, :, 0], table_BTD2[:, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x_BTHD)
+
+
+def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int,
+                         k_len: int) -> torch.Tensor:
+    """[B, 1, Tq, Tk] True where the key is at or before the query in the same document."""
+    mask = key.row_order(k_len)[:, None, :] <= query.row_order(q_len)[:, :, None]
+    if query.seq_idx is not None:
+        mask &= key.seq_idx[:, None, :] == query.seq_idx[:, :, None]
+    return mask.unsqueeze(1)
+
+
+class CausalAttentionCore(nn.Module):
+    def forward(self, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor,
+                query: TokenLayout, key: TokenLayout) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
+        gqa = q.shape[1] != k.shape[1]
+        if query is key and query.is_plain_causal():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            mask = causal_document_mask(query, key, q.shape[2], k.shape[2])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -40,21 +67,19 @@ class Attention(nn.Module):
         for column_parallel in (self.wq, self.wk, self.wv):  # split by (kv) heads
             annotate_tensor_parallel(column_parallel.weight, partition_dim=0)
         annotate_tensor_parallel(self.wo.weight, partition_dim=1)
+        self.core = CausalAttentionCore()
 
-    def forward(self, x_BTD: torch.Tensor, rope_TD2: torch.Tensor) -> torch.Tensor:
-        """`rope_TD2` is the model's whole table: positions 0..seq_len-1 are used."""
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         batch, seq_len, _ = x_BTD.shape
-        rope_TD2 = rope_TD2[:seq_len]
         # -1 instead of the head count: under tensor parallelism each rank holds fewer heads.
         q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
         if self.use_rope:
-            q, k = apply_rotary(q, rope_TD2), apply_rotary(k, rope_TD2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+            rope = layout.rope(seq_len)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = self.core(q, k, v, layout, layout)
+        return self.wo(out.reshape(batch, seq_len, -1))
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):

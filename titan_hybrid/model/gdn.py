@@ -22,9 +22,49 @@ from titan_hybrid.model.common import (
     init_ssm_decay,
     upcast,
 )
+from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import HeadGatedRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
+
+
+class ConvAndDeltaRule(nn.Module):
+    """The part of the mixer that runs along time: causal conv over [q | k | v], SiLU, and the
+    gated delta rule. Per channel / per head, with the per-head parameters as arguments, so
+    context parallelism can trade sequence shards for head shards around it. Sizes come from
+    the tensors (TP / CP shards)."""
+
+    def __init__(self, args: GDNArgs) -> None:
+        super().__init__()
+        self.args = args
+
+    def forward(self, qkv_BTC: torch.Tensor, alpha_BTH: torch.Tensor, beta_BTH: torch.Tensor,
+                conv_weight_CW: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                layout: TokenLayout | None) -> torch.Tensor:
+        args = self.args
+        seq_idx = None if layout is None else layout.seq_idx
+        n_value_heads = A_log.shape[0]
+        value_dim = n_value_heads * args.value_head_dim
+        key_dim = (qkv_BTC.shape[-1] - value_dim) // 2
+        qkv = causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
+                                      activation="silu")
+        q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
+        batch, seq_len, _ = qkv.shape
+        repeat = n_value_heads // (key_dim // args.key_head_dim)
+        q_BTHK = q.unflatten(-1, (-1, args.key_head_dim)).repeat_interleave(repeat, dim=2)
+        k_BTHK = k.unflatten(-1, (-1, args.key_head_dim)).repeat_interleave(repeat, dim=2)
+        v_BTHV = v.unflatten(-1, (n_value_heads, -1))
+        # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
+        g = -torch.exp(upcast(A_log)) * F.softplus(upcast(alpha_BTH) + upcast(dt_bias))
+        beta = torch.sigmoid(beta_BTH)
+        cu_seqlens = None
+        if seq_idx is not None:
+            cu_seqlens = _cu_seqlens_from_seq_idx(seq_idx)
+            q_BTHK, k_BTHK, v_BTHV, g, beta = (t.flatten(0, 1).unsqueeze(0)
+                                               for t in (q_BTHK, k_BTHK, v_BTHV, g, beta))
+        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta,
+                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        return o_BTHV.reshape(batch, seq_len, n_value_heads, -1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -52,32 +92,17 @@ class GatedDeltaNet(nn.Module):
         annotate_tensor_parallel(self.A_log)
         annotate_tensor_parallel(self.dt_bias)
         annotate_replicated_on_local_shards(self.norm.weight)
+        self.conv_and_delta_rule = ConvAndDeltaRule(args)
 
-    def forward(self, x_BTD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
         n_value_heads = self.A_log.shape[0]  # local count under TP
         n_key_heads = n_value_heads * args.n_key_heads // args.n_value_heads
         key_dim, value_dim = n_key_heads * args.key_head_dim, n_value_heads * args.value_head_dim
-        q, k, v, z, beta, alpha = self.in_proj(x_BTD).split(
-            [key_dim, key_dim, value_dim, value_dim, n_value_heads, n_value_heads], -1)
-        qkv = causal_depthwise_conv1d(torch.cat((q, k, v), -1), self.conv1d.weight.squeeze(1),
-                                      seq_idx=seq_idx, activation="silu")
-        q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
-        batch, seq_len, _ = x_BTD.shape
-        repeat = n_value_heads // n_key_heads
-        q_BTHK = q.view(batch, seq_len, n_key_heads, -1).repeat_interleave(repeat, dim=2)
-        k_BTHK = k.view(batch, seq_len, n_key_heads, -1).repeat_interleave(repeat, dim=2)
-        v_BTHV = v.view(batch, seq_len, n_value_heads, -1)
-        # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
-        g = -torch.exp(upcast(self.A_log)) * F.softplus(upcast(alpha) + upcast(self.dt_bias))
-        cu_seqlens = None
-        if seq_idx is not None:
-            cu_seqlens = _cu_seqlens_from_seq_idx(seq_idx)
-            q_BTHK, k_BTHK, v_BTHV = (t.flatten(0, 1).unsqueeze(0) for t in (q_BTHK, k_BTHK, v_BTHV))
-            g, beta = g.flatten(0, 1).unsqueeze(0), beta.flatten(0, 1).unsqueeze(0)
-        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, torch.sigmoid(beta),
-                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-        o_BTHV = o_BTHV.reshape(batch, seq_len, n_value_heads, -1)
+        qkv, z, beta, alpha = self.in_proj(x_BTD).split(
+            [2 * key_dim + value_dim, value_dim, n_value_heads, n_value_heads], -1)
+        o_BTHV = self.conv_and_delta_rule(qkv, alpha, beta, self.conv1d.weight.squeeze(1),
+                                          self.A_log, self.dt_bias, layout)
         out = self.norm(o_BTHV, z.view_as(o_BTHV))
         return self.out_proj(out.flatten(-2))
 

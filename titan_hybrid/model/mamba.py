@@ -19,9 +19,47 @@ from titan_hybrid.model.common import (
     init_ssm_decay,
     upcast,
 )
+from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
+
+
+class ConvAndScan(nn.Module):
+    """The part of the mixer that runs along time: causal conv over [x | B | C], SiLU, and the
+    SSD scan. Everything in it is per channel / per head, and the per-head parameters come in
+    as arguments, so context parallelism can trade sequence shards for head shards around it
+    (titan_hybrid.parallel.context_parallel). Sizes come from the tensors (TP / CP shards)."""
+
+    def __init__(self, args: MambaArgs) -> None:
+        super().__init__()
+        self.args = args
+
+    def forward(self, xbc_BTC: torch.Tensor, dt_BTH: torch.Tensor, conv_weight_CW: torch.Tensor,
+                conv_bias_C: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+                dt_bias: torch.Tensor, layout: TokenLayout | None) -> torch.Tensor:
+        args = self.args
+        seq_idx = None if layout is None else layout.seq_idx
+        n_heads = A_log.shape[0]
+        d_inner = n_heads * args.head_dim
+        group_state = (xbc_BTC.shape[-1] - d_inner) // 2
+        xbc = causal_depthwise_conv1d(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
+                                      activation="silu")
+        x, b, c = xbc.split([d_inner, group_state, group_state], -1)
+        batch, seq_len, _ = x.shape
+        return mamba_chunk_scan_combined(
+            x.view(batch, seq_len, n_heads, args.head_dim),
+            dt_BTH,
+            -torch.exp(upcast(A_log)),
+            b.view(batch, seq_len, -1, args.d_state),
+            c.view(batch, seq_len, -1, args.d_state),
+            args.chunk_size,
+            D=D,
+            dt_bias=dt_bias,
+            seq_idx=seq_idx,
+            dt_softplus=True,
+            dt_limit=args.dt_limit,
+        )
 
 
 class Mamba2Mixer(nn.Module):
@@ -54,34 +92,17 @@ class Mamba2Mixer(nn.Module):
         annotate_tensor_parallel(self.conv1d.bias, components=conv_parts)
         for param in (self.A_log, self.D, self.dt_bias, self.norm.weight):
             annotate_tensor_parallel(param)
+        self.conv_and_scan = ConvAndScan(args)
 
-    def forward(self, x_BTD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-        args = self.args
-        zxbcdt = self.in_proj(x_BTD)
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         # Local sizes derive from the local tensors, so the same code runs on a TP shard.
         n_heads = self.A_log.shape[0]
-        d_inner = n_heads * args.head_dim
-        n_groups = n_heads * args.n_groups // self.n_heads
-        z, xbc, dt = zxbcdt.split([d_inner, d_inner + 2 * n_groups * args.d_state, n_heads], -1)
-        xbc = causal_depthwise_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                      seq_idx=seq_idx, activation="silu")
-        x, b, c = xbc.split([d_inner, n_groups * args.d_state, n_groups * args.d_state], -1)
-        batch, seq_len, _ = x.shape
-        y_BTHP = mamba_chunk_scan_combined(
-            x.view(batch, seq_len, n_heads, args.head_dim),
-            dt,
-            -torch.exp(upcast(self.A_log)),
-            b.view(batch, seq_len, n_groups, args.d_state),
-            c.view(batch, seq_len, n_groups, args.d_state),
-            args.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
-            seq_idx=seq_idx,
-            dt_softplus=True,
-            dt_limit=args.dt_limit,
-        )
-        y = self.norm(y_BTHP.reshape(batch, seq_len, d_inner), z)
-        return self.out_proj(y)
+        d_inner = n_heads * self.args.head_dim
+        z, xbc, dt = self.in_proj(x_BTD).split(
+            [d_inner, self.conv1d.weight.shape[0], n_heads], -1)
+        y_BTHP = self.conv_and_scan(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                    self.A_log, self.D, self.dt_bias, layout)
+        return self.out_proj(self.norm(y_BTHP.flatten(-2), z))
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         args = self.args

@@ -23,6 +23,7 @@ from torch import nn
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.attention import Attention, rotary_tables
 from titan_hybrid.model.gdn import GatedDeltaNet
+from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mlp import SquaredReLUMLP, SwiGLU
 from titan_hybrid.model.moe import MoE
@@ -58,11 +59,11 @@ class HybridLayer(nn.Module):
         self.add_module(f"{self.kind}_norm", RMSNorm(args.dim, eps=args.norm_eps))
         self.add_module(self.kind, build_mixer(symbol, args))
 
-    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, rope: torch.Tensor):
+    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
         mixer = getattr(self, self.kind)
         x = getattr(self, f"{self.kind}_norm")(h)
-        if self.symbol == "*":
-            out = mixer(x, rope)
+        if self.symbol in "*MG":  # the layers that mix along the sequence
+            out = mixer(x, layout)
         elif self.symbol == "E":
             out, layer_aux_loss = mixer(x)
             aux_loss = aux_loss + layer_aux_loss
@@ -86,9 +87,9 @@ class HybridStack(nn.Module):
                      else HybridLayer(item, args))
             self.layers[str(first_index + offset)] = layer
 
-    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, rope: torch.Tensor):
+    def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
         for layer in self.layers.values():
-            h, aux_loss = layer(h, aux_loss, rope)
+            h, aux_loss = layer(h, aux_loss, layout)
         return h, aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
@@ -108,10 +109,10 @@ class MTPDepth(nn.Module):
         self.block = HybridStack(items, args)
         self.final_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, h, future_embedding, aux_loss, rope):
+    def forward(self, h, future_embedding, aux_loss, layout):
         """Returns (hidden state for the next depth, aux loss, normed input of the LM head)."""
         x = self.eh_proj(torch.cat((self.hidden_norm(h), self.embedding_norm(future_embedding)), -1))
-        x, aux_loss = self.block(x, aux_loss, rope)
+        x, aux_loss = self.block(x, aux_loss, layout)
         # The final norm runs here, inside this depth's FSDP unit, where its weight is gathered.
         return x, aux_loss, self.final_norm(x)
 
@@ -175,8 +176,12 @@ class HybridModel(ModelProtocol):
                 torch.manual_seed(args.init_seed * 1_000_003 + zlib.crc32(name.encode()))
                 init(unit)
 
-    def forward(self, tokens_or_hidden: torch.Tensor, *carried: torch.Tensor):
+    def forward(self, tokens_or_hidden: torch.Tensor, *carried: torch.Tensor,
+                positions: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None):
         """Tokens [B, T] -> logits, or (logits, aux_loss, *mtp_logits) with MoE layers or MTP.
+
+        `positions` / `seq_idx` [B, T] describe packed documents and context-parallel shards
+        (see model/layout.py); without them each row is one document in order.
 
         Pipeline stages are copies of this model with the parts of other stages set to None (or
         dropped from `layers` / `mtp`). A stage without the embedding receives what the stage
@@ -198,8 +203,9 @@ class HybridModel(ModelProtocol):
             h = tokens_or_hidden
             aux_loss = carried[0] if self.has_aux_loss else h.new_zeros((), dtype=torch.float32)
             futures = list(carried[1:] if self.has_aux_loss else carried)
+        layout = TokenLayout(positions=positions, seq_idx=seq_idx, rope_table=self.rope)
         for layer in self.layers.values():
-            h, aux_loss = layer(h, aux_loss, self.rope)
+            h, aux_loss = layer(h, aux_loss, layout)
         if self.output is None:  # a pipeline stage before the last
             carry = ([aux_loss] if self.has_aux_loss else []) + futures
             return (h, *carry) if carry else h
@@ -208,6 +214,6 @@ class HybridModel(ModelProtocol):
             return logits
         mtp_logits = []
         for mtp_depth, future in zip(self.mtp, futures, strict=True):
-            h, aux_loss, normed = mtp_depth(h, future, aux_loss, self.rope)
+            h, aux_loss, normed = mtp_depth(h, future, aux_loss, layout)
             mtp_logits.append(self.output(normed))
         return (logits, aux_loss, *mtp_logits)
