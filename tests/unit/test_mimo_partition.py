@@ -44,8 +44,8 @@ def test_every_rank_holds_exactly_its_zigzag_then_sp_slice(cp, tp, sp, seq):
     for cp_rank in range(cp):
         positions = kept([(0, seq)], cp, cp_rank) if cp > 1 else list(range(seq))
         for tp_rank in range(tp):
-            piece = len(positions) // tp if sp else len(positions)
-            sp_positions = positions[tp_rank * piece:(tp_rank + 1) * piece]
+            piece = len(positions) // tp
+            sp_positions = positions[tp_rank * piece:(tp_rank + 1) * piece] if sp else positions
             out = shard_language_inputs(*inputs, cp_size=cp, cp_rank=cp_rank, tp_size=tp,
                                         tp_rank=tp_rank, sequence_parallel=sp)
             check_contents(out, positions, sp_positions)  # labels: CP-sharded, never SP

@@ -1,0 +1,251 @@
+"""Context parallelism: each CP rank holds a zigzag shard of every sequence (parallel/zigzag.py).
+
+Token-wise layers (norms, projections, MLP, MoE) need nothing. The layers that mix along the
+sequence get their core wrapped:
+
+- attention: keys and values (and their positions / documents) are all-gathered over the CP
+  group; local queries attend to them under the exact causal, in-document mask, which compares
+  row positions rather than tensor indices, so the zigzag order needs no special case;
+- Mamba2 and GDN: an all-to-all trades the sequence shard of every head for the whole sequence
+  of 1/cp of the heads; the conv and the scan then run on complete sequences, restored to row
+  order, and a second all-to-all trades back. The per-head parameters (conv channels, A_log,
+  D, dt_bias) are sliced to the rank's heads, so their gradients are partial over CP and summed
+  by data parallelism, whose mesh includes CP (torchtitan's "fsdp" dimension).
+
+The cores run between the TP regions' entry and exit, so heads here are already the TP rank's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_hybrid.model.attention import Attention
+from titan_hybrid.model.gdn import GatedDeltaNet
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.mamba import Mamba2Mixer
+
+
+# --------------------------------------------------------------------------- collectives
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()  # before empty_like, which would copy a transposed tensor's strides
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Block i of dim 0 goes to rank i; block i of the result came from rank i. With equal
+    blocks the backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    """[cp, ...]: every rank's x. Backward sums each rank's gradient of our block (gloo has no
+    reduce-scatter, so the blocks travel by all-to-all and are summed here)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_plain(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group).sum(0), None
+
+
+def _gather_sequence(x_BT: torch.Tensor | None, group) -> torch.Tensor | None:
+    """[B, T_local, ...] -> [B, cp * T_local, ...], rank by rank (not in row order)."""
+    if x_BT is None:
+        return None
+    gathered = _Gather.apply(x_BT, group) if x_BT.requires_grad else _gather_plain(x_BT, group)
+    return gathered.transpose(0, 1).flatten(1, 2)
+
+
+def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
+
+
+# --------------------------------------------------------------------------- layouts
+def _require_positions(layout: TokenLayout | None) -> TokenLayout:
+    if layout is None or layout.positions is None:
+        raise ValueError("context parallel needs the positions of the local tokens: call the "
+                         "model with positions= (and seq_idx= for packed documents)")
+    return layout
+
+
+def _gathered_layout(layout: TokenLayout, group) -> TokenLayout:
+    """The layout of all CP ranks' tokens, rank by rank."""
+    return TokenLayout(positions=_gather_sequence(layout.positions, group),
+                       seq_idx=_gather_sequence(layout.seq_idx, group),
+                       rope_table=layout.rope_table)
+
+
+def _row_order(gathered: TokenLayout, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse) [B, T]: take_along_dim(x, order) puts gathered tokens in row order."""
+    order = gathered.row_order(seq_len).argsort(dim=1)
+    return order, order.argsort(dim=1)
+
+
+def _reorder(x_BT: torch.Tensor | None, index_BT: torch.Tensor) -> torch.Tensor | None:
+    if x_BT is None:
+        return None
+    index = index_BT.reshape(*index_BT.shape, *([1] * (x_BT.dim() - 2)))
+    return torch.take_along_dim(x_BT, index, dim=1)
+
+
+# --------------------------------------------------------------------------- head split
+def heads_of_rank(n_heads: int, n_groups: int, cp: int, rank: int) -> tuple[range, range]:
+    """(heads, groups) that CP rank `rank` runs. Heads split evenly; groups (Mamba's B/C
+    groups, GDN's key heads) split with them, or, with fewer groups than ranks, each rank takes
+    the one group its heads read."""
+    check_head_split("heads", n_heads, "groups", n_groups, cp)
+    per_rank = n_heads // cp
+    heads = range(rank * per_rank, (rank + 1) * per_rank)
+    if n_groups % cp == 0:
+        groups = range(rank * n_groups // cp, (rank + 1) * n_groups // cp)
+    else:
+        ranks_per_group = cp // n_groups
+        groups = range(rank // ranks_per_group, rank // ranks_per_group + 1)
+    return heads, groups
+
+
+def check_head_split(heads_field: str, n_heads: int, groups_field: str, n_groups: int,
+                     cp: int) -> None:
+    if n_heads % cp:
+        raise ValueError(f"{heads_field}={n_heads} (per tensor-parallel rank) is not divisible "
+                         f"by context_parallel_degree={cp}: the all-to-all gives each CP rank "
+                         "whole heads")
+    if n_groups % cp and cp % n_groups:
+        raise ValueError(f"{groups_field}={n_groups} (per tensor-parallel rank) and "
+                         f"context_parallel_degree={cp}: one must divide the other, so that "
+                         "each CP rank's heads read whole groups")
+
+
+def _channels(parts: list[tuple[int, range, int]]) -> torch.Tensor:
+    """Indices into fused channels: for each part (channels per head, heads taken, heads in
+    the part), the channels of the heads taken, offset by the parts before."""
+    pieces, offset = [], 0
+    for width, taken, total in parts:
+        pieces.append(offset + torch.arange(taken.start * width, taken.stop * width))
+        offset += total * width
+    return torch.cat(pieces)
+
+
+class _SequenceToHeads:
+    """Trade [B, T_local, channels] for [B, T, rank's channels] in row order, and back."""
+
+    def __init__(self, layout: TokenLayout, group) -> None:
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        gathered = _gathered_layout(layout, group)
+        seq_len = gathered.positions.shape[1]
+        self.order, self.inverse = _row_order(gathered, seq_len)
+        self.layout = TokenLayout(positions=_reorder(gathered.positions, self.order),
+                                  seq_idx=_reorder(gathered.seq_idx, self.order),
+                                  rope_table=layout.rope_table)
+
+    def to_heads(self, x_BTC: torch.Tensor, channels_of_rank: list[torch.Tensor]) -> torch.Tensor:
+        sent = torch.stack([x_BTC[..., index.to(x_BTC.device)] for index in channels_of_rank])
+        received = _Exchange.apply(sent, self.group)  # [source rank, B, T_local, C]
+        return _reorder(received.transpose(0, 1).flatten(1, 2), self.order)
+
+    def to_sequence(self, y_BTHP: torch.Tensor) -> torch.Tensor:
+        by_source = _reorder(y_BTHP, self.inverse).unflatten(1, (self.cp, -1)).transpose(0, 1)
+        received = _Exchange.apply(by_source, self.group)  # [head owner, B, T_local, H, P]
+        return received.permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+# --------------------------------------------------------------------------- wrapped cores
+class ContextParallelAttentionCore(nn.Module):
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, q, k, v, query: TokenLayout, key: TokenLayout) -> torch.Tensor:
+        _require_positions(query)
+        k, v = _gather_sequence(k, self.group), _gather_sequence(v, self.group)
+        return self.core(q, k, v, query, _gathered_layout(key, self.group))
+
+
+class ContextParallelConvAndScan(nn.Module):
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, xbc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layout):
+        args = self.core.args
+        exchange = _SequenceToHeads(_require_positions(layout), self.group)
+        n_heads, d_inner = A_log.shape[0], A_log.shape[0] * args.head_dim
+        n_groups = (xbc.shape[-1] - d_inner) // (2 * args.d_state)
+
+        def channels(rank: int) -> torch.Tensor:  # [x | B | C | dt] of the rank's heads
+            heads, groups = heads_of_rank(n_heads, n_groups, exchange.cp, rank)
+            return _channels([(args.head_dim, heads, n_heads), (args.d_state, groups, n_groups),
+                             (args.d_state, groups, n_groups), (1, heads, n_heads)])
+
+        xbcdt = exchange.to_heads(torch.cat((xbc, dt), -1),
+                                  [channels(r) for r in range(exchange.cp)])
+        mine = channels(exchange.rank).to(xbc.device)
+        heads, _ = heads_of_rank(n_heads, n_groups, exchange.cp, exchange.rank)
+        conv_channels = mine[:-len(heads)]
+        y = self.core(xbcdt[..., :-len(heads)], xbcdt[..., -len(heads):],
+                      conv_weight[conv_channels], conv_bias[conv_channels],
+                      A_log[heads.start:heads.stop], D[heads.start:heads.stop],
+                      dt_bias[heads.start:heads.stop], exchange.layout)
+        return exchange.to_sequence(y)
+
+
+class ContextParallelConvAndDeltaRule(nn.Module):
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, qkv, alpha, beta, conv_weight, A_log, dt_bias, layout):
+        args = self.core.args
+        exchange = _SequenceToHeads(_require_positions(layout), self.group)
+        n_value_heads = A_log.shape[0]
+        n_key_heads = (qkv.shape[-1] - n_value_heads * args.value_head_dim) // (
+            2 * args.key_head_dim)
+
+        def channels(rank: int) -> torch.Tensor:  # [q | k | v | alpha | beta] of the rank
+            heads, keys = heads_of_rank(n_value_heads, n_key_heads, exchange.cp, rank)
+            return _channels([(args.key_head_dim, keys, n_key_heads),
+                             (args.key_head_dim, keys, n_key_heads),
+                             (args.value_head_dim, heads, n_value_heads),
+                             (1, heads, n_value_heads), (1, heads, n_value_heads)])
+
+        received = exchange.to_heads(torch.cat((qkv, alpha, beta), -1),
+                                     [channels(r) for r in range(exchange.cp)])
+        heads, _ = heads_of_rank(n_value_heads, n_key_heads, exchange.cp, exchange.rank)
+        n = len(heads)
+        conv_channels = channels(exchange.rank)[:-2 * n].to(qkv.device)
+        o = self.core(received[..., :-2 * n], received[..., -2 * n:-n], received[..., -n:],
+                      conv_weight[conv_channels], A_log[heads.start:heads.stop],
+                      dt_bias[heads.start:heads.stop], exchange.layout)
+        return exchange.to_sequence(o)
+
+
+def apply_context_parallel(model: nn.Module, cp_group) -> None:
+    """Wrap the sequence-mixing core of every attention, Mamba2 and GDN layer."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.core = ContextParallelAttentionCore(module.core, cp_group)
+        elif isinstance(module, Mamba2Mixer):
+            module.conv_and_scan = ContextParallelConvAndScan(module.conv_and_scan, cp_group)
+        elif isinstance(module, GatedDeltaNet):
+            module.conv_and_delta_rule = ContextParallelConvAndDeltaRule(
+                module.conv_and_delta_rule, cp_group)
