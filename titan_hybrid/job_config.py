@@ -18,6 +18,12 @@ class Hybrid:
     loss_curve_file: str = ""
     """If set, append each logged step's exact loss as a JSON line to this file."""
 
+    document_masking: bool = False
+    """Treat each row as documents packed back to back, each starting with the tokenizer's BOS
+    token: attention stays inside a document, Mamba / GDN states and conv taps restart at each
+    document, and rotary positions restart at 0 (Megatron's THD packing, torchtitan's
+    block_causal). With context parallelism each row is zigzag-sharded as one sequence."""
+
     load_layers_by_order: bool = False
     """Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
     loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init. For

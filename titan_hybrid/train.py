@@ -39,6 +39,8 @@ def hybrid_trainer_class():
         check_against_checkpoint,
         map_layers_by_order,
     )
+    from titan_hybrid.model.layout import documents_from_bos
+    from titan_hybrid.parallel.context_parallel import shard_batch
     from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
     from titan_hybrid.parallel.validate import expert_parallel_overlap
 
@@ -109,7 +111,23 @@ def hybrid_trainer_class():
 
             return self.ep_overlap(forward)
 
+        def post_dataloading_process(self, input_dict, labels):
+            """Packed-document layout (hybrid.document_masking), then this CP rank's shard.
+            `positions` / `seq_idx` go in extra_kwargs, which reach every pipeline stage."""
+            inputs = input_dict["input"]
+            extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+            extra_kwargs = {}
+            if self.document_masking:
+                seq_idx, positions = documents_from_bos(inputs, self.tokenizer.bos_id)
+                extra_kwargs.update(seq_idx=seq_idx, positions=positions)
+            if self.parallel_dims.cp_enabled:
+                inputs, labels, extra_kwargs = shard_batch(
+                    inputs, labels, extra_kwargs, self.parallel_dims.get_mesh("cp").get_group())
+            return inputs, labels, extra_inputs, extra_kwargs
+
         def __init__(self, job_config):
+            self.document_masking = getattr(getattr(job_config, "hybrid", None),
+                                            "document_masking", False)
             super().__init__(job_config)
             # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
             if expert_parallel_overlap(job_config) and not self.parallel_dims.pp_enabled:

@@ -153,6 +153,7 @@ def shard_language_inputs(embeddings: torch.Tensor | None, labels: torch.Tensor,
 
     if index is not None:
         labels = labels.index_select(1, index.to(labels.device))
+        loss_mask = loss_mask.index_select(1, index.to(loss_mask.device))
         if embeddings is not None:
             embeddings = embeddings.index_select(0, index.to(embeddings.device))
     if embeddings is not None and sp > 1:

@@ -25,6 +25,7 @@ from titan_hybrid.model.attention import Attention
 from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.parallel.zigzag import zigzag_index
 
 
 # --------------------------------------------------------------------------- collectives
@@ -249,3 +250,16 @@ def apply_context_parallel(model: nn.Module, cp_group) -> None:
         elif isinstance(module, GatedDeltaNet):
             module.conv_and_delta_rule = ContextParallelConvAndDeltaRule(
                 module.conv_and_delta_rule, cp_group)
+
+
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, cp_group):
+    """This CP rank's zigzag shard of a [B, T] batch: tokens, labels, and the model's
+    `positions` / `seq_idx` (positions default to 0..T-1, so the shard knows where it sits)."""
+    seq_len = inputs.shape[1]
+    index = zigzag_index(seq_len, dist.get_world_size(cp_group),
+                         dist.get_rank(cp_group)).to(inputs.device)
+    model_kwargs = dict(model_kwargs)
+    model_kwargs.setdefault("positions", torch.arange(seq_len, device=inputs.device).expand_as(
+        inputs))
+    model_kwargs = {name: value.index_select(1, index) for name, value in model_kwargs.items()}
+    return inputs.index_select(1, index), labels.index_select(1, index), model_kwargs

@@ -1,5 +1,5 @@
 """torchtitan's parallelize_fn for HybridModel: applies parallelisms in torchtitan's order
-(TP/SP -> EP -> activation checkpointing -> compile -> data parallel)."""
+(TP/SP -> CP -> EP -> activation checkpointing -> compile -> data parallel)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
@@ -24,13 +25,14 @@ from titan_hybrid.parallel.validate import (
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
-    """(strategy, mesh): FSDP / HSDP shard over ("dp_replicate", "fsdp"); the replicate-based
-    strategies reduce over every data-parallel rank. With a shard degree of 1 there is nothing
-    to shard, so the parameter-sharding strategies fall back to plain replication."""
+    """(strategy, mesh): FSDP / HSDP shard over ("dp_replicate", "fsdp"), where "fsdp" also
+    spans the CP ranks (they hold the same parameters and each computes gradients from its own
+    part of the sequences); the replicate-based strategies reduce over every data-parallel and
+    CP rank. With nothing to shard over, parameter sharding falls back to plain replication."""
     if strategy in ("optim_grads", "optim_grads_params") and not parallel_dims.fsdp_enabled:
         strategy = "no_shard"
     if strategy in ("no_shard", "optim"):
-        return strategy, parallel_dims.get_mesh("batch")
+        return strategy, parallel_dims.get_mesh("loss" if parallel_dims.cp_enabled else "batch")
     if parallel_dims.dp_replicate_enabled:
         return strategy, parallel_dims.get_mesh(["dp_replicate", "fsdp"])
     return strategy, parallel_dims.get_mesh("fsdp")
@@ -58,6 +60,9 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
         logger.info(f"Applied tensor parallel (sequence parallel: "
                     f"{sequence_parallel(job_config)})")
+    if parallel_dims.cp_enabled:
+        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
+        logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag)")
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
         apply_expert_parallel(model, ep_mesh)
@@ -65,7 +70,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint,
                  base_folder=job_config.job.dump_folder)
-    if parallel_dims.dp_enabled:
+    if parallel_dims.dp_cp_enabled:
         strategy, dp_mesh = data_parallel_plan(parallel_dims, sharding_strategy(job_config))
         apply_data_parallel(
             model,

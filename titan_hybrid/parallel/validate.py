@@ -7,8 +7,6 @@ import torch
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 
-# Parallelisms whose implementation has not landed yet; asking for one fails fast.
-_NOT_YET = ("context_parallel_degree",)
 # Pipeline schedules that parallelism.expert_parallel_overlap runs inside (ep_overlap_pipeline).
 OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
 
@@ -111,6 +109,34 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
             "'optim_grads_params' (experts are sharded over the ranks that hold the same experts)")
 
 
+def validate_context_parallel(job_config, model_args: HybridModelArgs) -> None:
+    from titan_hybrid.parallel.context_parallel import check_head_split
+    from titan_hybrid.pattern import parse_hybrid_pattern
+
+    p = job_config.parallelism
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    seq_len = job_config.training.seq_len
+    chunks = 2 * cp * (tp if tp > 1 and sequence_parallel(job_config) else 1)
+    if seq_len % chunks:
+        raise ValueError(
+            f"training.seq_len={seq_len} is not divisible by {chunks} = 2 * context_parallel_"
+            f"degree({cp})" + (f" * tensor_parallel_degree({tp}) (sequence parallel)"
+                               if chunks != 2 * cp else "")
+            + ": each CP rank holds 2 equal chunks (zigzag)")
+    if parse_hybrid_pattern(model_args.pattern).mtp_depths:
+        raise ValueError(
+            f"parallelism.context_parallel_degree={cp} with MTP depths in pattern "
+            f"'{model_args.pattern}': MTP reads the tokens k positions ahead, which a zigzag "
+            "shard does not hold; drop the '/...' part of the pattern or use CP = 1")
+    symbols = model_args.symbols()
+    if "M" in symbols:
+        check_head_split("mamba.nheads", model_args.mamba_n_heads // tp, "mamba.n_groups",
+                         model_args.mamba.n_groups // tp, cp)
+    if "G" in symbols:
+        check_head_split("gdn.n_value_heads", model_args.gdn.n_value_heads // tp,
+                         "gdn.n_key_heads", model_args.gdn.n_key_heads // tp, cp)
+
+
 def validate_overlap(job_config, *, data_parallel: int) -> None:
     p, training = job_config.parallelism, job_config.training
     if p.expert_parallel_degree < 2:
@@ -186,11 +212,7 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
         validate_overlap(job_config, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(job_config, model_args)
-    for name in _NOT_YET:
-        degree = getattr(p, name)
-        if degree > 1:
-            raise ValueError(f"parallelism.{name}={degree}: titan_hybrid does not support this "
-                             "parallelism yet; data parallel (FSDP / HSDP / DDP / ZeRO-1) and "
-                             "tensor / sequence parallel are available")
+    if p.context_parallel_degree > 1:
+        validate_context_parallel(job_config, model_args)
     if job_config.compile.enable:
         raise ValueError("compile.enable=true is not supported for the hybrid model yet")
