@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import run_worker
+from tests.launch import run_training, run_worker
 
 WORKER = Path(__file__).with_name("cp_worker.py")
 
@@ -28,3 +28,38 @@ def test_cp2_layers_match_one_device():
 def test_cp4_with_fewer_groups_than_ranks_matches_one_device():
     """cp=4 > Mamba's 2 groups and GDN's 2 key heads: ranks share a group."""
     _check(run_worker(WORKER, "--pattern", "M*G-M", "--mamba-groups", "2", nproc=4))
+
+
+def _assert_same_curve(single, parallel):
+    assert len(single.losses) == len(parallel.losses) == 4
+    for a, b in zip(single.losses, parallel.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path):
+    """The real trainer on packed pydoc rows (document masking): CP=2 with FSDP over the CP
+    ranks gives the loss curve of one process."""
+    args = ("--training.steps", "4", "--hybrid.document_masking")
+    single = run_training(tmp_path, *args).check()
+    cp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
+                      nproc=2).check()
+    assert "Applied context parallel over 2 ranks" in cp.output
+    assert "Applied data parallel 'optim_grads_params' over ('fsdp',)" in cp.output
+    _assert_same_curve(single, cp)
+
+
+@pytest.mark.slow
+def test_trainer_cp2_x_tp2_matches_one_process(tmp_path):
+    args = ("--training.steps", "4", "--hybrid.document_masking")
+    single = run_training(tmp_path, *args).check()
+    cp_tp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
+                         "--parallelism.tensor_parallel_degree", "2", nproc=4).check()
+    _assert_same_curve(single, cp_tp)
+
+
+@pytest.mark.slow
+def test_trainer_cp2_plain_rows_matches_one_process(tmp_path):
+    args = ("--training.steps", "4")
+    single = run_training(tmp_path, *args).check()
+    _assert_same_curve(single, run_training(
+        tmp_path, *args, "--parallelism.context_parallel_degree", "2", nproc=2).check())
