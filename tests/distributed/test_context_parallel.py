@@ -63,3 +63,15 @@ def test_trainer_cp2_plain_rows_matches_one_process(tmp_path):
     single = run_training(tmp_path, *args).check()
     _assert_same_curve(single, run_training(
         tmp_path, *args, "--parallelism.context_parallel_degree", "2", nproc=2).check())
+
+
+@pytest.mark.slow
+def test_trainer_pp2_x_cp2_matches_one_process(tmp_path):
+    """positions / seq_idx travel as extra_kwargs, which torch's schedule hands every stage."""
+    args = ("--training.steps", "4", "--hybrid.document_masking")
+    single = run_training(tmp_path, *args).check()
+    _assert_same_curve(single, run_training(
+        tmp_path, *args, "--parallelism.context_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_microbatch_size", "2",
+        "--parallelism.pipeline_parallel_schedule", "1F1B", nproc=4).check())
