@@ -65,7 +65,8 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
         (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
         (("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*"),
          "3 physical layers cannot be split evenly into 2 pipeline stages"),
-        (("--parallelism.context_parallel_degree", "2"), "context_parallel_degree=2"),
+        (("--parallelism.context_parallel_degree", "2", "--training.seq_len", "254"),
+         "training.seq_len=254 is not divisible by 4 = 2 * context_parallel_degree(2)"),
     ],
 )
 def test_bad_input_fails_before_training_with_a_clear_message(tmp_path, args, message):
