@@ -53,8 +53,9 @@ def check_resumed(losses, uninterrupted):
 
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
-    ("1", "tp2"), ("fsdp2", "1"), ("zero1_2", "tp2"),
-    # Same code paths in the other direction: kept for the slow run.
+    ("1", "tp2"), ("fsdp2", "1"),
+    # Same code paths in the other direction, or through ZeRO-1: kept for the slow run.
+    pytest.param("zero1_2", "tp2", marks=pytest.mark.slow),
     pytest.param("tp2", "1", marks=pytest.mark.slow),
     pytest.param("no_shard2", "fsdp2", marks=pytest.mark.slow)])
 def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resumed_under):
@@ -94,7 +95,8 @@ def test_grouped_pattern_saves_logical_keys_and_resumes_under_tp(tmp_path):
 
 @pytest.mark.parametrize("pattern, message", [
     ("M-*-M-G-*", "key(s) missing from the checkpoint: layers.8.attention.wk.weight"),
-    ("M-*-M-", "checkpoint key(s) the model does not have: layers.6.gdn.A_log"),
+    pytest.param("M-*-M-", "checkpoint key(s) the model does not have: layers.6.gdn.A_log",
+                 marks=pytest.mark.slow),
 ])
 def test_mismatched_checkpoint_fails_before_training_naming_keys(tmp_path, pattern, message):
     run_training(tmp_path, "--training.steps", "2", *STEPS, *CHECKPOINT).check()

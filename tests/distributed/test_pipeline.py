@@ -83,7 +83,8 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
               "--checkpoint.no_last_save_model_only")
 
 
-@pytest.mark.parametrize("saved_under, resumed_under", [("pp", "1"), ("1", "pp")])
+@pytest.mark.parametrize("saved_under, resumed_under", [
+    ("1", "pp"), pytest.param("pp", "1", marks=pytest.mark.slow)])
 def test_checkpoints_move_between_pipeline_layouts(tmp_path, single_process, saved_under,
                                                    resumed_under):
     layouts = {"pp": ((*PIPELINE, *FOUR_STAGES, "--parallelism.pipeline_parallel_schedule",

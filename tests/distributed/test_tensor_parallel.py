@@ -76,6 +76,7 @@ def test_tp_divisibility_is_checked_before_any_process_group(tmp_path):
     assert "Building device mesh" not in result.output
 
 
+@pytest.mark.slow
 def test_trainer_moe_mtp_with_tp2_and_activation_checkpointing(tmp_path):
     args = ("--training.steps", "3")
     single = run_training(tmp_path, *args, config="hybrid_moe.toml").check()

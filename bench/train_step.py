@@ -1,0 +1,149 @@
+"""One training step of the hybrid debug model vs torchtitan's llama3 at equal size.
+
+    .venv/bin/python bench/train_step.py [--flavor debug] [--batch 8] [--seq-len 256]
+        [--repeats 8] [--threads N]
+
+Baseline: torchtitan's own `Transformer` (llama3), same width, heads, vocabulary and sequence
+length as the hybrid flavor, with the layer count that brings its non-embedding parameter
+count closest to the hybrid's (both counts are printed).
+
+A step is what the trainer does: forward, cross-entropy, backward, gradient-norm clipping,
+AdamW (foreach) step, zero_grad; fp32 on CPU. The two models run back to back in each round
+(order alternating), after one warm-up step each; the median of `--repeats` rounds is kept.
+
+MFU = FLOPs per token * tokens/s / peak, where FLOPs per token follow Megatron's and
+torchtitan's convention (6 x non-embedding matmul parameters, plus the attention / SSD /
+gated-delta cores over the full sequence, backward = 2x forward; llama3 through torchtitan's
+own `get_nparams_and_flops`, the hybrid through ours), and the peak is the best fp32 matmul
+rate measured in this process at the same thread count (`measured_peak_flops`).
+Target (issue 7): the hybrid step at >= 35% of that peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import titan_hybrid  # noqa: F401  (registers the hybrid model with torchtitan)
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.runtime.cpu import measured_peak_flops
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+
+def _non_embedding_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+
+
+def matched_llama(hybrid_args, hybrid: torch.nn.Module, seq_len: int):
+    """llama3 args (and model) of the hybrid's width whose size is closest to the hybrid's."""
+    target = _non_embedding_params(hybrid)
+
+    def build(n_layers: int) -> Transformer:
+        a = hybrid_args.attention
+        args = TransformerModelArgs(dim=hybrid_args.dim, n_layers=n_layers, n_heads=a.n_heads,
+                                    n_kv_heads=a.n_kv_heads, vocab_size=hybrid_args.vocab_size,
+                                    max_seq_len=seq_len)
+        if args.dim // args.n_heads != a.head_dim:
+            raise ValueError(f"attention.head_dim={a.head_dim} != dim / n_heads: llama3 cannot "
+                             "match the hybrid's attention shape")
+        with torch.device("meta"):
+            return args, Transformer(args)
+
+    args, model = build(1)
+    per_layer = _non_embedding_params(model) - _non_embedding_params(build(0)[1])
+    fixed = _non_embedding_params(model) - per_layer
+    n_layers = max(1, round((target - fixed) / per_layer))
+    args, model = build(n_layers)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return args, model
+
+
+class Stepper:
+    """The trainer's step for one model, timed."""
+
+    def __init__(self, name: str, model: torch.nn.Module, flops_per_token: int, n_params: int):
+        self.name, self.model = name, model
+        self.flops_per_token, self.n_params = flops_per_token, n_params
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                           foreach=True)
+        self.times: list[float] = []
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        start = time.perf_counter()
+        out = self.model(tokens)
+        logits = out[0] if isinstance(out, tuple) else out
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        self.times.append(elapsed)
+        return loss.item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="debug")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    hybrid_args = hybrid_flavors[args.flavor]
+    with torch.device("meta"):
+        hybrid = HybridModel(hybrid_args)
+    hybrid.to_empty(device="cpu")
+    with torch.no_grad():
+        hybrid.init_weights()
+    llama_args, llama = matched_llama(hybrid_args, hybrid, args.seq_len)
+
+    steppers = []
+    for name, model, model_args in (("hybrid " + args.flavor, hybrid, hybrid_args),
+                                    (f"llama3 ({llama_args.n_layers} layers)", llama, llama_args)):
+        _, flops = model_args.get_nparams_and_flops(model, args.seq_len)
+        steppers.append(Stepper(name, model, flops, _non_embedding_params(model)))
+
+    tokens = torch.randint(0, hybrid_args.vocab_size, (args.batch, args.seq_len + 1))
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    for stepper in steppers:  # warm-up: allocator, thread pool, optimizer state
+        stepper.step(inputs, labels)
+        stepper.times.clear()
+    peak_before = measured_peak_flops.__wrapped__()
+    for round_index in range(args.repeats):
+        order = steppers if round_index % 2 == 0 else steppers[::-1]
+        for stepper in order:
+            stepper.step(inputs, labels)
+    # The peak is measured before and after the timed rounds; the higher one is the denominator
+    # (a busy moment understates the peak and would overstate MFU).
+    peak = max(peak_before, measured_peak_flops.__wrapped__())
+
+    n_tokens = args.batch * args.seq_len
+    print(f"{args.batch} x {args.seq_len} tokens per step, fp32, {torch.get_num_threads()} "
+          f"threads; measured fp32 matmul peak {peak:.3e} FLOP/s; median of {args.repeats}")
+    print(f"{'model':22} {'non-emb params':>15} {'GFLOP/token':>12} {'step (s)':>9} "
+          f"{'tokens/s':>9} {'MFU':>6}")
+    rates = []
+    for s in steppers:
+        seconds = statistics.median(s.times)
+        tokens_per_s = n_tokens / seconds
+        rates.append(tokens_per_s)
+        mfu = s.flops_per_token * tokens_per_s / peak
+        print(f"{s.name:22} {s.n_params / 1e6:14.2f}M {s.flops_per_token / 1e9:12.4f} "
+              f"{seconds:9.3f} {tokens_per_s:9.0f} {100 * mfu:5.1f}%")
+    print(f"hybrid / llama3 tokens/s: {rates[0] / rates[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
