@@ -64,6 +64,37 @@ def _doc_ids(seq_idx_BL):
     return (seq_idx_BL != prev).cumsum(-1)
 
 
+class _IntraChunk(torch.autograd.Function):
+    """y = (exp(segsum(Acum)) * CB) @ xdt within each chunk, masked to causal / same-document.
+
+    Written out by hand because the [b, c, g, r, k, k] decay matrix is the largest tensor of
+    the scan and, left to autograd, every elementwise step on it (fill, exp, product with CB
+    and each of their backwards) is a full pass over memory. Here the forward keeps only the
+    masked decay E; the backward rebuilds E * CB once and reuses one buffer for dL.
+    """
+
+    @staticmethod
+    def forward(ctx, Acum_BCGRK, CB_BCGKK, xdt_BCGRKP, mask):
+        # Masked entries become -inf before exp, so they are exact zeros and never overflow.
+        E_BCGRKK = (Acum_BCGRK[..., :, None] - Acum_BCGRK[..., None, :])
+        E_BCGRKK.masked_fill_(~mask, float("-inf")).exp_()
+        ctx.save_for_backward(E_BCGRKK, CB_BCGKK, xdt_BCGRKP)
+        return (E_BCGRKK * CB_BCGKK[:, :, :, None]) @ xdt_BCGRKP
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy_BCGRKP):
+        E_BCGRKK, CB_BCGKK, xdt_BCGRKP = ctx.saved_tensors
+        dxdt_BCGRKP = (E_BCGRKK * CB_BCGKK[:, :, :, None]).transpose(-1, -2) @ dy_BCGRKP
+        dM_BCGRKK = dy_BCGRKP @ xdt_BCGRKP.transpose(-1, -2)
+        dM_BCGRKK.mul_(E_BCGRKK)
+        dCB_BCGKK = dM_BCGRKK.sum(3)
+        dL_BCGRKK = dM_BCGRKK.mul_(CB_BCGKK[:, :, :, None])  # d(exp) = exp: dL = dM * E * CB
+        # L_ij = Acum_i - Acum_j: row sums enter with +, column sums with -.
+        dAcum_BCGRK = dL_BCGRKK.sum(-1) - dL_BCGRKK.sum(-2)
+        return dAcum_BCGRK, dCB_BCGKK, dxdt_BCGRKP, None
+
+
 def ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                       initial_states=None, seq_idx=None, dt_softplus=False,
                       dt_limit=_NO_LIMIT, return_final_states=False):
@@ -98,7 +129,9 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(b, c, k, *t.shape[2:])
 
-    xdt_BCGRKP = split(x_BLHP * dt_BLH[..., None]).reshape(b, c, k, g, r, p).permute(0, 1, 3, 4, 2, 5)
+    # Contiguous once here rather than copied inside each matmul (forward and backward) below.
+    xdt_BCGRKP = (split(x_BLHP * dt_BLH[..., None]).reshape(b, c, k, g, r, p)
+                  .permute(0, 1, 3, 4, 2, 5).contiguous())
     B_BCKGN = split(B.to(f))
     C_BCKGN = split(C.to(f))
     dA_BCKH = split(dt_BLH * A.to(f))
@@ -127,12 +160,9 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     def decay(log_decay, mask):
         return log_decay.exp() if mask is None else log_decay.masked_fill(~mask, float("-inf")).exp()
 
-    # 1) Intra-chunk (quadratic) term. In-place fill/exp avoid two extra
-    #    [b, c, h, k, k] buffers; autograd allows it (sub saves nothing, exp_ saves its result).
-    L_BCGRKK = Acum_BCGRK[..., :, None] - Acum_BCGRK[..., None, :]
-    L_BCGRKK.masked_fill_(~intra_mask, float("-inf")).exp_()
+    # 1) Intra-chunk (quadratic) term.
     CB_BCGKK = torch.einsum("bcign,bcjgn->bcgij", C_BCKGN, B_BCKGN)  # shared by the group's heads
-    y_BCGRKP = (L_BCGRKK * CB_BCGKK[:, :, :, None]) @ xdt_BCGRKP
+    y_BCGRKP = _IntraChunk.apply(Acum_BCGRK, CB_BCGKK, xdt_BCGRKP, intra_mask)
 
     # 2) State each chunk adds by its end, from its own inputs only.
     w_end_BCGRK = decay(Alast_BCGR[..., None] - Acum_BCGRK, end_mask)
