@@ -89,6 +89,50 @@ class Stepper:
         return loss.item()
 
 
+def compare(flavor: str = "debug", batch: int = 8, seq_len: int = 256,
+            repeats: int = 8) -> dict:
+    """Times both models' steps side by side; returns the peak and one row per model."""
+    torch.manual_seed(0)
+    hybrid_args = hybrid_flavors[flavor]
+    with torch.device("meta"):
+        hybrid = HybridModel(hybrid_args)
+    hybrid.to_empty(device="cpu")
+    with torch.no_grad():
+        hybrid.init_weights()
+    llama_args, llama = matched_llama(hybrid_args, hybrid, seq_len)
+
+    steppers = []
+    for name, model, model_args in ((f"hybrid {flavor}", hybrid, hybrid_args),
+                                    (f"llama3 ({llama_args.n_layers} layers)", llama, llama_args)):
+        _, flops = model_args.get_nparams_and_flops(model, seq_len)
+        steppers.append(Stepper(name, model, flops, _non_embedding_params(model)))
+
+    tokens = torch.randint(0, hybrid_args.vocab_size, (batch, seq_len + 1))
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    losses = {}
+    for stepper in steppers:  # warm-up: allocator, thread pool, optimizer state
+        losses[stepper.name] = stepper.step(inputs, labels)
+        stepper.times.clear()
+    peak_before = measured_peak_flops.__wrapped__()
+    for round_index in range(repeats):
+        order = steppers if round_index % 2 == 0 else steppers[::-1]
+        for stepper in order:
+            stepper.step(inputs, labels)
+    # The peak is measured before and after the timed rounds; the higher one is the denominator
+    # (a busy moment understates the peak and would overstate MFU).
+    peak = max(peak_before, measured_peak_flops.__wrapped__())
+
+    rows = []
+    for s in steppers:
+        seconds = statistics.median(s.times)
+        tokens_per_s = batch * seq_len / seconds
+        rows.append({"model": s.name, "non_embedding_params": s.n_params,
+                     "flops_per_token": s.flops_per_token, "step_s": seconds,
+                     "tokens_per_s": tokens_per_s, "first_loss": losses[s.name],
+                     "mfu": s.flops_per_token * tokens_per_s / peak})
+    return {"peak_flops": peak, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="debug")
@@ -99,50 +143,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-
-    hybrid_args = hybrid_flavors[args.flavor]
-    with torch.device("meta"):
-        hybrid = HybridModel(hybrid_args)
-    hybrid.to_empty(device="cpu")
-    with torch.no_grad():
-        hybrid.init_weights()
-    llama_args, llama = matched_llama(hybrid_args, hybrid, args.seq_len)
-
-    steppers = []
-    for name, model, model_args in (("hybrid " + args.flavor, hybrid, hybrid_args),
-                                    (f"llama3 ({llama_args.n_layers} layers)", llama, llama_args)):
-        _, flops = model_args.get_nparams_and_flops(model, args.seq_len)
-        steppers.append(Stepper(name, model, flops, _non_embedding_params(model)))
-
-    tokens = torch.randint(0, hybrid_args.vocab_size, (args.batch, args.seq_len + 1))
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    for stepper in steppers:  # warm-up: allocator, thread pool, optimizer state
-        stepper.step(inputs, labels)
-        stepper.times.clear()
-    peak_before = measured_peak_flops.__wrapped__()
-    for round_index in range(args.repeats):
-        order = steppers if round_index % 2 == 0 else steppers[::-1]
-        for stepper in order:
-            stepper.step(inputs, labels)
-    # The peak is measured before and after the timed rounds; the higher one is the denominator
-    # (a busy moment understates the peak and would overstate MFU).
-    peak = max(peak_before, measured_peak_flops.__wrapped__())
-
-    n_tokens = args.batch * args.seq_len
+    result = compare(args.flavor, args.batch, args.seq_len, args.repeats)
     print(f"{args.batch} x {args.seq_len} tokens per step, fp32, {torch.get_num_threads()} "
-          f"threads; measured fp32 matmul peak {peak:.3e} FLOP/s; median of {args.repeats}")
+          f"threads; measured fp32 matmul peak {result['peak_flops']:.3e} FLOP/s; median of "
+          f"{args.repeats}")
     print(f"{'model':22} {'non-emb params':>15} {'GFLOP/token':>12} {'step (s)':>9} "
           f"{'tokens/s':>9} {'MFU':>6}")
-    rates = []
-    for s in steppers:
-        seconds = statistics.median(s.times)
-        tokens_per_s = n_tokens / seconds
-        rates.append(tokens_per_s)
-        mfu = s.flops_per_token * tokens_per_s / peak
-        print(f"{s.name:22} {s.n_params / 1e6:14.2f}M {s.flops_per_token / 1e9:12.4f} "
-              f"{seconds:9.3f} {tokens_per_s:9.0f} {100 * mfu:5.1f}%")
-    print(f"hybrid / llama3 tokens/s: {rates[0] / rates[1]:.2f}x")
+    for row in result["rows"]:
+        print(f"{row['model']:22} {row['non_embedding_params'] / 1e6:14.2f}M "
+              f"{row['flops_per_token'] / 1e9:12.4f} {row['step_s']:9.3f} "
+              f"{row['tokens_per_s']:9.0f} {100 * row['mfu']:5.1f}%")
+    hybrid, llama = result["rows"]
+    print(f"hybrid / llama3 tokens/s: {hybrid['tokens_per_s'] / llama['tokens_per_s']:.2f}x")
+    print(f"target: hybrid MFU >= 35% of the measured peak: "
+          f"{'met' if hybrid['mfu'] >= 0.35 else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,21 @@ def test_gpu_verify_training_step_on_cpu():
                                          device=torch.device("cpu"))
     assert result["tokens_per_s"] > 0 and result["flops_per_token"] > 0
     assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def test_train_step_bench_matches_sizes_and_counts_flops():
+    import math
+
+    from bench.train_step import compare
+
+    result = compare("debug", batch=1, seq_len=64, repeats=1)
+    hybrid, llama = result["rows"]
+    # The baseline is sized to the hybrid: non-embedding parameters within 10%.
+    assert abs(llama["non_embedding_params"] / hybrid["non_embedding_params"] - 1) < 0.10
+    for row in (hybrid, llama):
+        # Both are freshly initialised language models: first loss near uniform over 2048 tokens.
+        assert abs(row["first_loss"] - math.log(2048)) < 0.5, row
+        # 6 x non-embedding parameters plus the cores, so a little above 6N.
+        assert 6 * row["non_embedding_params"] < row["flops_per_token"], row
+        assert row["flops_per_token"] < 7 * row["non_embedding_params"], row
+        assert 0 < row["mfu"] < 1.5 and row["tokens_per_s"] > 0
