@@ -43,7 +43,7 @@ def matched_llama(hybrid_args, hybrid: torch.nn.Module, seq_len: int):
     """llama3 args (and model) of the hybrid's width whose size is closest to the hybrid's."""
     target = _non_embedding_params(hybrid)
 
-    def build(n_layers: int) -> Transformer:
+    def build(n_layers: int) -> tuple[TransformerModelArgs, Transformer]:
         a = hybrid_args.attention
         args = TransformerModelArgs(dim=hybrid_args.dim, n_layers=n_layers, n_heads=a.n_heads,
                                     n_kv_heads=a.n_kv_heads, vocab_size=hybrid_args.vocab_size,
@@ -54,9 +54,8 @@ def matched_llama(hybrid_args, hybrid: torch.nn.Module, seq_len: int):
         with torch.device("meta"):
             return args, Transformer(args)
 
-    args, model = build(1)
-    per_layer = _non_embedding_params(model) - _non_embedding_params(build(0)[1])
-    fixed = _non_embedding_params(model) - per_layer
+    fixed = _non_embedding_params(build(0)[1])  # final norm and output head
+    per_layer = _non_embedding_params(build(1)[1]) - fixed
     n_layers = max(1, round((target - fixed) / per_layer))
     args, model = build(n_layers)
     model.to_empty(device="cpu")
