@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +51,7 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
     from titan_hybrid.optimizer import build_hybrid_optimizers
     from titan_hybrid.parallel.data_parallel import apply_data_parallel
     from titan_hybrid.parallel.init import full_tensor_materializer
+    from titan_hybrid.runtime.cpu import peak_rss_bytes
     from torchtitan.config import Optimizer as OptimizerConfig
 
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
         times.append(time.perf_counter() - start)
     if times:
         result["step_s"] = statistics.median(times)
-        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss"] = peak_rss_bytes()
     return result
 
 
@@ -135,14 +135,16 @@ def _run_strategy(flavor: str, strategy: str, nproc: int, threads: int = 1,
 
 
 def table(flavor: str, nproc: int, sizes: dict) -> list[dict]:
-    single = _run_strategy(flavor, "none", 1, threads=nproc, sizes=sizes)[0]
-    single["tokens_per_s"] = sizes["batch"] * sizes["seq_len"] / single["step_s"]
+    def largest_rank(per_rank: list[dict]) -> dict:
+        row = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        row["tokens_per_s"] = len(per_rank) * sizes["batch"] * sizes["seq_len"] / row["step_s"]
+        return row
+
+    single = largest_rank(_run_strategy(flavor, "none", 1, threads=nproc, sizes=sizes))
     rows = [{"strategy": f"one process ({nproc} threads)", **single}]
     for strategy in STRATEGIES:
         per_rank = _run_strategy(flavor, strategy, nproc, sizes=sizes)
-        row = {k: max(r[k] for r in per_rank) for k in single if k != "tokens_per_s"}
-        row["tokens_per_s"] = nproc * sizes["batch"] * sizes["seq_len"] / row["step_s"]
-        rows.append({"strategy": f"{strategy} ({ZERO[strategy]})", **row})
+        rows.append({"strategy": f"{strategy} ({ZERO[strategy]})", **largest_rank(per_rank)})
     for row in rows:
         row.update({f"{k}_ratio": row[k] / single[k] for k in single})
     return rows

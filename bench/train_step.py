@@ -41,16 +41,16 @@ def _non_embedding_params(model: torch.nn.Module) -> int:
 
 def matched_llama(hybrid_args, hybrid: torch.nn.Module, seq_len: int):
     """llama3 args (and model) of the hybrid's width whose size is closest to the hybrid's."""
+    a = hybrid_args.attention
+    if hybrid_args.dim // a.n_heads != a.head_dim:
+        raise ValueError(f"attention.head_dim={a.head_dim} != dim / n_heads: llama3 cannot "
+                         "match the hybrid's attention shape")
     target = _non_embedding_params(hybrid)
 
     def build(n_layers: int) -> tuple[TransformerModelArgs, Transformer]:
-        a = hybrid_args.attention
         args = TransformerModelArgs(dim=hybrid_args.dim, n_layers=n_layers, n_heads=a.n_heads,
                                     n_kv_heads=a.n_kv_heads, vocab_size=hybrid_args.vocab_size,
                                     max_seq_len=seq_len)
-        if args.dim // args.n_heads != a.head_dim:
-            raise ValueError(f"attention.head_dim={a.head_dim} != dim / n_heads: llama3 cannot "
-                             "match the hybrid's attention shape")
         with torch.device("meta"):
             return args, Transformer(args)
 

@@ -42,7 +42,7 @@ def accelerator_available() -> bool:
     )
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -66,12 +66,12 @@ def _cpu_device_module() -> types.ModuleType:
     module.empty_cache = lambda *args, **kwargs: None
     # Peak resident set size stands in for the allocator's peak: the closest CPU analogue.
     module.memory_stats = lambda *args, **kwargs: {
-        "active_bytes.all.peak": _peak_rss_bytes(),
-        "reserved_bytes.all.peak": _peak_rss_bytes(),
+        "active_bytes.all.peak": peak_rss_bytes(),
+        "reserved_bytes.all.peak": peak_rss_bytes(),
         "num_alloc_retries": 0,
         "num_ooms": 0,
     }
-    module.max_memory_allocated = lambda *args, **kwargs: _peak_rss_bytes()
+    module.max_memory_allocated = lambda *args, **kwargs: peak_rss_bytes()
     module.memory_allocated = lambda *args, **kwargs: 0
     module.manual_seed = torch.manual_seed
     module.manual_seed_all = torch.manual_seed
