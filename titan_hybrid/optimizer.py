@@ -17,6 +17,7 @@ from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 
 NO_DECAY_NAMES = ("A_log", "D", "dt_bias")
+OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
 
 def skips_weight_decay(name: str, param: nn.Parameter) -> bool:
@@ -69,9 +70,9 @@ class HybridOptimizersContainer(OptimizersContainer):
 
 def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,
                             parallel_dims: ParallelDims, ft_manager=None) -> OptimizersContainer:
-    classes = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
-    if optimizer_config.name not in classes:
-        raise ValueError(f"optimizer.name '{optimizer_config.name}' is not one of {sorted(classes)}")
+    if optimizer_config.name not in OPTIMIZER_CLASSES:
+        raise ValueError(f"optimizer.name '{optimizer_config.name}' is not one of "
+                         f"{sorted(OPTIMIZER_CLASSES)}")
     if optimizer_config.early_step_in_backward:
         raise ValueError("optimizer.early_step_in_backward is not supported by titan_hybrid")
     implementation = optimizer_config.implementation
@@ -83,4 +84,4 @@ def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: Opti
         "fused": implementation == "fused",
         "foreach": implementation == "foreach",
     }
-    return HybridOptimizersContainer(model_parts, classes[optimizer_config.name], kwargs)
+    return HybridOptimizersContainer(model_parts, OPTIMIZER_CLASSES[optimizer_config.name], kwargs)

@@ -19,6 +19,7 @@ from torch import nn
 from torchtitan.components.checkpoint import ModelWrapper
 
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
+from titan_hybrid.errors import JobError
 from titan_hybrid.parallel.tensor_parallel import TPLayout
 
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
@@ -122,7 +123,7 @@ def map_layers_by_order(state_dict: dict, stored_keys) -> tuple[dict, dict[str, 
             fresh.append(kind)
             continue
         if len(stored_layers[kind]) != len(indices):
-            raise ValueError(
+            raise JobError(
                 f"cannot map layers by order: the model has {len(indices)} {kind} layer(s) "
                 f"{indices}, the checkpoint {len(stored_layers[kind])} {stored_layers[kind]}")
         renames.update({(kind, mine): theirs for mine, theirs in zip(indices, stored_layers[kind])})
@@ -162,11 +163,11 @@ def flattened_tensors(state_dict: dict) -> dict:
 
 
 def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
-                             allow_unexpected: bool = False, group=None) -> dict:
-    """Raise ValueError naming every key the checkpoint lacks or holds with another shape, or
-    holds although no rank of `group` (all ranks by default: a pipeline stage holds only its
-    own layers) asks for it. Returns the state dict with the final norm renamed if the
-    checkpoint uses the alias."""
+                             allow_unexpected: bool = False, group=None, hint: str = "") -> dict:
+    """Raise JobError (a ValueError) naming every key the checkpoint lacks or holds with another
+    shape, or holds although no rank of `group` (all ranks by default: a pipeline stage holds
+    only its own layers) asks for it; `hint` ends a message about keys. Returns the state dict
+    with the final norm renamed if the checkpoint uses the alias."""
     stored = metadata.state_dict_metadata
     state_dict = dict(state_dict)
     for key, alias in FINAL_NORM_ALIASES.items():
@@ -201,5 +202,7 @@ def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
                          f"{listing(unexpected)}")
         if mismatched:
             lines.append(f"  {len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:12]))
-        raise ValueError("\n".join(lines))
+        if (missing or unexpected) and hint:
+            lines[-1] += hint
+        raise JobError("\n".join(lines))
     return state_dict

@@ -1,0 +1,215 @@
+"""torchtitan's CheckpointManager, made safe to operate.
+
+Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in addition:
+- saves are crash-consistent and carry checksums (integrity.py: written as `step-N.partial`,
+  renamed when complete);
+- at start-up the newest INTACT checkpoint is resumed: a damaged newer one is reported with its
+  path and the reason, and skipped; if none is intact the run stops with a clear message;
+- `keep_latest_k` counts intact checkpoints only, so a damaged newer save never pushes the last
+  intact one out;
+- a model-only checkpoint (a final save with `last_save_model_only`, an export) is refused as a
+  resume point with a message naming `checkpoint.resume_with_fresh_optimizer`; with that flag
+  the weights load, the optimizer starts fresh, and the step, LR schedule and data position
+  continue from the checkpoint's step;
+- every load is checked against the model (keys and shapes, state.py) and can read another
+  pattern's checkpoint layer by layer (`hybrid.load_layers_by_order`);
+- a Hugging Face export also writes config.json and the tokenizer files, so `transformers`
+  (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpoint import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    TRAIN_STATE,
+    CheckpointManager,
+)
+from torchtitan.tools.logging import logger
+
+from titan_hybrid.checkpoint import integrity
+from titan_hybrid.checkpoint.state import (
+    NON_MODEL_PREFIXES,
+    SplitModelWrapper,
+    check_against_checkpoint,
+    map_layers_by_order,
+)
+from titan_hybrid.errors import JobError
+
+FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def holds_training_state(metadata) -> bool:
+    return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
+
+
+class HybridCheckpointManager(CheckpointManager):
+    def __init__(self, *, model_args, job_config, tokenizer_folder: str | None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model_args = model_args
+        self.tokenizer_folder = tokenizer_folder
+        self.by_order = job_config.hybrid.load_layers_by_order
+        self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
+        self.damaged: dict[str, str] = {}  # path -> reason, found at start-up
+        self.verified: set[str] = set()
+        if self.enable:
+            self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model)
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def dcp_save(self, state_dict, checkpoint_id: str, async_mode, enable_garbage_collection=False,
+                 to_hf: bool = False):
+        final = Path(checkpoint_id)
+        partial = final.with_name(final.name + integrity.PARTIAL_SUFFIX)
+        if _is_rank0():
+            shutil.rmtree(partial, ignore_errors=True)
+        integrity.barrier()
+        result = super().dcp_save(state_dict, str(partial), async_mode,
+                                  enable_garbage_collection, to_hf)
+        if to_hf:
+            integrity.barrier()  # every rank's consolidated files are written
+            if _is_rank0():
+                self._complete_hf_export(partial)
+        integrity.commit(partial, final)
+        self.damaged.pop(str(final), None)
+        self.verified.add(str(final))
+        return result
+
+    def _complete_hf_export(self, folder: Path) -> None:
+        from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
+
+        # torchtitan writes per-rank shards under sharded/, then consolidates them next to it.
+        shutil.rmtree(folder / "sharded", ignore_errors=True)
+        (folder / "config.json").write_text(json.dumps(nemotron_h_config(self.model_args),
+                                                       indent=2))
+        if self.tokenizer_folder:
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                source = Path(self.tokenizer_folder) / name
+                if source.is_file():
+                    shutil.copyfile(source, folder / name)
+
+    def _save_last_step(self, curr_step: int) -> None:
+        # An HF export holds the model only; torchtitan asserts that instead of deciding it.
+        saved = self.last_save_model_only
+        self.last_save_model_only = saved or self.last_save_in_hf
+        try:
+            super()._save_last_step(curr_step)
+        finally:
+            self.last_save_model_only = saved
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Keep the newest `keep_latest_k` intact checkpoints; damaged ones do not count."""
+        if self.keep_latest_k <= 0 or not _is_rank0():
+            return
+        kept = 0
+        for _, path in integrity.step_folders(Path(self.folder)):
+            problem = self.damaged.get(str(path)) or integrity.structural_problem(path)
+            if problem is None and kept < self.keep_latest_k:
+                kept += 1
+                continue
+            if problem is not None:
+                logger.warning(f"Removing damaged checkpoint {path} ({problem})")
+            self.purge_queue.put(str(path))
+
+    # ---- loading ------------------------------------------------------------------------
+
+    def load(self, step: int = -1) -> bool:
+        if self.enable:
+            for path in integrity.discard_partial_saves(Path(self.folder)):
+                logger.warning(f"Removed {path}: an interrupted save")
+        return super().load(step)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest intact `step-N` (verified against its checksums), or -1 if none exists."""
+        if folder and folder != self.folder:
+            return super()._find_load_step(folder)  # torchft's per-replica folders
+        candidates = integrity.step_folders(Path(self.folder))
+        for step, path in candidates:
+            problem = integrity.verify(path)
+            if problem is None:
+                self.verified.add(str(path))
+                return step
+            self.damaged[str(path)] = problem
+            if _is_rank0():
+                logger.warning(f"Checkpoint {path} is damaged ({problem}); trying an older one")
+        if candidates:
+            listing = "; ".join(f"{path.name}: {self.damaged[str(path)]}"
+                                for _, path in candidates)
+            raise JobError(f"no intact checkpoint in checkpoint.folder '{self.folder}' "
+                           f"({listing}); move the folder away to start afresh")
+        return -1
+
+    def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool):
+        if from_hf:
+            metadata = self.sd_adapter.get_hf_storage_reader(checkpoint_id).read_metadata()
+            check_against_checkpoint(self.sd_adapter.to_hf(state_dict), metadata, checkpoint_id,
+                                     hint=self._layers_hint())
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        path = Path(checkpoint_id)
+        if str(path) not in self.verified:  # named by load_step or initial_load_path
+            problem = integrity.verify(path)
+            if problem is not None:
+                raise JobError(f"checkpoint '{checkpoint_id}' is damaged: {problem}")
+        if (path / integrity.HF_INDEX_FILE).exists() and not (path / ".metadata").exists():
+            raise JobError(
+                f"checkpoint '{checkpoint_id}' is a Hugging Face export (model weights only) "
+                "and cannot resume training; load it into a new run with "
+                "--checkpoint.initial_load_path and --checkpoint.initial_load_in_hf, or remove "
+                "it to resume from an older checkpoint")
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+        resume_fresh = False
+        if any(key in state_dict for key in ("optimizer", TRAIN_STATE)) \
+                and not holds_training_state(metadata):
+            if not self.fresh_optimizer:
+                raise JobError(
+                    f"checkpoint '{checkpoint_id}' holds model weights only (torchtitan's "
+                    "checkpoint.last_save_model_only writes the last step that way), so the "
+                    "optimizer cannot resume; continue from these weights with a fresh optimizer "
+                    f"using {FRESH_OPTIMIZER_FLAG}")
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith(
+                NON_MODEL_PREFIXES) and k not in ("optimizer", LR_SCHEDULER, DATALOADER,
+                                                  TRAIN_STATE)}
+            resume_fresh = True
+        if self.by_order:
+            state_dict, renames, fresh = map_layers_by_order(state_dict,
+                                                             metadata.state_dict_metadata)
+            self.states[MODEL].pending_renames = renames
+            if fresh:
+                logger.info(f"Layers by order: {fresh} layers keep their fresh init")
+        state_dict = check_against_checkpoint(state_dict, metadata, checkpoint_id,
+                                              allow_unexpected=self.by_order,
+                                              hint=self._layers_hint())
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        if resume_fresh:
+            self._continue_at(int(integrity.STEP_FOLDER.match(path.name).group(1))
+                              if integrity.STEP_FOLDER.match(path.name) else 0)
+
+    def _layers_hint(self) -> str:
+        return ("" if self.by_order else
+                "; to read a checkpoint of another pattern layer by layer of each kind, add "
+                "--hybrid.load_layers_by_order")
+
+    def _continue_at(self, step: int) -> None:
+        """After a model-only load: the run continues at `step` + 1 with a fresh optimizer."""
+        trainer = self.states[TRAIN_STATE]
+        trainer.step = step
+        for _ in range(step):
+            self.states[LR_SCHEDULER].step()
+        dataloader = self.states.get(DATALOADER)
+        if dataloader is not None and hasattr(dataloader, "skip_global_batches"):
+            dataloader.skip_global_batches(step * trainer.gradient_accumulation_steps)
+        logger.warning(f"Resuming model weights of step {step} with a fresh optimizer "
+                       f"({FRESH_OPTIMIZER_FLAG}): training continues at step {step + 1}")

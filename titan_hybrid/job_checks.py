@@ -1,0 +1,123 @@
+"""Pre-flight checks of a parsed job: every user error, found before any process group or model.
+
+`check_job` raises ValueError naming the field, its value and the rule. The launcher
+(titan_hybrid.launch) runs it in the launching process, before torchrun starts workers; the
+worker entry (titan_hybrid.train) runs it again, for jobs started by a plain torchrun.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+
+def _require(condition: bool, field: str, value, rule: str) -> None:
+    if not condition:
+        raise ValueError(f"{field}={value!r} {rule}")
+
+
+def check_training(training) -> None:
+    _require(training.steps >= 1, "training.steps", training.steps, "must be >= 1")
+    _require(training.local_batch_size >= 1, "training.local_batch_size",
+             training.local_batch_size, "must be >= 1")
+    _require(training.seq_len >= 1, "training.seq_len", training.seq_len, "must be >= 1")
+    _require(training.global_batch_size == -1 or training.global_batch_size >= 1,
+             "training.global_batch_size", training.global_batch_size,
+             "must be -1 (local_batch_size x data-parallel degree) or >= 1")
+    _require(math.isfinite(training.max_norm) and training.max_norm > 0, "training.max_norm",
+             training.max_norm, "must be a finite number > 0 (gradient clipping threshold)")
+    _require(training.gc_freq >= 1, "training.gc_freq", training.gc_freq, "must be >= 1")
+
+
+def check_global_batch(training, data_parallel: int) -> None:
+    global_batch = training.global_batch_size
+    if global_batch == -1:
+        return
+    per_microbatch = training.local_batch_size * data_parallel
+    _require(global_batch % per_microbatch == 0, "training.global_batch_size", global_batch,
+             f"must be a multiple of local_batch_size({training.local_batch_size}) x "
+             f"data-parallel degree({data_parallel}) = {per_microbatch}")
+
+
+def check_optimizer(optimizer, lr_scheduler) -> None:
+    from titan_hybrid.optimizer import OPTIMIZER_CLASSES
+
+    _require(optimizer.name in OPTIMIZER_CLASSES, "optimizer.name", optimizer.name,
+             f"is not one of {sorted(OPTIMIZER_CLASSES)}")
+    _require(math.isfinite(optimizer.lr) and optimizer.lr >= 0, "optimizer.lr", optimizer.lr,
+             "must be a finite number >= 0 (0 freezes the weights: evaluation or export runs)")
+    for name in ("beta1", "beta2"):
+        value = getattr(optimizer, name)
+        _require(0 <= value < 1, f"optimizer.{name}", value, "must be in [0, 1)")
+    _require(optimizer.eps > 0, "optimizer.eps", optimizer.eps, "must be > 0")
+    _require(optimizer.weight_decay >= 0, "optimizer.weight_decay", optimizer.weight_decay,
+             "must be >= 0")
+    _require(lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps",
+             lr_scheduler.warmup_steps, "must be >= 0")
+    if lr_scheduler.decay_ratio is not None:
+        _require(0 <= lr_scheduler.decay_ratio <= 1, "lr_scheduler.decay_ratio",
+                 lr_scheduler.decay_ratio, "must be in [0, 1] (the decaying share of the steps)")
+    _require(0 <= lr_scheduler.min_lr_factor <= 1, "lr_scheduler.min_lr_factor",
+             lr_scheduler.min_lr_factor, "must be in [0, 1]")
+
+
+def check_checkpoint(checkpoint) -> None:
+    if not checkpoint.enable:
+        return
+    _require(checkpoint.interval >= 1, "checkpoint.interval", checkpoint.interval,
+             "must be >= 1 (steps between saves)")
+    _require(checkpoint.keep_latest_k == 0 or checkpoint.keep_latest_k >= 2,
+             "checkpoint.keep_latest_k", checkpoint.keep_latest_k,
+             "must be 0 (keep all) or >= 2 (the newest save may still be in progress)")
+    _require(checkpoint.async_mode == "disabled", "checkpoint.async_mode", checkpoint.async_mode,
+             "is not supported by titan_hybrid yet: checkpoints are verified and committed "
+             "when their save returns (use 'disabled')")
+    _require(checkpoint.load_step == -1 or checkpoint.load_step >= 0, "checkpoint.load_step",
+             checkpoint.load_step, "must be -1 (newest intact checkpoint) or a step >= 0")
+    path = checkpoint.initial_load_path
+    _require(not path or os.path.isdir(path), "checkpoint.initial_load_path", path,
+             "is not a directory")
+
+
+def check_metrics(metrics) -> None:
+    _require(metrics.log_freq >= 1, "metrics.log_freq", metrics.log_freq, "must be >= 1")
+
+
+def _data_parallel_degree(parallelism, world_size: int) -> int:
+    shard = parallelism.data_parallel_shard_degree
+    if shard == -1:
+        shard = world_size // max(1, parallelism.data_parallel_replicate_degree
+                                  * parallelism.context_parallel_degree
+                                  * parallelism.tensor_parallel_degree
+                                  * parallelism.pipeline_parallel_degree)
+    return parallelism.data_parallel_replicate_degree * shard
+
+
+def check_job(config, world_size: int) -> None:
+    """Every cheap check of the job; raises ValueError on the first user error."""
+    from titan_hybrid.data.loader import validate_dataset_config
+    from titan_hybrid.model.args import hybrid_flavors
+    from titan_hybrid.parallel.validate import validate_layout
+    from titan_hybrid.tokenizer import resolve_assets_path
+
+    check_training(config.training)
+    check_optimizer(config.optimizer, config.lr_scheduler)
+    check_checkpoint(config.checkpoint)
+    check_metrics(config.metrics)
+    if config.model.name != "hybrid":
+        return
+    model_args = copy.deepcopy(hybrid_flavors[config.model.flavor])
+    model_args.update_from_config(config)
+    validate_layout(config, model_args, world_size)
+    check_global_batch(config.training, _data_parallel_degree(config.parallelism, world_size))
+    validate_dataset_config(config)
+    resolve_assets_path(config.model.hf_assets_path)
+    if config.validation.enable:
+        from titan_hybrid.validation import validate_validation_config
+
+        validate_validation_config(config)
+    if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
+        from titan_hybrid.checkpoint.hf_nemotron_h import check_nemotron_h_compatible
+
+        check_nemotron_h_compatible(model_args)

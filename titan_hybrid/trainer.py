@@ -1,0 +1,106 @@
+"""torchtitan's Trainer with titan_hybrid's checkpoints, divergence guard and input layout.
+
+- checkpoints: HybridCheckpointManager (checkpoint/manager.py) replaces the CheckpointManager
+  torchtitan's constructor builds: verified, crash-consistent saves with fallback on load;
+- divergence: after each step's last microbatch, a non-finite loss or gradient norm on any rank
+  stops the run before the optimizer applies it (divergence.py);
+- inputs: packed-document layout (`hybrid.document_masking`) and this CP rank's zigzag shard;
+- EP-overlap at PP = 1: each microbatch's forward runs with the previous one's backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.train import Trainer
+
+from titan_hybrid.checkpoint.manager import HybridCheckpointManager
+from titan_hybrid.divergence import DivergenceGuard
+from titan_hybrid.model.layout import documents_from_bos
+from titan_hybrid.parallel.context_parallel import shard_batch
+from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
+from titan_hybrid.parallel.validate import expert_parallel_overlap
+from titan_hybrid.tokenizer import resolve_assets_path
+
+
+class HybridTrainer(Trainer):
+    ep_overlap: CombinedOneFOneB | None = None
+
+    def __init__(self, job_config) -> None:
+        self.document_masking = job_config.hybrid.document_masking
+        with warnings.catch_warnings():
+            # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
+            # torch disables it with a warning. fp32 needs no autocast: nothing is lost.
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
+            super().__init__(job_config)
+        self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
+        self.divergence_guard = DivergenceGuard(self.model_parts,
+                                                self.gradient_accumulation_steps)
+        # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
+        if expert_parallel_overlap(job_config) and not self.parallel_dims.pp_enabled:
+            self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
+                                               self.gradient_accumulation_steps)
+
+    def _hybrid_checkpointer(self, built: CheckpointManager) -> HybridCheckpointManager:
+        """Ours, with the same inputs as the one torchtitan's constructor just built."""
+        built.close()
+        job_config = self.job_config
+        return HybridCheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            checkpoint_config=job_config.checkpoint,
+            sd_adapter=built.sd_adapter if built.enable else None,
+            base_folder=job_config.job.dump_folder,
+            model_args=self.model_args,
+            job_config=job_config,
+            tokenizer_folder=str(resolve_assets_path(job_config.model.hf_assets_path)),
+        )
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = self._forward_backward(input_dict, labels, global_valid_tokens)
+        self.divergence_guard.after_microbatch(loss, self.step)
+        return loss
+
+    def _forward_backward(self, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        if self.ep_overlap is not None:
+            return self._overlapped_forward_backward(input_dict, labels, global_valid_tokens)
+        if not self.parallel_dims.pp_enabled:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        # Pipeline microbatch losses are divided by the token count before their backward
+        # (titan_hybrid.parallel.pipeline); torchtitan divides their sum once more.
+        self.pp_schedule.scaled_loss.global_valid_tokens = global_valid_tokens
+        loss = super().forward_backward_step(
+            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+        return loss * global_valid_tokens if self.pp_has_last_stage else loss
+
+    def _overlapped_forward_backward(self, input_dict, labels, global_valid_tokens):
+        """This microbatch's forward, run together with the previous one's backward."""
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+            input_dict, labels)
+
+        def forward():
+            with self.train_context(), self.maybe_enable_amp:
+                pred = self.model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                return self.loss_fn(pred, labels) / global_valid_tokens
+
+        return self.ep_overlap(forward)
+
+    def post_dataloading_process(self, input_dict, labels):
+        """Packed-document layout (hybrid.document_masking), then this CP rank's shard.
+        `positions` / `seq_idx` go in extra_kwargs, which reach every pipeline stage."""
+        inputs = input_dict["input"]
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        extra_kwargs = {}
+        if self.document_masking:
+            seq_idx, positions = documents_from_bos(inputs, self.tokenizer.bos_id)
+            extra_kwargs.update(seq_idx=seq_idx, positions=positions)
+        if self.parallel_dims.cp_enabled:
+            inputs, labels, extra_kwargs = shard_batch(
+                inputs, labels, extra_kwargs, self.parallel_dims.get_mesh("cp").get_group())
+        return inputs, labels, extra_inputs, extra_kwargs
