@@ -6,7 +6,8 @@ local gradients to one all-gather. If any value is NaN or infinite (on any rank:
 shard, tensor-parallel slice or pipeline stage) every rank raises DivergedError for that step.
 
 The check runs before clipping on purpose: clipping multiplies the gradients by
-max_norm / total_norm, which turns an infinite norm into all-zero gradients that look healthy.
+max_norm / total_norm, so finite gradients whose norm overflows to inf become all-zero gradients
+that look healthy (and Adam would still move the weights with its moments).
 Megatron checks loss and gradients for NaN by default in the same place.
 """
 

@@ -181,9 +181,11 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
                  * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     if shard == -1:
         if world_size % non_shard:
+            named = ", ".join(f"{name}={degree}" for name, degree in degrees.items()
+                              if degree > 1 and name != "expert_parallel_degree")
             raise ValueError(
-                f"world size {world_size} is not divisible by data_parallel_replicate_degree * "
-                f"context * tensor * pipeline degrees = {non_shard}")
+                f"parallelism: {named} need a multiple of {non_shard} processes (their "
+                f"product), but the world size is {world_size} (NGPU / --nproc)")
         shard = world_size // non_shard
     if shard * non_shard != world_size:
         raise ValueError(

@@ -1,0 +1,210 @@
+"""Operating a run: extend it, kill it, damage its checkpoints, let it diverge (real processes).
+
+One small job (seq_len 128, 2 sequences a step) keeps each launch short; its curve in one
+process is deterministic, so every resumed curve must equal the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO_ROOT, run_training
+
+SMALL = ("--training.local_batch_size", "2", "--training.seq_len", "128")
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck")
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    return run_training(tmp, "--training.steps", str(STEPS), *SMALL).check().losses
+
+
+def checkpoints(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "outputs" / "ck").iterdir())
+
+
+@pytest.fixture(scope="module")
+def extended(tmp_path_factory):
+    """4 steps with checkpoints, then the same command with 8 steps."""
+    tmp = tmp_path_factory.mktemp("extended")
+    run_training(tmp, "--training.steps", "4", *SMALL, *CHECKPOINT).check()
+    return run_training(tmp, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT).check()
+
+
+def test_finished_run_extends_with_more_steps(extended):
+    assert "Training starts at step 5" in extended.output
+    assert len(extended.losses) == 4
+
+
+def test_model_only_checkpoint_needs_the_fresh_optimizer_flag(tmp_path, extended):
+    run_training(tmp_path, "--training.steps", "4", *SMALL, *CHECKPOINT,
+                 "--checkpoint.last_save_model_only").check()
+    refused = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT)
+    assert refused.returncode == 2
+    assert "holds model weights only" in refused.output
+    assert "--checkpoint.resume_with_fresh_optimizer" in refused.output
+    assert "Traceback" not in refused.output
+    fresh = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT,
+                         "--checkpoint.resume_with_fresh_optimizer").check()
+    assert "Training starts at step 5" in fresh.output
+    # The weights and the data position of step 4 (the first loss comes before any update),
+    # then a different optimizer state (Adam's moments start from zero).
+    assert fresh.losses[0] == extended.losses[0]
+    assert fresh.losses[1] != extended.losses[1]
+
+
+def _damage(kind: str, folder: Path) -> None:
+    data = folder / "__0_0.distcp"
+    if kind == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif kind == "deleted":
+        data.unlink()
+    elif kind == "flipped":
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            f.write(bytes(64 * 1024))  # zeros over real float bytes: same size, new content
+    elif kind == "metadata":
+        (folder / ".metadata").write_bytes(b"not a pickle")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A finished 8-step run with checkpoints at steps 2, 4, 6, 8."""
+    tmp = tmp_path_factory.mktemp("saved")
+    run_training(tmp, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT).check()
+    return tmp
+
+
+@pytest.mark.parametrize("kind", ["truncated", "deleted", "flipped", "metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, saved_run,
+                                                                  uninterrupted, kind):
+    shutil.copytree(saved_run / "outputs" / "ck", tmp_path / "outputs" / "ck")
+    shutil.rmtree(tmp_path / "outputs" / "ck" / "step-8")  # interrupted after step 6's save
+    _damage(kind, tmp_path / "outputs" / "ck" / "step-6")
+    resumed = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT).check()
+    assert f"Checkpoint {tmp_path}/outputs/ck/step-6 is damaged" in resumed.output
+    assert "Training starts at step 5" in resumed.output
+    assert resumed.losses == uninterrupted[4:]
+    assert checkpoints(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]  # 6 rewritten
+
+
+def test_no_intact_checkpoint_stops_with_a_clear_message(tmp_path, saved_run):
+    shutil.copytree(saved_run / "outputs" / "ck", tmp_path / "outputs" / "ck")
+    for folder in (tmp_path / "outputs" / "ck").iterdir():
+        _damage("truncated", folder)
+    result = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT)
+    assert result.returncode == 2
+    assert "error: no intact checkpoint in checkpoint.folder" in result.output
+    assert "step-8: __0_0.distcp has" in result.output
+    assert "Traceback" not in result.output and "Training starts" not in result.output
+
+
+def test_keep_latest_k_keeps_the_last_intact_checkpoint(tmp_path, saved_run):
+    shutil.copytree(saved_run / "outputs" / "ck", tmp_path / "outputs" / "ck")
+    for step in (8, 6):
+        shutil.rmtree(tmp_path / "outputs" / "ck" / f"step-{step}")
+    shutil.copytree(saved_run / "outputs" / "ck" / "step-6", tmp_path / "outputs" / "ck" / "step-6")
+    _damage("truncated", tmp_path / "outputs" / "ck" / "step-6")
+    # Resumes from step 4, saves only at step 8: the damaged step-6 must not count as one of
+    # the 2 kept, or step-4 (the last intact one before step-8) would go.
+    run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, "--checkpoint.enable",
+                 "--checkpoint.folder", "ck", "--checkpoint.interval", "8",
+                 "--checkpoint.keep_latest_k", "2").check()
+    time.sleep(0.5)
+    assert checkpoints(tmp_path) == ["step-4", "step-8"]
+
+
+def test_divergence_stops_before_the_step_is_applied_or_saved(tmp_path):
+    result = run_training(tmp_path, "--training.steps", "6", *SMALL, "--optimizer.lr", "1e4",
+                          "--checkpoint.enable", "--checkpoint.interval", "1",
+                          "--checkpoint.folder", "ck")
+    assert result.returncode == 3
+    assert "error: training diverged at step 2: loss = nan on rank 0" in result.output
+    assert "Traceback" not in result.output and "Training completed" not in result.output
+    assert len(result.losses) == 1  # step 2 was never logged
+    assert checkpoints(tmp_path) == ["step-1"]
+
+
+def test_divergence_on_any_pipeline_stage_stops_every_rank(tmp_path):
+    result = run_training(tmp_path, "--training.steps", "4", *SMALL, "--optimizer.lr", "1e4",
+                          "--parallelism.pipeline_parallel_degree", "2", nproc=2)
+    assert result.returncode == 3
+    assert "error: training diverged at step 2:" in result.output
+    assert "gradient norm = nan on rank 0" in result.output  # the first stage's gradients too
+    assert "Traceback" not in result.output
+
+
+# ---- kill -9 ---------------------------------------------------------------------------------
+
+
+def _launch(tmp_path: Path, steps: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "titan_hybrid.launch",
+               "--job.config_file", str(REPO_ROOT / "train_configs" / "hybrid.toml"),
+               "--job.dump_folder", str(tmp_path / "outputs"),
+               "--training.steps", str(steps), *SMALL, *CHECKPOINT,
+               "--hybrid.loss_curve_file", "curve.jsonl"]
+    return subprocess.Popen(command, cwd=REPO_ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _kill_everything_of(tmp_path: Path, launcher: subprocess.Popen) -> None:
+    """kill -9 of the launcher's process group and of every worker (torchrun starts workers in
+    sessions of their own): what a crashed node leaves behind."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    marker = str(tmp_path / "outputs").encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    launcher.wait()
+
+
+def _wait_for(condition, timeout: float = 240.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def _curve(tmp_path: Path) -> list[float]:
+    lines = (tmp_path / "outputs" / "curve.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
+
+
+@pytest.mark.parametrize("trial", ["after_steps", "mid_save", "early"])
+def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uninterrupted,
+                                                                   trial):
+    ck = tmp_path / "outputs" / "ck"
+    launcher = _launch(tmp_path, STEPS)
+    rng = random.Random(f"kill-{trial}")
+    if trial == "mid_save":  # while a save is being written: its .partial folder exists
+        assert _wait_for(lambda: ck.is_dir() and any(p.name.endswith(".partial")
+                                                      for p in ck.iterdir()))
+    elif trial == "after_steps":  # somewhere between saves, once step-4 exists
+        assert _wait_for(lambda: (ck / "step-4").is_dir())
+        time.sleep(rng.uniform(0.0, 1.5))
+    else:  # during start-up or the first steps
+        time.sleep(rng.uniform(2.0, 12.0))
+    _kill_everything_of(tmp_path, launcher)
+    assert launcher.returncode == -signal.SIGKILL
+    restarted = _launch(tmp_path, STEPS)
+    assert restarted.wait(timeout=600) == 0
+    assert _curve(tmp_path) == uninterrupted
+    assert not any(p.name.endswith(".partial") for p in ck.iterdir())

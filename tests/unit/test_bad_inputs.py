@@ -1,0 +1,113 @@
+"""Every user error in a job: one short message naming the field, a non-zero exit, no traceback,
+and no worker started (the launcher's pre-flight, run in this process as `run_train.sh` runs it
+in its own)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.launch import REPO_ROOT
+from titan_hybrid import launch
+
+CONFIG = str(REPO_ROOT / "train_configs" / "hybrid.toml")
+
+BAD_INPUTS = [
+    (("--training.steps", "-1"), "training.steps=-1 must be >= 1"),
+    (("--training.steps", "0"), "training.steps=0 must be >= 1"),
+    (("--training.local_batch_size", "0"), "training.local_batch_size=0 must be >= 1"),
+    (("--training.seq_len", "0"), "training.seq_len=0 must be >= 1"),
+    (("--training.global_batch_size", "12"),
+     "training.global_batch_size=12 must be a multiple of local_batch_size(8)"),
+    (("--training.max_norm", "0"), "training.max_norm=0.0 must be a finite number > 0"),
+    (("--optimizer.lr", "-0.1"), "optimizer.lr=-0.1 must be a finite number >= 0"),
+    (("--optimizer.lr", "nan"), "optimizer.lr=nan must be a finite number >= 0"),
+    (("--optimizer.name", "SGD"), "optimizer.name='SGD' is not one of ['Adam', 'AdamW']"),
+    (("--optimizer.beta2", "1.5"), "optimizer.beta2=1.5 must be in [0, 1)"),
+    (("--lr_scheduler.warmup_steps", "-2"), "lr_scheduler.warmup_steps=-2 must be >= 0"),
+    (("--lr_scheduler.decay_ratio", "1.5"), "lr_scheduler.decay_ratio=1.5 must be in [0, 1]"),
+    (("--checkpoint.enable", "--checkpoint.interval", "0"),
+     "checkpoint.interval=0 must be >= 1"),
+    (("--checkpoint.enable", "--checkpoint.keep_latest_k", "1"),
+     "checkpoint.keep_latest_k=1 must be 0 (keep all) or >= 2"),
+    (("--checkpoint.enable", "--checkpoint.async_mode", "async"),
+     "checkpoint.async_mode='async' is not supported by titan_hybrid yet"),
+    (("--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/ckpt"),
+     "checkpoint.initial_load_path='/no/such/ckpt' is not a directory"),
+    (("--metrics.log_freq", "0"), "metrics.log_freq=0 must be >= 1"),
+    (("--validation.enable", "--validation.freq", "0"), "validation.freq"),
+    (("--validation.enable", "--validation.steps", "0"), "validation steps must be positive"),
+    (("--hybrid.pattern", "M[*"), "hybrid pattern 'M[*'"),
+    (("--model.flavor", "nope"), "model.flavor 'nope' is not a hybrid flavor"),
+    (("--model.hf_assets_path", "/nowhere"), "model.hf_assets_path '/nowhere' holds no"),
+    (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
+    (("--training.dataset", "c4_test", "--training.dataset_path", "/no/such/dir"),
+     "training.dataset_path '/no/such/dir' does not exist"),
+    (("--nproc", "2", "--parallelism.tensor_parallel_degree", "3"),
+     "parallelism: tensor_parallel_degree=3 need a multiple of 3 processes (their product), "
+     "but the world size is 2"),
+    (("--nproc", "2", "--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*"),
+     "3 physical layers cannot be split evenly into 2 pipeline stages"),
+    (("--nproc", "2", "--parallelism.context_parallel_degree", "2", "--training.seq_len", "254"),
+     "training.seq_len=254 is not divisible by 4 = 2 * context_parallel_degree(2)"),
+    (("--nproc", "2", "--parallelism.data_parallel_shard_degree", "3"),
+     "world size 2 != data_parallel_replicate_degree(1) * data_parallel_shard_degree(3)"),
+    (("--nproc", "2", "--parallelism.data_parallel_replicate_degree", "3"),
+     "parallelism: data_parallel_replicate_degree=3 need a multiple of 3 processes"),
+    (("--parallelism.data_parallel_sharding_strategy", "zero9"),
+     "parallelism.data_parallel_sharding_strategy 'zero9' is not one of"),
+    (("--nproc", "0"), "--nproc (NGPU)=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_gets_one_line_naming_the_field(args, message, capsys, monkeypatch):
+    def no_workers(*_):
+        raise AssertionError("a worker was started for a bad job")
+
+    monkeypatch.setattr(launch, "run_workers", no_workers)
+    code = launch.main(["--job.config_file", CONFIG, *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[training\nsteps = 3\n", "job.config_file is not valid TOML"),
+    (None, "job.config_file '/no/such.toml' does not exist"),
+])
+def test_unreadable_config_file(tmp_path, content, message, capsys):
+    path = "/no/such.toml"
+    if content is not None:
+        path = str(tmp_path / "bad.toml")
+        (tmp_path / "bad.toml").write_text(content)
+    assert launch.main(["--job.config_file", path]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_option_is_named_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--job.config_file", CONFIG, "--training.stepz", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--training.stepz" in err and "--training.steps" in err and "Traceback" not in err
+
+
+def test_launcher_refuses_a_bad_layout_before_torchrun_starts():
+    """The real command, end to end: exit 2, one line, no worker output, in seconds."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_hybrid.launch", "--nproc", "2", "--job.config_file",
+         CONFIG, "--parallelism.tensor_parallel_degree", "3"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: parallelism: tensor_parallel_degree=3")
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
+    assert elapsed < 60, elapsed  # imports only; no process group, no model
