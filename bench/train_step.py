@@ -15,7 +15,7 @@ MFU = FLOPs per token * tokens/s / peak, where FLOPs per token follow Megatron's
 torchtitan's convention (6 x non-embedding matmul parameters, plus the attention / SSD /
 gated-delta cores over the full sequence, backward = 2x forward; llama3 through torchtitan's
 own `get_nparams_and_flops`, the hybrid through ours), and the peak is the best fp32 matmul
-rate measured in this process at the same thread count (`measured_peak_flops`).
+rate measured in this process at the same thread count (`matmul_flops`).
 Target (issue 7): the hybrid step at >= 35% of that peak.
 """
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import titan_hybrid  # noqa: F401  (registers the hybrid model with torchtitan)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.runtime.cpu import measured_peak_flops
+from titan_hybrid.runtime.cpu import matmul_flops
 from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
 
@@ -112,14 +112,14 @@ def compare(flavor: str = "debug", batch: int = 8, seq_len: int = 256,
     for stepper in steppers:  # warm-up: allocator, thread pool, optimizer state
         losses[stepper.name] = stepper.step(inputs, labels)
         stepper.times.clear()
-    peak_before = measured_peak_flops.__wrapped__()
+    peak_before = matmul_flops()
     for round_index in range(repeats):
         order = steppers if round_index % 2 == 0 else steppers[::-1]
         for stepper in order:
             stepper.step(inputs, labels)
     # The peak is measured before and after the timed rounds; the higher one is the denominator
     # (a busy moment understates the peak and would overstate MFU).
-    peak = max(peak_before, measured_peak_flops.__wrapped__())
+    peak = max(peak_before, matmul_flops())
 
     rows = []
     for s in steppers:

@@ -1,5 +1,7 @@
 """The CPU runtime patches that let torchtitan's trainer run without an accelerator."""
 
+import json
+
 import pytest
 import torch
 
@@ -51,3 +53,13 @@ def test_peak_flops_is_measured_here():
     assert peak == cpu.measured_peak_flops()
     # A real measurement on this machine, not torchtitan's A100 fallback (312 TFLOP/s bf16).
     assert 1e8 < peak < 5e13
+
+
+def test_peak_flops_keeps_the_best_measurement_of_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_HYBRID_CACHE", str(tmp_path))
+    for measured, expected in ((4e10, 4e10), (1e11, 1e11), (3e10, 1e11)):  # a busy moment
+        monkeypatch.setattr(cpu, "matmul_flops", lambda: measured)
+        cpu.measured_peak_flops.cache_clear()
+        assert cpu.measured_peak_flops() == expected
+    cpu.measured_peak_flops.cache_clear()
+    assert list(json.loads((tmp_path / "cpu_peak_flops.json").read_text()).values()) == [1e11]
