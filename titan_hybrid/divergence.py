@@ -47,7 +47,7 @@ class DivergenceGuard:
 
     def after_microbatch(self, loss: torch.Tensor, step: int) -> None:
         """Call with each microbatch's loss; checks the step after its last microbatch."""
-        self._losses.append(loss.detach().double().sum())
+        self._losses.append(_local(loss.detach()).double().sum())
         if len(self._losses) == self.microbatches_per_step:
             local_loss = torch.stack(self._losses).sum()
             self._losses = []

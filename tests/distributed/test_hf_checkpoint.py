@@ -1,17 +1,20 @@
 """HF Nemotron-H checkpoints in the real trainer: `--checkpoint.initial_load_in_hf` reads a
 `transformers` checkpoint under 1 process and under TP=2 / FSDP=2 (same first loss), and
 `--checkpoint.last_save_in_hf` writes it back. With lr=0 the weights do not move, so the
-written checkpoint must equal the one read, bit for bit, and load into transformers."""
+written checkpoint must equal the one read, bit for bit, and load into transformers, tokenizer
+included."""
 
 import dataclasses
 import json
 
 import pytest
+import tokenizers
 import torch
 from safetensors.torch import load_file
 
 from tests.launch import run_training
 from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
+from titan_hybrid.data.corpus import TOKENIZER_DIR as TOKENIZER
 from titan_hybrid.model.args import hybrid_flavors
 
 import transformers  # noqa: E402  (the test extra installs it)
@@ -63,6 +66,10 @@ def round_trip(tmp_path, hf_checkpoint, layout):
     config = json.loads((saved / "config.json").read_text())
     assert config["hybrid_override_pattern"] == "M-M*-M-"
     transformers.NemotronHForCausalLM.from_pretrained(str(saved))  # config + weights load
+    assert not (saved / "sharded").exists()  # torchtitan's per-rank copy is gone
+    text = "def greet(name):\n    return f'hello {name}'"
+    ours = tokenizers.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json")).encode(text).ids
+    assert transformers.AutoTokenizer.from_pretrained(str(saved)).encode(text) == ours
     return result.losses[0]
 
 
