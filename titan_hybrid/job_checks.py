@@ -99,7 +99,7 @@ def check_job(config, world_size: int) -> None:
     from titan_hybrid.data.loader import validate_dataset_config
     from titan_hybrid.model.args import hybrid_flavors
     from titan_hybrid.parallel.validate import validate_layout
-    from titan_hybrid.tokenizer import resolve_assets_path
+    from titan_hybrid.tokenizer import build_hybrid_tokenizer
 
     check_training(config.training)
     check_optimizer(config.optimizer, config.lr_scheduler)
@@ -112,7 +112,7 @@ def check_job(config, world_size: int) -> None:
     validate_layout(config, model_args, world_size)
     check_global_batch(config.training, _data_parallel_degree(config.parallelism, world_size))
     validate_dataset_config(config)
-    resolve_assets_path(config.model.hf_assets_path)
+    build_hybrid_tokenizer(config)  # found, and no larger than the model's vocabulary
     if config.validation.enable:
         from titan_hybrid.validation import validate_validation_config
 

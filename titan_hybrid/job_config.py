@@ -1,11 +1,21 @@
 """titan_hybrid's additions to torchtitan's JobConfig.
 
-Use with `[job] custom_config_module = "titan_hybrid.job_config"` in a TOML (or
+`JobConfig` here is torchtitan's JobConfig plus a `[hybrid]` section and a few fields in
+`[parallelism]` and `[checkpoint]`. titan_hybrid's entry points (titan_hybrid.launch,
+titan_hybrid.train) always parse jobs with it; with `python -m torchtitan.train` name it as
+`[job] custom_config_module = "titan_hybrid.job_config"` in the TOML (or
 `--job.custom_config_module titan_hybrid.job_config`); importing it also registers the
 "hybrid" TrainSpec.
+
+One default differs from torchtitan's: `checkpoint.last_save_model_only` is false, so the last
+step's checkpoint holds the optimizer too and a finished run can be extended with more steps.
 """
 
 from dataclasses import dataclass, field
+
+from torchtitan.config import Checkpoint as TitanCheckpoint
+from torchtitan.config import JobConfig as TitanJobConfig
+from torchtitan.config import Parallelism as TitanParallelism
 
 import titan_hybrid  # noqa: F401  (registers the TrainSpec)
 
@@ -16,7 +26,9 @@ class Hybrid:
     """Hybrid layer pattern overriding the flavor's (e.g. "M*M-E", "M[M*]-", "M*-/*-")."""
 
     loss_curve_file: str = ""
-    """If set, append each logged step's exact loss as a JSON line to this file."""
+    """If set, append each logged step's exact loss (and each validation's loss and perplexity)
+    as a JSON line to this file. A relative path is taken under job.dump_folder, an absolute one
+    as is. A resumed run first drops the lines of the steps it is about to log again."""
 
     document_masking: bool = False
     """Treat each row as documents packed back to back, each starting with the tokenizer's BOS
@@ -32,7 +44,7 @@ class Hybrid:
 
 
 @dataclass
-class Parallelism:
+class Parallelism(TitanParallelism):
     data_parallel_sharding_strategy: str = "optim_grads_params"
     """Megatron-FSDP names: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
     optim_grads_params (ZeRO-3). With HSDP it applies to the shard dimension."""
@@ -49,6 +61,20 @@ class Parallelism:
 
 
 @dataclass
-class JobConfig:
+class Checkpoint(TitanCheckpoint):
+    last_save_model_only: bool = False
+    """Whether the last step's checkpoint holds the model only (torchtitan's default: true).
+    titan_hybrid saves the full state so a finished run can be extended with more steps; set
+    it for a smaller final artifact (a Hugging Face export is always model-only)."""
+
+    resume_with_fresh_optimizer: bool = False
+    """Resume from a model-only checkpoint (weights, no optimizer state): the weights load,
+    the optimizer starts fresh, and the step, LR schedule and data position continue from the
+    checkpoint's step. Without it such a checkpoint is refused as a resume point."""
+
+
+@dataclass
+class JobConfig(TitanJobConfig):
     hybrid: Hybrid = field(default_factory=Hybrid)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -1,9 +1,16 @@
 """torchtitan's metrics processor, plus an exact loss-curve file.
 
 The console prints losses to 5 decimals; comparing parallel layouts bit for bit needs the exact
-values. With `--hybrid.loss_curve_file PATH`, every logged step appends one JSON line
-`{"step": s, "loss": float, "grad_norm": float}` (full float precision, rank 0 only; under
-pipeline parallelism the rank torchtitan logs from: the first rank of the last stage).
+values. With `--hybrid.loss_curve_file PATH` (relative to job.dump_folder unless absolute), rank
+0 appends one JSON line per logged step, `{"step": s, "loss": float, "grad_norm": float}`, and
+one per validation, `{"step": s, "validation_loss": float, "validation_perplexity": float}`, in
+full float precision. The first write of a run drops the lines of steps >= its step, so a run
+resumed from a checkpoint rewrites the curve from there and no step appears twice.
+
+Under pipeline parallelism only the ranks of the last stage compute the loss (the others see
+torchtitan's placeholder -1); `log` sums the loss over the pipeline group with zeros from the
+other stages, so every rank, rank 0 included, logs and writes the real value whichever pp rank
+holds the last stage (the V-shaped schedules put it on pp rank 0).
 
 MoE router statistics since the last log are added to the logged metrics (TensorBoard / W&B,
 a console line, and the curve file): `moe/max_expert_load` and `moe/min_expert_load` (slots an
@@ -15,12 +22,14 @@ summed over the data-parallel ranks, so they describe the global batch whatever 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
@@ -52,30 +61,92 @@ def router_statistics(model_parts, batch_group) -> dict[str, float]:
             "moe/aux_loss": (aux_L2[:, 0] / aux_L2[:, 1].clamp(min=1)).mean().item()}
 
 
+def loss_curve_path(job_config: JobConfig) -> Path | None:
+    """hybrid.loss_curve_file, a relative path taken under job.dump_folder; None if unset."""
+    hybrid = getattr(job_config, "hybrid", None)
+    path = getattr(hybrid, "loss_curve_file", "") if hybrid is not None else ""
+    if not path:
+        return None
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else Path(job_config.job.dump_folder) / path
+
+
+def drop_records_from(path: Path, step: int) -> None:
+    """Keep only the curve lines of steps before `step` (a resumed run rewrites the rest).
+    A line that does not parse is the torn last write of a killed run and goes too. The new
+    file replaces the old one in one rename, so a kill during the rewrite loses nothing."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows float64 past ~709
+
+
 class HybridMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag=None) -> None:
         super().__init__(job_config, parallel_dims, tag)
         self.batch_group = (parallel_dims.get_mesh("batch").get_group()
                             if parallel_dims.dp_enabled else None)
-        hybrid = getattr(job_config, "hybrid", None)
-        path = getattr(hybrid, "loss_curve_file", "") if hybrid is not None else ""
-        self.loss_curve_file = Path(path) if path else None
-        self.curve_rank = _get_metrics_rank(parallel_dims, job_config)
+        self.pp_group = (parallel_dims.get_mesh("pp").get_group()
+                         if parallel_dims.pp_enabled else None)
+        self.loss_curve_file = loss_curve_path(job_config)
+        self._curve_started = False
+
+    def _from_last_stage(self, *values) -> list[float]:
+        """The values of the pipeline's last stage, on every rank (see the module docstring).
+        Adding exact zeros keeps the float64 of the last stage's value bit for bit."""
+        parts = self.model_parts or []
+        has_last = any(getattr(part, "output", None) is not None for part in parts)
+        device = next(parts[0].parameters()).device
+        packed = torch.tensor([_as_float(v) if has_last else 0.0 for v in values],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(packed, group=self.pp_group)
+        return packed.tolist()
+
+    def write_curve(self, record: dict) -> None:
+        """Append one record to the loss-curve file (rank 0; every rank holds the values)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.loss_curve_file is None or rank != 0:
+            return
+        self.loss_curve_file.parent.mkdir(parents=True, exist_ok=True)
+        if not self._curve_started:
+            self._curve_started = True
+            drop_records_from(self.loss_curve_file, record["step"])
+        with self.loss_curve_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self.pp_group is not None:  # all ranks log at the same steps: a safe collective
+            global_avg_loss, global_max_loss = self._from_last_stage(global_avg_loss,
+                                                                     global_max_loss)
         router = router_statistics(getattr(self, "model_parts", []), self.batch_group)
         super().log(step, global_avg_loss, global_max_loss, grad_norm,
                     {**(extra_metrics or {}), **router})
         if router:
             logger.info("step: %2d  " % step + "  ".join(
                 f"{name}: {value:.4f}" for name, value in router.items()))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.loss_curve_file is None or rank != self.curve_rank:
-            return
-        self.loss_curve_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.loss_curve_file.open("a") as f:
-            f.write(json.dumps({"step": step, "loss": _as_float(global_avg_loss),
-                                "grad_norm": _as_float(grad_norm), **router}) + "\n")
+        self.write_curve({"step": step, "loss": _as_float(global_avg_loss),
+                          "grad_norm": _as_float(grad_norm), **router})
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        """`loss` is the same on every rank (titan_hybrid.validation); adds its perplexity."""
+        loss = _as_float(loss)
+        ppl = perplexity(loss)
+        super().log_validation(loss, step,
+                               {**(extra_metrics or {}), "validation_metrics/perplexity": ppl})
+        logger.info(f"validate step: {step:2}  perplexity: {ppl:.4f}")
+        self.write_curve({"step": step, "validation_loss": loss, "validation_perplexity": ppl})
 
 
 def build_hybrid_metrics_processor(job_config: JobConfig, parallel_dims: ParallelDims,

@@ -15,6 +15,7 @@ from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.validation import build_hybrid_validator
 
 TRAIN_SPEC_NAME = "hybrid"
 
@@ -31,6 +32,7 @@ def hybrid_train_spec() -> TrainSpec:
         build_tokenizer_fn=build_hybrid_tokenizer,
         build_loss_fn=build_hybrid_loss,
         build_metrics_processor_fn=build_hybrid_metrics_processor,
+        build_validator_fn=build_hybrid_validator,
         state_dict_adapter=NemotronHStateDictAdapter,
     )
 

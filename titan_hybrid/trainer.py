@@ -16,10 +16,9 @@ import torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.train import Trainer
 
+from titan_hybrid.batch import prepare_batch
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.divergence import DivergenceGuard
-from titan_hybrid.model.layout import documents_from_bos
-from titan_hybrid.parallel.context_parallel import shard_batch
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.validate import expert_parallel_overlap
 from titan_hybrid.tokenizer import resolve_assets_path
@@ -92,15 +91,7 @@ class HybridTrainer(Trainer):
         return self.ep_overlap(forward)
 
     def post_dataloading_process(self, input_dict, labels):
-        """Packed-document layout (hybrid.document_masking), then this CP rank's shard.
-        `positions` / `seq_idx` go in extra_kwargs, which reach every pipeline stage."""
-        inputs = input_dict["input"]
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        extra_kwargs = {}
-        if self.document_masking:
-            seq_idx, positions = documents_from_bos(inputs, self.tokenizer.bos_id)
-            extra_kwargs.update(seq_idx=seq_idx, positions=positions)
-        if self.parallel_dims.cp_enabled:
-            inputs, labels, extra_kwargs = shard_batch(
-                inputs, labels, extra_kwargs, self.parallel_dims.get_mesh("cp").get_group())
-        return inputs, labels, extra_inputs, extra_kwargs
+        cp_group = (self.parallel_dims.get_mesh("cp").get_group()
+                    if self.parallel_dims.cp_enabled else None)
+        return prepare_batch(input_dict, labels, document_masking=self.document_masking,
+                             bos_id=self.tokenizer.bos_id, cp_group=cp_group)

@@ -131,3 +131,62 @@ def test_torchtitan_hf_dataset_by_name_and_path(tmp_path, tokenizer):
     assert inputs.shape == (2, 16)
     expected = tokenizer.encode(texts[0], add_bos=True, add_eos=True)[:16]
     assert inputs[0].tolist() == expected
+
+
+def test_split_holds_out_every_tenth_document():
+    from titan_hybrid.data.corpus import pydoc_split
+
+    docs, train, held_out = pydoc_documents(), pydoc_split("train"), pydoc_split("validation")
+    assert held_out == docs[::10] and len(held_out) == 8
+    # Topics "else" (index 30, held out) and "if" (41) have the same text: both leave training.
+    assert docs[30] == docs[41]
+    assert train == tuple(d for i, d in enumerate(docs) if i % 10 and i != 41)
+    assert not set(train) & set(held_out)
+    with pytest.raises(ValueError, match="pydoc split 'test'"):
+        pydoc_split("test")
+
+
+def _stream(loader, passes_over: int):
+    """Tokens of the loader's windows, in order, until `passes_over` tokens are covered."""
+    tokens = []
+    for inputs, labels in loader:
+        for row_in, row_lab in zip(inputs["input"].tolist(), labels.tolist()):
+            tokens += row_in + row_lab[-1:]
+        if len(tokens) >= passes_over:
+            break
+    return tokens
+
+
+def test_training_stream_never_contains_held_out_documents(tokenizer):
+    from titan_hybrid.data.corpus import pydoc_split
+    from titan_hybrid.data.loader import (
+        build_global_batch_dataloader,
+        build_validation_dataloader,
+    )
+    from torchtitan.config import ConfigManager
+
+    job = ConfigManager().parse_args([
+        "--training.dataset", "pydoc", "--training.seq_len", "255",
+        "--training.local_batch_size", "4", "--validation.seq_len", "63",
+        "--validation.local_batch_size", "2"])
+    encode = lambda docs: [t for d in docs for t in tokenizer.encode(d, add_bos=True,  # noqa
+                                                                      add_eos=True)]
+    train_tokens, held_tokens = encode(pydoc_split("train")), encode(pydoc_split("validation"))
+    # One full pass of training windows is exactly the training documents' token stream...
+    stream = _stream(build_global_batch_dataloader(1, 0, tokenizer, job), len(train_tokens))
+    epoch = len(train_tokens) // 1024 * 1024
+    assert stream[:epoch] == train_tokens[:epoch]
+    # ... so no stretch of a held-out document appears in it.
+    text = "," + ",".join(map(str, stream)) + ","
+    for doc in pydoc_split("validation"):
+        ids = tokenizer.encode(doc, add_bos=False, add_eos=False)[:24]
+        assert "," + ",".join(map(str, ids)) + "," not in text
+    # The validation loader reads exactly the held-out documents, the same windows each pass.
+    loader = build_validation_dataloader(2, 1, tokenizer, job)
+    first = [labels for _, labels in loader]
+    loader.restart()
+    again = [labels for _, labels in loader]
+    assert len(first) == len(held_tokens) // (2 * 2 * 64) and len(first) > 10
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    rank1_first_window = held_tokens[2 * 64:3 * 64]
+    assert first[0][0].tolist() == rank1_first_window[1:]

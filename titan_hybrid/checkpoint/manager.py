@@ -208,8 +208,6 @@ class HybridCheckpointManager(CheckpointManager):
         trainer.step = step
         for _ in range(step):
             self.states[LR_SCHEDULER].step()
-        dataloader = self.states.get(DATALOADER)
-        if dataloader is not None and hasattr(dataloader, "skip_global_batches"):
-            dataloader.skip_global_batches(step * trainer.gradient_accumulation_steps)
+        self.states[DATALOADER].skip_batches(step * trainer.gradient_accumulation_steps)
         logger.warning(f"Resuming model weights of step {step} with a fresh optimizer "
                        f"({FRESH_OPTIMIZER_FLAG}): training continues at step {step + 1}")

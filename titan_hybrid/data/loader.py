@@ -9,6 +9,10 @@ cut into slabs of `dp_world_size * local_batch_size` windows, of which rank r ta
 
 Every rank reads and tokenizes the whole stream (cheap next to a training step) so the loader
 state is the same on every rank: a global position that DCP saves once and any layout reloads.
+
+Validation batches come from the same loader (finite, restarted for every validation pass):
+the held-out pydoc documents (data/corpus.py; the training stream never contains them) or the
+validation split of a torchtitan dataset, see `validation_dataset_name`.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
+from torchtitan.config.job_config import Validation
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.data.corpus import pydoc_documents
+from titan_hybrid.data.corpus import pydoc_split
 
 PYDOC_DATASET = "pydoc"
 _STATE_KEY = "global_text_position"
@@ -35,7 +40,7 @@ _STATE_KEY = "global_text_position"
 
 def _load_pydoc(path: str) -> list[dict[str, str]]:
     del path  # the corpus ships with Python; the field exists only for torchtitan's interface
-    return [{"text": text} for text in pydoc_documents()]
+    return [{"text": text} for text in pydoc_split("train")]
 
 
 def register_pydoc_dataset() -> None:
@@ -76,7 +81,21 @@ class GlobalBatchTextLoader(BaseDataLoader):
         self._name = name
         # Global position, identical on every rank: documents consumed in the current pass,
         # tokens read but not yet windowed, and the pass number.
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to the first document: each validation pass evaluates the same windows."""
         self._position = {"documents": 0, "token_buffer": [], "epoch": 0}
+        self.__dict__.pop("_saved", None)
+
+    def skip_batches(self, count: int) -> None:
+        """Move past `count` batches of every rank (one slab of dp x local_batch windows each),
+        as if they had been read: a run resumed from model weights alone continues the data
+        where the run that wrote them was."""
+        windows = self._windows()
+        for _ in range(count * self._dp_world_size * self._local_batch_size):
+            next(windows)
+        self._saved = pickle.dumps(self._position)
 
     def _windows(self) -> Iterator[list[int]]:
         """Global stream of (seq_len + 1)-token windows from the saved position onwards."""
@@ -148,13 +167,13 @@ def validate_dataset_config(job_config: JobConfig) -> None:
         raise ValueError(f"training.dataset_path '{path}' does not exist")
 
 
-def _dataset_source(job_config: JobConfig) -> tuple[Callable[[], Iterable[Any]], Callable]:
-    name = job_config.training.dataset.lower()
+def _dataset_source(name: str, path: str | None,
+                    pydoc_part: str) -> tuple[Callable[[], Iterable[Any]], Callable]:
     if name == PYDOC_DATASET:
-        documents = pydoc_documents()
+        documents = pydoc_split(pydoc_part)
         return (lambda: documents), (lambda text: text)
     config = text_datasets.DATASETS[name]
-    dataset = config.loader(job_config.training.dataset_path or config.path)
+    dataset = config.loader(path or config.path)
     return (lambda: iter(dataset)), config.sample_processor
 
 
@@ -166,7 +185,8 @@ def build_global_batch_dataloader(
     infinite: bool = True,
 ) -> GlobalBatchTextLoader:
     validate_dataset_config(job_config)
-    documents, text_of = _dataset_source(job_config)
+    documents, text_of = _dataset_source(job_config.training.dataset.lower(),
+                                         job_config.training.dataset_path, "train")
     return GlobalBatchTextLoader(
         documents=documents,
         text_of=text_of,
@@ -177,4 +197,36 @@ def build_global_batch_dataloader(
         dp_world_size=dp_world_size,
         infinite=infinite,
         name=job_config.training.dataset,
+    )
+
+
+def validation_dataset_name(job_config: JobConfig) -> str:
+    """The dataset `--validation.enable` reads: the held-out pydoc documents when
+    validation.dataset is "pydoc", or when a pydoc training run leaves validation.dataset at
+    torchtitan's default ("c4_validation", a download) without a validation.dataset_path;
+    otherwise validation.dataset, read like torchtitan reads it (its own documents)."""
+    validation = job_config.validation
+    name = validation.dataset.lower()
+    if (name == Validation.dataset and not validation.dataset_path
+            and job_config.training.dataset.lower() == PYDOC_DATASET):
+        return PYDOC_DATASET
+    return name
+
+
+def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer,
+                                job_config: JobConfig) -> GlobalBatchTextLoader:
+    """One pass over the validation set in global batches of `validation.local_batch_size`
+    windows per data-parallel rank; call `restart()` before each pass."""
+    name = validation_dataset_name(job_config)
+    documents, text_of = _dataset_source(name, job_config.validation.dataset_path, "validation")
+    return GlobalBatchTextLoader(
+        documents=documents,
+        text_of=text_of,
+        tokenizer=tokenizer,
+        seq_len=job_config.validation.seq_len,
+        local_batch_size=job_config.validation.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=False,
+        name=name,
     )

@@ -1,0 +1,39 @@
+"""The README's training commands work as written (plus a short step count and a private dump
+folder, the overrides the README says any job takes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from tests.launch import REPO_ROOT
+
+README = (REPO_ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.splitlines()
+            if re.match(r"\s*(NGPU=\d+ )?(\./run_train\.sh|torchrun) ", line)]
+
+
+def test_the_readme_shows_the_commands_this_file_runs():
+    assert len(COMMANDS) == 3, COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_training_command_runs_as_written(tmp_path, command):
+    words = shlex.split(command)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    while "=" in words[0]:
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    words += ["--training.steps", "2", "--job.dump_folder", str(tmp_path / "outputs"),
+              "--metrics.disable_color_printing"]
+    proc = subprocess.run(words, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    losses = [float(x) for x in re.findall(r"step:  2  loss: +([-0-9.]+)", output)]
+    assert losses and 0 < losses[0] < 10, output[-4000:]  # a real loss on the shown rank

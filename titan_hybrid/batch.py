@@ -1,0 +1,24 @@
+"""A loaded batch made ready for the model: what training and validation both do to it."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_hybrid.model.layout import documents_from_bos
+from titan_hybrid.parallel.context_parallel import shard_batch
+
+
+def prepare_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, *,
+                  document_masking: bool, bos_id: int, cp_group=None):
+    """(inputs, labels, extra_inputs, extra_kwargs) as torchtitan's trainer passes them on:
+    the packed-document layout (`hybrid.document_masking`: `positions` / `seq_idx` in
+    extra_kwargs, which reach every pipeline stage), then this CP rank's zigzag shard."""
+    inputs = input_dict["input"]
+    extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+    extra_kwargs = {}
+    if document_masking:
+        seq_idx, positions = documents_from_bos(inputs, bos_id)
+        extra_kwargs.update(seq_idx=seq_idx, positions=positions)
+    if cp_group is not None:
+        inputs, labels, extra_kwargs = shard_batch(inputs, labels, extra_kwargs, cp_group)
+    return inputs, labels, extra_inputs, extra_kwargs
