@@ -7,6 +7,8 @@ import os
 import re
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,9 @@ def test_the_readme_shows_the_commands_this_file_runs():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_training_command_runs_as_written(tmp_path, command):
     words = shlex.split(command)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # As after `source .venv/bin/activate` (run_tests.sh does the same): torchrun on PATH.
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     while "=" in words[0]:
         name, value = words.pop(0).split("=", 1)
         env[name] = value

@@ -109,6 +109,7 @@ class HybridCheckpointManager(CheckpointManager):
             super()._save_last_step(curr_step)
         finally:
             self.last_save_model_only = saved
+        self._purge_stale_checkpoints()  # torchtitan skips it at the last step
 
     def _purge_stale_checkpoints(self) -> None:
         """Keep the newest `keep_latest_k` intact checkpoints; damaged ones do not count."""
