@@ -63,6 +63,8 @@ def check_optimizer(optimizer, lr_scheduler) -> None:
 
 
 def check_checkpoint(checkpoint) -> None:
+    _require(checkpoint.enable or not checkpoint.create_seed_checkpoint,
+             "checkpoint.create_seed_checkpoint", True, "needs checkpoint.enable")
     if not checkpoint.enable:
         return
     _require(checkpoint.interval >= 1, "checkpoint.interval", checkpoint.interval,
@@ -70,7 +72,8 @@ def check_checkpoint(checkpoint) -> None:
     _require(checkpoint.keep_latest_k == 0 or checkpoint.keep_latest_k >= 2,
              "checkpoint.keep_latest_k", checkpoint.keep_latest_k,
              "must be 0 (keep all) or >= 2 (the newest save may still be in progress)")
-    _require(checkpoint.async_mode == "disabled", "checkpoint.async_mode", checkpoint.async_mode,
+    _require(checkpoint.async_mode.lower() == "disabled", "checkpoint.async_mode",
+             checkpoint.async_mode,
              "is not supported by titan_hybrid yet: checkpoints are verified and committed "
              "when their save returns (use 'disabled')")
     _require(checkpoint.load_step == -1 or checkpoint.load_step >= 0, "checkpoint.load_step",
@@ -84,16 +87,6 @@ def check_metrics(metrics) -> None:
     _require(metrics.log_freq >= 1, "metrics.log_freq", metrics.log_freq, "must be >= 1")
 
 
-def _data_parallel_degree(parallelism, world_size: int) -> int:
-    shard = parallelism.data_parallel_shard_degree
-    if shard == -1:
-        shard = world_size // max(1, parallelism.data_parallel_replicate_degree
-                                  * parallelism.context_parallel_degree
-                                  * parallelism.tensor_parallel_degree
-                                  * parallelism.pipeline_parallel_degree)
-    return parallelism.data_parallel_replicate_degree * shard
-
-
 def check_job(config, world_size: int) -> None:
     """Every cheap check of the job; raises ValueError on the first user error."""
     from titan_hybrid.data.loader import validate_dataset_config
@@ -105,12 +98,16 @@ def check_job(config, world_size: int) -> None:
     check_optimizer(config.optimizer, config.lr_scheduler)
     check_checkpoint(config.checkpoint)
     check_metrics(config.metrics)
-    if config.model.name != "hybrid":
-        return
+    _require(not config.fault_tolerance.enable, "fault_tolerance.enable", True,
+             "is not supported by titan_hybrid's trainer (its checkpoints are committed "
+             "synchronously by every rank)")
+    _require(config.model.name == "hybrid", "model.name", config.model.name,
+             "is not 'hybrid': titan_hybrid's trainer runs hybrid models (use "
+             "torchtitan.train for others)")
     model_args = copy.deepcopy(hybrid_flavors[config.model.flavor])
     model_args.update_from_config(config)
-    validate_layout(config, model_args, world_size)
-    check_global_batch(config.training, _data_parallel_degree(config.parallelism, world_size))
+    data_parallel = validate_layout(config, model_args, world_size)
+    check_global_batch(config.training, data_parallel)
     validate_dataset_config(config)
     build_hybrid_tokenizer(config)  # found, and no larger than the model's vocabulary
     if config.validation.enable:

@@ -37,19 +37,19 @@ def checkpoints(tmp_path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def extended(tmp_path_factory):
-    """4 steps with checkpoints, then the same command with 8 steps."""
+    """6 steps with checkpoints, then the same command with 8 steps."""
     tmp = tmp_path_factory.mktemp("extended")
-    run_training(tmp, "--training.steps", "4", *SMALL, *CHECKPOINT).check()
+    run_training(tmp, "--training.steps", "6", *SMALL, *CHECKPOINT).check()
     return run_training(tmp, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT).check()
 
 
 def test_finished_run_extends_with_more_steps(extended):
-    assert "Training starts at step 5" in extended.output
-    assert len(extended.losses) == 4
+    assert "Training starts at step 7" in extended.output
+    assert len(extended.losses) == 2
 
 
 def test_model_only_checkpoint_needs_the_fresh_optimizer_flag(tmp_path, extended):
-    run_training(tmp_path, "--training.steps", "4", *SMALL, *CHECKPOINT,
+    run_training(tmp_path, "--training.steps", "6", *SMALL, *CHECKPOINT,
                  "--checkpoint.last_save_model_only").check()
     refused = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT)
     assert refused.returncode == 2
@@ -58,8 +58,8 @@ def test_model_only_checkpoint_needs_the_fresh_optimizer_flag(tmp_path, extended
     assert "Traceback" not in refused.output
     fresh = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT,
                          "--checkpoint.resume_with_fresh_optimizer").check()
-    assert "Training starts at step 5" in fresh.output
-    # The weights and the data position of step 4 (the first loss comes before any update),
+    assert "Training starts at step 7" in fresh.output
+    # The weights and the data position of step 6 (the first loss comes before any update),
     # then a different optimizer state (Adam's moments start from zero).
     assert fresh.losses[0] == extended.losses[0]
     assert fresh.losses[1] != extended.losses[1]
@@ -101,7 +101,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, save
     assert f"Checkpoint {tmp_path}/outputs/ck/step-6 is damaged" in resumed.output
     assert "Training starts at step 5" in resumed.output
     assert resumed.losses == uninterrupted[4:]
-    assert checkpoints(tmp_path) == ["step-2", "step-4", "step-6", "step-8"]  # 6 rewritten
+    # The damaged folder was set aside (removed at the next start); step 6 was saved anew.
+    assert checkpoints(tmp_path) == ["step-2", "step-4", "step-6", "step-6.damaged", "step-8"]
 
 
 def test_no_intact_checkpoint_stops_with_a_clear_message(tmp_path, saved_run):
@@ -115,6 +116,15 @@ def test_no_intact_checkpoint_stops_with_a_clear_message(tmp_path, saved_run):
     assert "Traceback" not in result.output and "Training starts" not in result.output
 
 
+def test_load_step_names_exactly_one_checkpoint(tmp_path, saved_run):
+    shutil.copytree(saved_run / "outputs" / "ck", tmp_path / "outputs" / "ck")
+    result = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT,
+                          "--checkpoint.load_step", "5")
+    assert result.returncode == 2
+    assert f"error: checkpoint.load_step=5 but '{tmp_path}/outputs/ck/step-5' does not exist" \
+        in result.output
+
+
 def test_keep_latest_k_keeps_the_last_intact_checkpoint(tmp_path, saved_run):
     shutil.copytree(saved_run / "outputs" / "ck", tmp_path / "outputs" / "ck")
     for step in (8, 6):
@@ -122,11 +132,11 @@ def test_keep_latest_k_keeps_the_last_intact_checkpoint(tmp_path, saved_run):
     shutil.copytree(saved_run / "outputs" / "ck" / "step-6", tmp_path / "outputs" / "ck" / "step-6")
     _damage("truncated", tmp_path / "outputs" / "ck" / "step-6")
     # Resumes from step 4, saves only at step 8: the damaged step-6 must not count as one of
-    # the 2 kept, or step-4 (the last intact one before step-8) would go.
+    # the 2 kept, or step-4 (the last intact one before step-8) would go (torchtitan's rule).
     run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, "--checkpoint.enable",
                  "--checkpoint.folder", "ck", "--checkpoint.interval", "8",
                  "--checkpoint.keep_latest_k", "2").check()
-    assert checkpoints(tmp_path) == ["step-4", "step-8"]
+    assert checkpoints(tmp_path) == ["step-4", "step-6.damaged", "step-8"]
 
 
 def test_divergence_stops_before_the_step_is_applied_or_saved(tmp_path):

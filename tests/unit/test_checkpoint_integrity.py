@@ -76,10 +76,13 @@ def test_a_new_save_replaces_a_damaged_folder_of_the_same_step(tmp_path, committ
 def test_leftovers_of_interrupted_saves_are_discarded_and_never_listed(tmp_path, committed):
     save(tmp_path / "step-6.partial")
     (tmp_path / "step-8.replaced").mkdir()
-    assert [p.name for _, p in integrity.step_folders(tmp_path)] == ["step-4"]
-    removed = integrity.discard_partial_saves(tmp_path)
-    assert sorted(p.name for p in removed) == ["step-6.partial", "step-8.replaced"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]
+    integrity.set_aside_damaged(committed)
+    assert integrity.step_folders(tmp_path) == []
+    removed = integrity.discard_leftovers(tmp_path)
+    assert sorted(p.name for p in removed) == ["step-4.damaged", "step-6.partial",
+                                               "step-8.replaced"]
+    # Nothing else was there: the folder goes too, so an initial_load_path applies again.
+    assert not tmp_path.exists()
 
 
 def guard_with_grads(value: float) -> DivergenceGuard:

@@ -47,6 +47,10 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def is_rank0() -> bool:
+    return _world()[0] == 0
+
+
 def _gather_dicts(mine: dict) -> dict:
     """Union of every rank's dict (every rank gets it)."""
     rank, world = _world()
@@ -55,6 +59,16 @@ def _gather_dicts(mine: dict) -> dict:
     every_rank: list = [None] * world
     dist.all_gather_object(every_rank, mine)
     return {key: value for part in every_rank for key, value in part.items()}
+
+
+def agree(value):
+    """Rank 0's `value` on every rank: decisions every rank must take the same way (which
+    folders exist, whether one is intact) are made once, so no rank runs other collectives."""
+    if _world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier() -> None:
@@ -72,6 +86,13 @@ def checksum_folder(folder: Path) -> dict[str, dict[str, int]]:
     """{relative path: {"bytes": size, "crc32": crc}} of every file, computed collectively."""
     rank, world = _world()
     names = files_of(folder)
+    listings = _gather_dicts({rank: names})
+    if any(listing != names for listing in listings.values()):
+        from titan_hybrid.errors import JobError
+
+        raise JobError(f"checkpoint folder '{folder.parent}' is not the same on every rank (ranks "
+                       "list different files): checkpoint.folder must be on a filesystem "
+                       "shared by all ranks")
     mine = {name: {"bytes": (folder / name).stat().st_size, "crc32": file_crc32(folder / name)}
             for name in names[rank::world]}
     return _gather_dicts(mine)
@@ -99,8 +120,7 @@ def commit(partial: Path, final: Path) -> None:
     rank calls it after its part of the save returned)."""
     barrier()  # every rank's files are written
     sums = checksum_folder(partial)
-    rank, _ = _world()
-    if rank == 0:
+    if is_rank0():
         _write_durably(partial / CHECKSUMS_FILE, json.dumps(sums, indent=0, sort_keys=True))
         _fsync_folder(partial)
         replaced = final.with_name(final.name + ".replaced")
@@ -161,29 +181,41 @@ def structural_problem(folder: Path) -> str | None:
     return None
 
 
+def _problem_and_checksums(folder: Path) -> tuple[str | None, dict | None]:
+    try:
+        problem = structural_problem(folder)
+        sums_path = folder / CHECKSUMS_FILE
+        if problem is not None or not sums_path.exists():
+            return problem, None
+        return None, json.loads(sums_path.read_text())
+    except OSError as error:
+        return f"unreadable ({error})", None
+
+
 def verify(folder: Path) -> str | None:
     """Full check of a checkpoint folder (collective): None if intact, else the reason.
 
-    Structure first (sizes, metadata), then every file's CRC-32 against checksums.json.
+    Rank 0 checks the structure (sizes, metadata) and every rank then reads its share of the
+    files for their CRC-32 against checksums.json; every rank returns the same verdict.
     Folders written without checksums (torchtitan's own saves) get the structural check only.
     """
-    problem = structural_problem(folder)
-    sums_path = folder / CHECKSUMS_FILE
-    if problem is None and sums_path.exists():
-        sums = json.loads(sums_path.read_text())
-        rank, world = _world()
-        mine = {}
-        for name in sorted(sums)[rank::world]:
+    problem, sums = agree(_problem_and_checksums(folder) if is_rank0() else None)
+    if problem is not None or sums is None:
+        return problem
+    rank, world = _world()
+    mine = {}
+    for name in sorted(sums)[rank::world]:
+        try:
             if file_crc32(folder / name) != sums[name]["crc32"]:
                 mine[name] = "checksum mismatch"
-        bad = _gather_dicts(mine)
-        if bad:
-            name = sorted(bad)[0]
-            problem = f"{name}: {bad[name]}" + (f" (and {len(bad) - 1} more file(s))"
-                                                if len(bad) > 1 else "")
-    # Every rank must reach the same verdict: a rank that saw a problem speaks for all.
-    verdicts = _gather_dicts({_world()[0]: problem})
-    return next((v for _, v in sorted(verdicts.items()) if v is not None), None)
+        except OSError as error:  # a bad disk is one of the threats
+            mine[name] = f"unreadable ({error.strerror or error})"
+    bad = _gather_dicts(mine)
+    if not bad:
+        return None
+    name = sorted(bad)[0]
+    return f"{name}: {bad[name]}" + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1
+                                     else "")
 
 
 def step_folders(folder: Path) -> list[tuple[int, Path]]:
@@ -195,13 +227,29 @@ def step_folders(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def discard_partial_saves(folder: Path) -> list[Path]:
-    """Remove the `.partial` / `.replaced` leftovers of interrupted saves (rank 0 only)."""
+LEFTOVER_SUFFIXES = (PARTIAL_SUFFIX, ".replaced", ".damaged")
+
+
+def discard_leftovers(folder: Path) -> list[Path]:
+    """Remove what interrupted saves and earlier fallbacks left (`.partial`, `.replaced`,
+    `.damaged` folders); rank 0 only. A folder left empty goes too, so that a job with an
+    initial_load_path whose first save was interrupted starts from that path again."""
     removed = []
-    if _world()[0] == 0 and folder.is_dir():
+    if is_rank0() and folder.is_dir():
         for path in folder.iterdir():
-            if path.is_dir() and path.name.endswith((PARTIAL_SUFFIX, ".replaced")):
+            if path.is_dir() and path.name.endswith(LEFTOVER_SUFFIXES):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
+        if removed and not any(folder.iterdir()):
+            folder.rmdir()
     barrier()
     return removed
+
+
+def set_aside_damaged(path: Path) -> Path:
+    """Rename a damaged `step-N` out of the way (rank 0): a later save of the same step can then
+    never meet it, and an asynchronous delete of it can never hit that new save."""
+    aside = path.with_name(path.name + ".damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    path.rename(aside)
+    return aside

@@ -15,14 +15,20 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
   pattern's checkpoint layer by layer (`hybrid.load_layers_by_order`);
 - a Hugging Face export also writes config.json and the tokenizer files, so `transformers`
   (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is.
+
+Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three private hooks of
+torchtitan 0.2.2's CheckpointManager (`_save_last_step`, `_find_load_step`,
+`_purge_stale_checkpoints`) and feeds its `purge_queue`; checked on 0.2.2 only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import warnings
 from pathlib import Path
+
+import torch
 
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import (
@@ -46,12 +52,6 @@ from titan_hybrid.errors import JobError
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
 
 
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def holds_training_state(metadata) -> bool:
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
@@ -63,7 +63,6 @@ class HybridCheckpointManager(CheckpointManager):
         self.tokenizer_folder = tokenizer_folder
         self.by_order = job_config.hybrid.load_layers_by_order
         self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
-        self.damaged: dict[str, str] = {}  # path -> reason, found at start-up
         self.verified: set[str] = set()
         if self.enable:
             self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model)
@@ -74,17 +73,16 @@ class HybridCheckpointManager(CheckpointManager):
                  to_hf: bool = False):
         final = Path(checkpoint_id)
         partial = final.with_name(final.name + integrity.PARTIAL_SUFFIX)
-        if _is_rank0():
+        if integrity.is_rank0():
             shutil.rmtree(partial, ignore_errors=True)
         integrity.barrier()
         result = super().dcp_save(state_dict, str(partial), async_mode,
                                   enable_garbage_collection, to_hf)
         if to_hf:
             integrity.barrier()  # every rank's consolidated files are written
-            if _is_rank0():
+            if integrity.is_rank0():
                 self._complete_hf_export(partial)
         integrity.commit(partial, final)
-        self.damaged.pop(str(final), None)
         self.verified.add(str(final))
         return result
 
@@ -102,9 +100,11 @@ class HybridCheckpointManager(CheckpointManager):
                     shutil.copyfile(source, folder / name)
 
     def _save_last_step(self, curr_step: int) -> None:
-        # An HF export holds the model only; torchtitan asserts that instead of deciding it.
+        # torchtitan asserts that an HF export is model-only instead of deciding it, and
+        # applies export_dtype to model-only saves alone: either one makes the save model-only.
         saved = self.last_save_model_only
-        self.last_save_model_only = saved or self.last_save_in_hf
+        self.last_save_model_only = (saved or self.last_save_in_hf
+                                     or self.export_dtype != torch.float32)
         try:
             super()._save_last_step(curr_step)
         finally:
@@ -112,43 +112,56 @@ class HybridCheckpointManager(CheckpointManager):
         self._purge_stale_checkpoints()  # torchtitan skips it at the last step
 
     def _purge_stale_checkpoints(self) -> None:
-        """Keep the newest `keep_latest_k` intact checkpoints; damaged ones do not count."""
-        if self.keep_latest_k <= 0 or not _is_rank0():
+        """Keep the newest `keep_latest_k` intact checkpoints; damaged ones do not count and are
+        set aside before their deletion is queued (a later save may re-create their step)."""
+        if self.keep_latest_k <= 0 or not integrity.is_rank0():
             return
         kept = 0
         for _, path in integrity.step_folders(Path(self.folder)):
-            problem = self.damaged.get(str(path)) or integrity.structural_problem(path)
+            problem = integrity.structural_problem(path)
             if problem is None and kept < self.keep_latest_k:
                 kept += 1
                 continue
             if problem is not None:
                 logger.warning(f"Removing damaged checkpoint {path} ({problem})")
+                path = integrity.set_aside_damaged(path)
             self.purge_queue.put(str(path))
 
     # ---- loading ------------------------------------------------------------------------
 
     def load(self, step: int = -1) -> bool:
-        if self.enable:
-            for path in integrity.discard_partial_saves(Path(self.folder)):
-                logger.warning(f"Removed {path}: an interrupted save")
+        if not self.enable:
+            return False
+        for path in integrity.discard_leftovers(Path(self.folder)):
+            logger.warning(f"Removed {path}: left by an interrupted save or a fallback")
+        if step >= 0:  # checkpoint.load_step: exactly that one, or a clear error
+            named = Path(self._create_checkpoint_id(step))
+            if not integrity.agree(named.is_dir() if integrity.is_rank0() else None):
+                raise JobError(f"checkpoint.load_step={step} but '{named}' does not exist")
         return super().load(step)
 
     def _find_load_step(self, folder: str = "") -> int:
-        """The newest intact `step-N` (verified against its checksums), or -1 if none exists."""
+        """The newest intact `step-N` (verified against its checksums), or -1 if none exists.
+        Damaged newer ones are reported and set aside once an intact one is found."""
         if folder and folder != self.folder:
             return super()._find_load_step(folder)  # torchft's per-replica folders
-        candidates = integrity.step_folders(Path(self.folder))
+        listed = integrity.step_folders(Path(self.folder)) if integrity.is_rank0() else None
+        candidates = integrity.agree(listed)
+        damaged = []
         for step, path in candidates:
             problem = integrity.verify(path)
             if problem is None:
                 self.verified.add(str(path))
+                for bad, reason in damaged:
+                    logger.warning(f"Checkpoint {bad} is damaged ({reason}); resuming from "
+                                   f"{path} instead")
+                    if integrity.is_rank0():
+                        integrity.set_aside_damaged(bad)
+                integrity.barrier()
                 return step
-            self.damaged[str(path)] = problem
-            if _is_rank0():
-                logger.warning(f"Checkpoint {path} is damaged ({problem}); trying an older one")
-        if candidates:
-            listing = "; ".join(f"{path.name}: {self.damaged[str(path)]}"
-                                for _, path in candidates)
+            damaged.append((path, problem))
+        if damaged:
+            listing = "; ".join(f"{path.name}: {reason}" for path, reason in damaged)
             raise JobError(f"no intact checkpoint in checkpoint.folder '{self.folder}' "
                            f"({listing}); move the folder away to start afresh")
         return -1
@@ -179,7 +192,8 @@ class HybridCheckpointManager(CheckpointManager):
                     f"checkpoint '{checkpoint_id}' holds model weights only (torchtitan's "
                     "checkpoint.last_save_model_only writes the last step that way), so the "
                     "optimizer cannot resume; continue from these weights with a fresh optimizer "
-                    f"using {FRESH_OPTIMIZER_FLAG}")
+                    f"using {FRESH_OPTIMIZER_FLAG}, or resume an older full checkpoint exactly "
+                    "with --checkpoint.load_step N")
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith(
                 NON_MODEL_PREFIXES) and k not in ("optimizer", LR_SCHEDULER, DATALOADER,
                                                   TRAIN_STATE)}
@@ -195,8 +209,8 @@ class HybridCheckpointManager(CheckpointManager):
                                               hint=self._layers_hint())
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         if resume_fresh:
-            self._continue_at(int(integrity.STEP_FOLDER.match(path.name).group(1))
-                              if integrity.STEP_FOLDER.match(path.name) else 0)
+            step = integrity.STEP_FOLDER.match(path.name)
+            self._continue_at(int(step.group(1)) if step else 0)
 
     def _layers_hint(self) -> str:
         return ("" if self.by_order else
@@ -204,11 +218,17 @@ class HybridCheckpointManager(CheckpointManager):
                 "--hybrid.load_layers_by_order")
 
     def _continue_at(self, step: int) -> None:
-        """After a model-only load: the run continues at `step` + 1 with a fresh optimizer."""
+        """After a model-only load: the run continues at `step` + 1 with a fresh optimizer, the
+        LR schedule and the data where the run that wrote the weights was."""
         trainer = self.states[TRAIN_STATE]
         trainer.step = step
-        for _ in range(step):
-            self.states[LR_SCHEDULER].step()
-        self.states[DATALOADER].skip_batches(step * trainer.gradient_accumulation_steps)
+        batches = step * trainer.gradient_accumulation_steps
+        trainer.ntokens_seen = batches * trainer.job_config.training.local_batch_size \
+            * trainer.job_config.training.seq_len  # per rank, as the trainer counts them
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                self.states[LR_SCHEDULER].step()
+        self.states[DATALOADER].skip_batches(batches)
         logger.warning(f"Resuming model weights of step {step} with a fresh optimizer "
                        f"({FRESH_OPTIMIZER_FLAG}): training continues at step {step + 1}")

@@ -161,7 +161,8 @@ def validate_overlap(job_config, *, data_parallel: int) -> None:
             f"{training.local_batch_size}) * data-parallel degree({data_parallel})")
 
 
-def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> None:
+def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> int:
+    """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
     p = job_config.parallelism
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
@@ -218,3 +219,4 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
         validate_context_parallel(job_config, model_args)
     if job_config.compile.enable:
         raise ValueError("compile.enable=true is not supported for the hybrid model yet")
+    return p.data_parallel_replicate_degree * shard
