@@ -4,7 +4,7 @@ What `run_train.sh` runs. The job is parsed and checked here, in the launching p
 user error costs a second or two and prints one line (`error: <field>=<value> <rule>`), with
 exit status 2, before torchrun starts any worker. A good job is handed to torchrun (its
 `torch.distributed.run.run`, the same code as the `torchrun` command) with workers running
-`titan_hybrid.train`. A worker that stops on a user error found later (e.g. a checkpoint that
+`titan_hybrid.train`; a one-process job runs its worker in the launcher's own process. A worker that stops on a user error found later (e.g. a checkpoint that
 does not fit the model) or on divergence reports its message through a file (titan_hybrid.errors);
 the launcher prints it once in place of torchrun's failure banner and exits with the worker's
 status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
@@ -91,6 +91,21 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
     return 0
 
 
+def run_here(job_args: list[str]) -> None:
+    """One process: the worker runs in this process under torchrun's environment contract,
+    which saves a second interpreter start and import of torch and torchtitan (seconds)."""
+    import socket
+
+    from titan_hybrid import train
+
+    with socket.socket() as probe:  # a free port for the one-member process group
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train.main(job_args)  # leaves the process itself on success and on a reported error
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_hybrid.launch", add_help=False)
     parser.add_argument("--nproc", type=int, default=int(os.environ.get("NGPU", "1")))
@@ -103,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
+    if options.nproc == 1:
+        run_here(job_args)
+        return 0
     return run_workers(job_args, options.nproc, options.log_rank)
 
 

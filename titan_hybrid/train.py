@@ -47,9 +47,9 @@ def run(job_args: list[str]) -> None:
     logger.info("Process group destroyed")
 
 
-def main() -> None:
+def main(job_args: list[str] | None = None) -> None:
     cpu.apply()
-    run(sys.argv[1:])
+    run(sys.argv[1:] if job_args is None else job_args)
     if cpu.accelerator_available():
         return
     # gloo's C++ teardown intermittently aborts at interpreter exit ("terminate called without
