@@ -4,8 +4,9 @@ What `run_train.sh` runs. The job is parsed and checked here, in the launching p
 user error costs a second or two and prints one line (`error: <field>=<value> <rule>`), with
 exit status 2, before torchrun starts any worker. A good job is handed to torchrun (its
 `torch.distributed.run.run`, the same code as the `torchrun` command) with workers running
-`titan_hybrid.train`; a one-process job runs its worker in the launcher's own process. A worker that stops on a user error found later (e.g. a checkpoint that
-does not fit the model) or on divergence reports its message through a file (titan_hybrid.errors);
+`titan_hybrid.train`; a one-process job runs its worker in the launcher's own process. A
+worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
+or on divergence reports its message through a file (titan_hybrid.errors);
 the launcher prints it once in place of torchrun's failure banner and exits with the worker's
 status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
 failed.

@@ -3,8 +3,6 @@
 import math
 import re
 
-import pytest
-
 from tests.launch import REPO_ROOT, run_training
 
 STEPS = ("--training.steps", "4")
