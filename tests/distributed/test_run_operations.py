@@ -183,7 +183,7 @@ def _kill_everything_of(tmp_path: Path, launcher: subprocess.Popen) -> None:
             if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(int(pid), signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
+            continue  # the process ended while we looked
     launcher.wait()
 
 

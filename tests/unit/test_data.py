@@ -172,7 +172,7 @@ def test_training_stream_never_contains_held_out_documents(tokenizer):
     encode = lambda docs: [t for d in docs for t in tokenizer.encode(d, add_bos=True,  # noqa
                                                                       add_eos=True)]
     train_tokens, held_tokens = encode(pydoc_split("train")), encode(pydoc_split("validation"))
-    # One full pass of training windows is exactly the training documents' token stream...
+    # One full pass of training windows is exactly the training documents' token stream,
     stream = _stream(build_global_batch_dataloader(1, 0, tokenizer, job), len(train_tokens))
     epoch = len(train_tokens) // 1024 * 1024
     assert stream[:epoch] == train_tokens[:epoch]

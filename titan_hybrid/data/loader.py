@@ -185,18 +185,26 @@ def build_global_batch_dataloader(
     infinite: bool = True,
 ) -> GlobalBatchTextLoader:
     validate_dataset_config(job_config)
-    documents, text_of = _dataset_source(job_config.training.dataset.lower(),
-                                         job_config.training.dataset_path, "train")
+    training = job_config.training
+    return _loader(training.dataset.lower(), training.dataset_path, "train", training,
+                   tokenizer, dp_rank, dp_world_size, infinite)
+
+
+def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: BaseTokenizer,
+            dp_rank: int, dp_world_size: int, infinite: bool) -> GlobalBatchTextLoader:
+    """A loader of dataset `name` with the batch shape of a job section ([training] or
+    [validation]: its seq_len and local_batch_size)."""
+    documents, text_of = _dataset_source(name, path, pydoc_part)
     return GlobalBatchTextLoader(
         documents=documents,
         text_of=text_of,
         tokenizer=tokenizer,
-        seq_len=job_config.training.seq_len,
-        local_batch_size=job_config.training.local_batch_size,
+        seq_len=section.seq_len,
+        local_batch_size=section.local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
-        name=job_config.training.dataset,
+        name=name,
     )
 
 
@@ -217,16 +225,6 @@ def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Bas
                                 job_config: JobConfig) -> GlobalBatchTextLoader:
     """One pass over the validation set in global batches of `validation.local_batch_size`
     windows per data-parallel rank; call `restart()` before each pass."""
-    name = validation_dataset_name(job_config)
-    documents, text_of = _dataset_source(name, job_config.validation.dataset_path, "validation")
-    return GlobalBatchTextLoader(
-        documents=documents,
-        text_of=text_of,
-        tokenizer=tokenizer,
-        seq_len=job_config.validation.seq_len,
-        local_batch_size=job_config.validation.local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        infinite=False,
-        name=name,
-    )
+    validation = job_config.validation
+    return _loader(validation_dataset_name(job_config), validation.dataset_path, "validation",
+                   validation, tokenizer, dp_rank, dp_world_size, infinite=False)
