@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
+ruff check --quiet .  # pyflakes + import order on the whole tree (pyproject.toml [tool.ruff])
 exec python -m pytest -q "$@"

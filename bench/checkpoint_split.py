@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.checkpoint import integrity
 from titan_hybrid.checkpoint.split import split_state_dict
 from titan_hybrid.checkpoint.state import fused_parameters, split_optimizer_state

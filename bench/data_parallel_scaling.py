@@ -45,7 +45,7 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
     import torch
     import torch.distributed as dist
 
-    import titan_hybrid  # noqa: F401
+    import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
     from titan_hybrid.model.args import hybrid_flavors
     from titan_hybrid.model.model import HybridModel
     from titan_hybrid.optimizer import build_hybrid_optimizers

@@ -48,7 +48,7 @@ def time_config(config: str, *, microbatches: int, repeats: int, rows: int, seq:
     import torch.distributed as dist
 
     from tests.distributed.ep_worker import build_parallel
-    from titan_hybrid.parallel import ep_overlap, expert_parallel
+    from titan_hybrid.parallel import collectives, expert_parallel
     from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 
     args = model_args(config)
@@ -92,16 +92,16 @@ def time_config(config: str, *, microbatches: int, repeats: int, rows: int, seq:
     step(False), step(True)  # warm-up
     times = {False: [], True: []}
     comm = []
-    originals = (ep_overlap._exchange, expert_parallel._exchange_counts)
+    originals = (collectives._exchange, expert_parallel._exchange_counts)
     for _ in range(repeats):
         for overlap in (False, True):
             timing_comm = not overlap
             if timing_comm:
                 comm_seconds[0] = 0.0
-                ep_overlap._exchange = timed(originals[0])
+                collectives._exchange = timed(originals[0])
                 expert_parallel._exchange_counts = timed(originals[1])
             times[overlap].append(step(overlap))
-            ep_overlap._exchange, expert_parallel._exchange_counts = originals
+            collectives._exchange, expert_parallel._exchange_counts = originals
             if timing_comm:
                 comm.append(comm_seconds[0] / times[overlap][-1])
     off, on = statistics.median(times[False]), statistics.median(times[True])

@@ -649,7 +649,7 @@ def import_titan_hybrid() -> str:
     parallel and torchtitan trainer code) fails here, fall back to a bare package so the ops and
     model code can still be verified, and say so."""
     try:
-        import titan_hybrid  # noqa: F401
+        import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
         return "titan_hybrid imported normally"
     except Exception as error:  # noqa: BLE001
         for name in [n for n in sys.modules if n.split(".")[0] == "titan_hybrid"]:

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import titan_hybrid  # noqa: F401  (registers the hybrid model with torchtitan)
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.runtime.cpu import matmul_flops

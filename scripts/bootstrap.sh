@@ -17,9 +17,9 @@ quiet_pip() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ign
 
 if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        quiet_pip install --quiet "torch==2.13.*"
+        quiet_pip install --quiet "torch==2.13.*" "triton==3.7.1"
     else
-        quiet_pip install --quiet "torch==2.13.0"
+        quiet_pip install --quiet "torch==2.13.0" "triton==3.7.1"
     fi
     quiet_pip install --quiet -e "$REPO_ROOT[test]"
     touch "$STAMP"

@@ -1,13 +1,8 @@
 """titan_hybrid: hybrid Mamba2 / attention / MoE / gated-DeltaNet models on torchtitan.
 
-Importing the package registers the torchtitan TrainSpec "hybrid" and, on machines without an
-accelerator, the CPU runtime patches torchtitan needs (see titan_hybrid.runtime.cpu).
+Importing the package or any library module changes nothing global. The entry points do:
+`titan_hybrid.train` / `titan_hybrid.launch` (titan_hybrid's trainer), and
+`titan_hybrid.torchtitan_plugin`, which torchtitan's own trainer imports through
+`--experimental.custom_import` (registers the TrainSpec "hybrid" and the pydoc dataset, and on
+machines without an accelerator applies the CPU runtime, titan_hybrid.runtime.cpu).
 """
-
-from titan_hybrid.runtime import cpu as _cpu_runtime
-
-_cpu_runtime.apply()
-
-from titan_hybrid.train_spec import register as _register  # noqa: E402
-
-_register()

@@ -7,9 +7,16 @@ worker entry (titan_hybrid.train) runs it again, for jobs started by a plain tor
 
 from __future__ import annotations
 
-import copy
 import math
 import os
+
+from titan_hybrid.checkpoint.hf_nemotron_h import check_nemotron_h_compatible
+from titan_hybrid.data.loader import validate_dataset_config
+from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.optimizer import OPTIMIZER_CLASSES
+from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.validation import validate_validation_config
 
 
 def _require(condition: bool, field: str, value, rule: str) -> None:
@@ -41,7 +48,6 @@ def check_global_batch(training, data_parallel: int) -> None:
 
 
 def check_optimizer(optimizer, lr_scheduler) -> None:
-    from titan_hybrid.optimizer import OPTIMIZER_CLASSES
 
     _require(optimizer.name in OPTIMIZER_CLASSES, "optimizer.name", optimizer.name,
              f"is not one of {sorted(OPTIMIZER_CLASSES)}")
@@ -89,11 +95,6 @@ def check_metrics(metrics) -> None:
 
 def check_job(config, world_size: int) -> None:
     """Every cheap check of the job; raises ValueError on the first user error."""
-    from titan_hybrid.data.loader import validate_dataset_config
-    from titan_hybrid.model.args import hybrid_flavors
-    from titan_hybrid.parallel.validate import validate_layout
-    from titan_hybrid.tokenizer import build_hybrid_tokenizer
-
     check_training(config.training)
     check_optimizer(config.optimizer, config.lr_scheduler)
     check_checkpoint(config.checkpoint)
@@ -104,17 +105,12 @@ def check_job(config, world_size: int) -> None:
     _require(config.model.name == "hybrid", "model.name", config.model.name,
              "is not 'hybrid': titan_hybrid's trainer runs hybrid models (use "
              "torchtitan.train for others)")
-    model_args = copy.deepcopy(hybrid_flavors[config.model.flavor])
-    model_args.update_from_config(config)
+    model_args = resolve_model_args(config)
     data_parallel = validate_layout(config, model_args, world_size)
     check_global_batch(config.training, data_parallel)
     validate_dataset_config(config)
     build_hybrid_tokenizer(config)  # found, and no larger than the model's vocabulary
     if config.validation.enable:
-        from titan_hybrid.validation import validate_validation_config
-
         validate_validation_config(config)
     if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
-        from titan_hybrid.checkpoint.hf_nemotron_h import check_nemotron_h_compatible
-
         check_nemotron_h_compatible(model_args)

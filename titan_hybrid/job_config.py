@@ -4,20 +4,27 @@
 `[parallelism]` and `[checkpoint]`. titan_hybrid's entry points (titan_hybrid.launch,
 titan_hybrid.train) always parse jobs with it; with `python -m torchtitan.train` name it as
 `[job] custom_config_module = "titan_hybrid.job_config"` in the TOML (or
-`--job.custom_config_module titan_hybrid.job_config`); importing it also registers the
-"hybrid" TrainSpec.
+`--job.custom_config_module titan_hybrid.job_config`). A job parsed without it (torchtitan's
+plain JobConfig) is extended with the defaults by `hybrid_job` where the TrainSpec's functions
+receive it, so the rest of the code always reads titan_hybrid's fields.
 
 One default differs from torchtitan's: `checkpoint.last_save_model_only` is false, so the last
 step's checkpoint holds the optimizer too and a finished run can be extended with more steps.
 """
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from torchtitan.config import Checkpoint as TitanCheckpoint
+from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 from torchtitan.config import Parallelism as TitanParallelism
-
-import titan_hybrid  # noqa: F401  (registers the TrainSpec)
 
 
 @dataclass
@@ -78,3 +85,42 @@ class JobConfig(TitanJobConfig):
     hybrid: Hybrid = field(default_factory=Hybrid)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+
+def _extended(section, extension_cls):
+    """`section` (torchtitan's dataclass) as `extension_cls`, titan_hybrid's fields at their
+    defaults."""
+    if isinstance(section, extension_cls):
+        return section
+    return extension_cls(**{f.name: getattr(section, f.name)
+                            for f in dataclasses.fields(section) if f.init})
+
+
+def hybrid_job(job_config: TitanJobConfig) -> JobConfig:
+    """The job with titan_hybrid's extension: itself when parsed with it, else a copy of a
+    plain torchtitan job (`python -m torchtitan.train` without `custom_config_module`) whose
+    extra fields take their defaults."""
+    if isinstance(job_config, JobConfig):
+        return job_config
+    sections = {f.name: getattr(job_config, f.name)
+                for f in dataclasses.fields(job_config) if f.init}
+    sections["parallelism"] = _extended(job_config.parallelism, Parallelism)
+    sections["checkpoint"] = _extended(job_config.checkpoint, Checkpoint)
+    return JobConfig(**sections)
+
+
+def parse_job(job_args: list[str]) -> JobConfig:
+    """The job from the command line (`--job.config_file F --section.field value ...`),
+    parsed with titan_hybrid's JobConfig; a user error becomes ValueError."""
+    # torchtitan logs a traceback before re-raising a TOML error; the message below says it.
+    logging.disable(logging.ERROR)
+    try:
+        return ConfigManager(config_cls=JobConfig).parse_args(job_args)
+    except FileNotFoundError as error:
+        raise ValueError(f"job.config_file '{error.filename}' does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"job.config_file is not valid TOML: {error}") from None
+    except AssertionError as error:  # torchtitan's own field checks (e.g. validation.steps)
+        raise ValueError(f"job config: {error}") from None
+    finally:
+        logging.disable(logging.NOTSET)

@@ -25,30 +25,7 @@ import tempfile
 from pathlib import Path
 
 from titan_hybrid.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
-
-
-def parse_job(job_args: list[str]):
-    """torchtitan's JobConfig from the command line; a user error becomes ValueError."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    from torchtitan.config import ConfigManager
-
-    from titan_hybrid.job_config import JobConfig
-
-    # torchtitan logs a traceback before re-raising a TOML error; the message below says it.
-    logging.disable(logging.ERROR)
-    try:
-        return ConfigManager(config_cls=JobConfig).parse_args(job_args)
-    except FileNotFoundError as error:
-        raise ValueError(f"job.config_file '{error.filename}' does not exist") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"job.config_file is not valid TOML: {error}") from None
-    except AssertionError as error:  # torchtitan's own field checks (e.g. validation.steps)
-        raise ValueError(f"job config: {error}") from None
-    finally:
-        logging.disable(logging.NOTSET)
+from titan_hybrid.job_config import parse_job
 
 
 def preflight(job_args: list[str], world_size: int):

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import JobConfig
 
+from titan_hybrid.model.args import resolve_model_args
+
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
@@ -45,8 +47,4 @@ def hybrid_loss(pred, labels: torch.Tensor, *, mtp_loss_coeff: float = 0.1) -> t
 
 
 def build_hybrid_loss(job_config: JobConfig, **kwargs):
-    from titan_hybrid.model.args import hybrid_flavors
-
-    flavor = hybrid_flavors.get(job_config.model.flavor)
-    coeff = flavor.mtp_loss_coeff if flavor is not None else 0.1
-    return partial(hybrid_loss, mtp_loss_coeff=coeff)
+    return partial(hybrid_loss, mtp_loss_coeff=resolve_model_args(job_config).mtp_loss_coeff)

@@ -34,6 +34,7 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.moe import MoE
 
 
@@ -63,8 +64,7 @@ def router_statistics(model_parts, batch_group) -> dict[str, float]:
 
 def loss_curve_path(job_config: JobConfig) -> Path | None:
     """hybrid.loss_curve_file, a relative path taken under job.dump_folder; None if unset."""
-    hybrid = getattr(job_config, "hybrid", None)
-    path = getattr(hybrid, "loss_curve_file", "") if hybrid is not None else ""
+    path = hybrid_job(job_config).hybrid.loss_curve_file
     if not path:
         return None
     path = Path(path).expanduser()

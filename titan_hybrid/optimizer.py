@@ -46,26 +46,33 @@ def _build_one(model: nn.Module, optimizer_cls, optimizer_kwargs) -> torch.optim
 
 class HybridOptimizersContainer(OptimizersContainer):
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs) -> None:
-        self.model_parts = model_parts
-        self.optimizers = [_build_one(model, optimizer_cls, optimizer_kwargs)
-                           for model in model_parts]
-        all_params = [p for model in model_parts for p in model.parameters() if p.requires_grad]
-        self._validate_length(len(model_parts))
-        self._post_init(all_params, optimizer_kwargs)
+        # torchtitan's constructor calls `optimizer_cls(params, **kwargs)` once per model part,
+        # in order, with that part's trainable parameters. It is handed a builder that makes
+        # each part's optimizer with weight-decay groups (and ZeRO-1 state sharding) instead.
+        parts = iter(model_parts)
+
+        def build(params, **kwargs) -> torch.optim.Optimizer:
+            optimizer = _build_one(next(parts), optimizer_cls, kwargs)
+            grouped = [p for group in optimizer.param_groups for p in group["params"]]
+            assert {id(p) for p in grouped} == {id(p) for p in params}, "parameters differ"
+            return optimizer
+
+        super().__init__(model_parts, build, optimizer_kwargs)
 
     # Checkpoints hold fused parameters' states (Adam's moments) as logical components, like
     # the parameters themselves, so they reload under any TP / FSDP layout.
     def state_dict(self) -> dict[str, Any]:
         from titan_hybrid.checkpoint.state import split_optimizer_state
 
-        state, self._originals = split_optimizer_state(super().state_dict(), self.model_parts)
-        return state
+        return split_optimizer_state(super().state_dict(), self.model_parts)[0]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from titan_hybrid.checkpoint.split import merge_state_dict
-        from titan_hybrid.checkpoint.state import physical_keys
+        from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
 
-        super().load_state_dict(merge_state_dict(physical_keys(state_dict, self._originals)))
+        # {logical key: optimizer key} of this optimizer, whatever was saved or loaded before.
+        _, originals = split_optimizer_state(super().state_dict(), self.model_parts)
+        super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
 
 
 def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,

@@ -1,6 +1,7 @@
-"""Hybrid layer pattern grammar.
+"""Hybrid layer pattern grammar (Megatron's).
 
-A pattern has one character per layer:
+A pattern has one character per layer, one symbol per layer kind of the table
+(titan_hybrid.model.layer_kinds):
 
     M  Mamba2          G  gated DeltaNet      *  self-attention
     -  dense MLP       E  mixture of experts
@@ -11,8 +12,8 @@ two pipeline segments followed by two MTP depths of ``*-``. All MTP depths must
 be identical; a single trailing ``/`` with nothing after it means zero depths.
 ``[...]`` bundles several physical layers into one logical layer (``"M[M*]-"``
 has 3 logical and 4 physical layers); ``E`` may only close a group. Groups and
-``|`` are not allowed in MTP depths. ``D`` (DSA) and ``+`` (MLA) exist upstream
-but are not supported here. Every malformed pattern raises ``ValueError`` naming
+``|`` are not allowed in MTP depths. Megatron's other symbols (``D`` DSA, ``+``
+MLA) are named as not supported until the table has them. Every malformed pattern raises ``ValueError`` naming
 the offending character and its 0-based position in the full pattern.
 """
 
@@ -20,10 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+
 Item = str | tuple[str, ...]
 
-SYMBOL_NAMES = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
-_UNSUPPORTED = {"D": "DSA attention", "+": "MLA"}
+SYMBOL_NAMES = {symbol: kind.name for symbol, kind in LAYER_KINDS.items()}
+_MEGATRON_SYMBOLS = {"M": "Mamba", "G": "gated DeltaNet", "*": "attention", "-": "MLP",
+                     "E": "MoE", "D": "DSA attention", "+": "MLA"}
+_UNSUPPORTED = {symbol: title for symbol, title in _MEGATRON_SYMBOLS.items()
+                if symbol not in LAYER_KINDS}
+_GROUP_CLOSERS = {symbol for symbol, kind in LAYER_KINDS.items() if kind.closes_group}
+_STRUCTURE = "[ ] | /"
 
 
 def physical_symbols(item: Item) -> tuple[str, ...]:
@@ -178,7 +186,7 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
             if group_start is None:
                 target.append(ch)
                 continue
-            if group and group[-1] == "E":  # inside a group only symbols precede
+            if group and group[-1] in _GROUP_CLOSERS:  # inside a group only symbols precede
                 raise _char_error(pattern, pos - 1, "must be the last symbol of a group")
             group.append(ch)
         elif ch == "[":
@@ -216,7 +224,7 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
             raise _char_error(pattern, pos, "is whitespace, which is not allowed")
         else:
             raise _char_error(pattern, pos, "is not a known symbol; expected one of "
-                              "M G * - E [ ] | /")
+                              f"{' '.join(LAYER_KINDS)} {_STRUCTURE}")
     if group_start is not None:
         raise _char_error(pattern, group_start, "opens an unmatched group: it is never closed")
     return segments, mtp_parts

@@ -8,6 +8,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
 from titan_hybrid.data.corpus import ASSETS_DIR
+from titan_hybrid.model.args import hybrid_flavors
 
 
 def resolve_assets_path(path: str) -> Path:
@@ -22,8 +23,6 @@ def resolve_assets_path(path: str) -> Path:
 
 
 def build_hybrid_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
-    from titan_hybrid.model.args import hybrid_flavors
-
     tokenizer = HuggingFaceTokenizer(str(resolve_assets_path(job_config.model.hf_assets_path)))
     vocab_size = hybrid_flavors[job_config.model.flavor].vocab_size
     if job_config.model.name == "hybrid" and tokenizer.get_vocab_size() > vocab_size:

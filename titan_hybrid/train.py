@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 import sys
 
+import torch.distributed as dist
+from torchtitan.tools.logging import init_logger, logger
+
+from titan_hybrid import torchtitan_plugin
+from titan_hybrid.errors import DivergedError, JobError, report_and_exit
+from titan_hybrid.job_checks import check_job
+from titan_hybrid.job_config import parse_job
 from titan_hybrid.runtime import cpu
+from titan_hybrid.trainer import HybridTrainer
 
 
 def run(job_args: list[str]) -> None:
-    import torch.distributed as dist
-    from torchtitan.tools.logging import init_logger, logger
-
-    from titan_hybrid.errors import DivergedError, JobError, report_and_exit
-    from titan_hybrid.job_checks import check_job
-    from titan_hybrid.launch import parse_job
-    from titan_hybrid.trainer import HybridTrainer
-
     init_logger()
     try:
         config = parse_job(job_args)
@@ -48,7 +48,7 @@ def run(job_args: list[str]) -> None:
 
 
 def main(job_args: list[str] | None = None) -> None:
-    cpu.apply()
+    torchtitan_plugin.activate()
     run(sys.argv[1:] if job_args is None else job_args)
     if cpu.accelerator_available():
         return

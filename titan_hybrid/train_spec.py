@@ -6,7 +6,7 @@ from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
-from titan_hybrid.data.loader import build_global_batch_dataloader, register_pydoc_dataset
+from titan_hybrid.data.loader import build_global_batch_dataloader
 from titan_hybrid.loss import build_hybrid_loss
 from titan_hybrid.metrics import build_hybrid_metrics_processor
 from titan_hybrid.model.args import hybrid_flavors
@@ -37,6 +37,6 @@ def hybrid_train_spec() -> TrainSpec:
     )
 
 
-def register() -> None:
-    register_pydoc_dataset()
+def register_hybrid_train_spec() -> None:
+    """Make `--model.name hybrid` known to torchtitan (titan_hybrid.torchtitan_plugin)."""
     register_train_spec(TRAIN_SPEC_NAME, hybrid_train_spec())

@@ -20,7 +20,7 @@ from titan_hybrid.batch import prepare_batch
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.divergence import DivergenceGuard
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
-from titan_hybrid.parallel.validate import expert_parallel_overlap
+from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.tokenizer import resolve_assets_path
 
 
@@ -38,7 +38,7 @@ class HybridTrainer(Trainer):
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
         # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
-        if expert_parallel_overlap(job_config) and not self.parallel_dims.pp_enabled:
+        if job_config.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
             self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
                                                self.gradient_accumulation_steps)
 
@@ -73,7 +73,7 @@ class HybridTrainer(Trainer):
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
         # Pipeline microbatch losses are divided by the token count before their backward
         # (titan_hybrid.parallel.pipeline); torchtitan divides their sum once more.
-        self.pp_schedule.scaled_loss.global_valid_tokens = global_valid_tokens
+        scaled_loss_of(self.pp_schedule).global_valid_tokens = global_valid_tokens
         loss = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
         return loss * global_valid_tokens if self.pp_has_last_stage else loss

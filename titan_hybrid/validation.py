@@ -32,13 +32,21 @@ import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig
+from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.batch import prepare_batch
-from titan_hybrid.data.loader import build_validation_dataloader, validation_dataset_name
+from titan_hybrid.compat import pipelining
+from titan_hybrid.data.loader import (
+    PYDOC_DATASET,
+    build_validation_dataloader,
+    validation_dataset_name,
+)
 from titan_hybrid.errors import JobError
+from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.moe import MoE
+from titan_hybrid.parallel.pipeline import scaled_loss_of
 
 
 def next_token_loss_sum(pred, labels: torch.Tensor) -> torch.Tensor:
@@ -52,11 +60,6 @@ def next_token_loss_sum(pred, labels: torch.Tensor) -> torch.Tensor:
 
 def validate_validation_config(job_config: JobConfig) -> None:
     """Bad validation fields as ValueError, checked before any process group exists."""
-    from torchtitan.hf_datasets import text_datasets
-
-    from titan_hybrid.data.loader import PYDOC_DATASET
-    from titan_hybrid.parallel.validate import sequence_parallel
-
     v, p = job_config.validation, job_config.parallelism
     if not v.enable:
         return
@@ -72,7 +75,7 @@ def validate_validation_config(job_config: JobConfig) -> None:
                          f"(the held-out documents) or one of torchtitan's datasets "
                          f"{sorted(text_datasets.DATASETS)}")
     tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
-    sp = tp if tp > 1 and sequence_parallel(job_config) else 1
+    sp = tp if tp > 1 and not p.disable_sequence_parallel else 1
     chunks = 2 * cp * sp if cp > 1 else sp
     if v.seq_len % chunks:
         raise ValueError(
@@ -97,8 +100,8 @@ def _no_gradient_handoff(schedule):
     schedule's backward actions. Each stage's backward returns at once without a backward, but
     the hand-off of input gradients between the two stages one rank holds asserts that there is
     one. In eval there is nothing to hand off: make the hand-off a no-op for the pass (instance
-    attributes over torch's methods; `_stages` is the multi-stage schedules' stage list)."""
-    stages = getattr(schedule, "_stages", [])
+    attributes over torch's public stage methods)."""
+    stages = pipelining.local_stages(schedule)
     for stage in stages:
         stage.get_local_bwd_output = lambda mb_index: ()
         stage.set_local_bwd_input = lambda grads, mb_index: None
@@ -138,8 +141,7 @@ class HybridValidator(BaseValidator):
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage = pp_has_first_stage
         self.pp_has_last_stage = pp_has_last_stage
-        hybrid = getattr(job_config, "hybrid", None)  # absent in a plain torchtitan job
-        self.document_masking = getattr(hybrid, "document_masking", False)
+        self.document_masking = hybrid_job(job_config).hybrid.document_masking
         # One batch is enough to know the set is not too small (and cheap for any dataset).
         if next(iter(self.loader), None) is None:
             v = job_config.validation
@@ -157,7 +159,7 @@ class HybridValidator(BaseValidator):
 
     def _pipeline_loss_sum(self, inputs, labels, extra_inputs, extra_kwargs):
         """The batch's summed loss on the last stage's ranks, None on the others."""
-        scaled = self.pp_schedule.scaled_loss
+        scaled = scaled_loss_of(self.pp_schedule)
         saved = scaled.loss_fn, scaled.global_valid_tokens
         scaled.loss_fn, scaled.global_valid_tokens = next_token_loss_sum, 1
         try:

@@ -16,7 +16,7 @@ import json
 import torch
 import torch.distributed as dist
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, MambaArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.layout import packed_layout
 from titan_hybrid.model.model import HybridModel

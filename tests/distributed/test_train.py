@@ -47,7 +47,7 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
     config = tmp_path / "plain.toml"
     config.write_text(toml)
     result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2",
-                          "--experimental.custom_import", "titan_hybrid",
+                          "--experimental.custom_import", "titan_hybrid.torchtitan_plugin",
                           module="torchtitan.train")
     result.check()
     assert "step:  2" in result.output

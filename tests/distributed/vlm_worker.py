@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.mimo import PackedSeqParams, PartitionAdapter
 from titan_hybrid.mimo.vision_language import VisionLanguageModel
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, MambaArgs, MLPArgs, hybrid_flavors

@@ -2,7 +2,7 @@
 
 import torch
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.checkpoint.split import ComponentChunks, merge_state_dict, split_state_dict
 from titan_hybrid.checkpoint.state import logical_keys
 from titan_hybrid.parallel.tensor_parallel import TPLayout

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.data.build_tokenizer import write_tokenizer
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_documents
 from titan_hybrid.data.loader import GlobalBatchTextLoader

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers

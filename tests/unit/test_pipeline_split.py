@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.loss import hybrid_loss
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel

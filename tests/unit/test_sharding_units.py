@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridLayer, HybridModel, HybridStack
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES, apply_data_parallel

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel import tensor_parallel as tp_plan
@@ -27,7 +27,7 @@ def layouts(pattern):
     result = {}
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            result[f"{module_name}.{name}"] = classify_parameter(module, name, param)
+            result[f"{module_name}.{name}"] = classify_parameter(param)
     return args, result
 
 
@@ -71,27 +71,16 @@ def test_attention_mlp_gdn_moe_layouts():
     assert plan["layers.3.moe.router.gate.weight"].shard_dim is None
 
 
-def test_registries_and_name_fallbacks_for_unannotated_modules(monkeypatch):
+def test_unannotated_parameters_are_replicated_and_annotations_decide():
     class VendorProjection(nn.Linear):
         pass
 
-    class VendorLayerNorm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(4))
-
     plain = VendorProjection(4, 8)
-    assert classify_parameter(plain, "weight", plain.weight).shard_dim is None
-    monkeypatch.setattr(tp_plan, "COLUMN_PARALLEL_MODULES", {"VendorProjection"})
-    assert classify_parameter(plain, "weight", plain.weight) == TPLayout(0)
-    monkeypatch.setattr(tp_plan, "ROW_PARALLEL_MODULES", {"VendorProjection"})
-    monkeypatch.setattr(tp_plan, "COLUMN_PARALLEL_MODULES", set())
-    assert classify_parameter(plain, "weight", plain.weight) == TPLayout(1)
-    norm = VendorLayerNorm()
-    assert classify_parameter(norm, "weight", norm.weight) == TPLayout(None)
-    # A parameter annotation beats every class-name rule.
-    norm.weight.tensor_model_parallel, norm.weight.partition_dim = True, 0
-    assert classify_parameter(norm, "weight", norm.weight) == TPLayout(0)
+    assert classify_parameter(plain.weight) == TPLayout(None)
+    plain.weight.tensor_model_parallel, plain.weight.partition_dim = True, 1
+    assert classify_parameter(plain.weight) == TPLayout(1)
+    plain.bias.tensor_parallel_partial_grad = True
+    assert classify_parameter(plain.bias) == TPLayout(None, partial_grad=True)
 
 
 def test_interleave_puts_each_ranks_slice_of_every_component_together():

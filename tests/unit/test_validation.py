@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import titan_hybrid  # noqa: F401
+import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_split
 from titan_hybrid.data.loader import validation_dataset_name
 from titan_hybrid.errors import JobError

@@ -33,25 +33,21 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
-from titan_hybrid.pattern import SYMBOL_NAMES, parse_hybrid_pattern
 
-HF_BLOCK_TYPES = {"M": "mamba", "*": "attention", "-": "mlp"}  # hybrid_override_pattern
+FORMAT = "nemotron_h"  # the key of this format's names in LayerKind.hf_names
+# hybrid_override_pattern symbols: the kinds this format names.
+HF_BLOCK_TYPES = {symbol: kind.hf_names[FORMAT].block_type
+                  for symbol, kind in LAYER_KINDS.items() if FORMAT in kind.hf_names}
 HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "mamba": "M",
                   "attention": "*"}
-_RENAMES = {  # kind -> {our parameter: HF parameter under `mixer.`}
-    "mamba": {name: name for name in ("A_log", "D", "dt_bias", "norm.weight", "out_proj.weight")},
-    "attention": {"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",
-                  "wv.weight": "v_proj.weight", "wo.weight": "o_proj.weight"},
-    "mlp": {"fc1.weight": "up_proj.weight", "fc2.weight": "down_proj.weight"},
-}
-_MAMBA_FUSED = {"in_proj.weight": (".z", ".x", ".B", ".C", ".dt"),
-                "conv1d.weight": (".x", ".B", ".C"), "conv1d.bias": (".x", ".B", ".C")}
 
 
 def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
     """ValueError naming the first field the HF Nemotron-H format cannot represent."""
-    pattern = parse_hybrid_pattern(args.pattern)
+    pattern = args.parsed_pattern
     unsupported = sorted(set(pattern.physical_layer_symbols(include_mtp=True)) - set(HF_BLOCK_TYPES))
     problems = []
     if unsupported:
@@ -70,19 +66,19 @@ def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
         raise ValueError("model cannot use the HF Nemotron-H format: " + "; ".join(problems))
 
 
-def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, str]]:
+def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, LayerKind]]:
     """(checkpoint key prefix, kind) of each physical layer in order: HF layer N is entry N.
     Prefixes are the LOGICAL keys SplitModelWrapper uses (a group's sub-layer takes the group's
     index unless its kind occurs twice in the group)."""
     layers = []
-    for index, item in enumerate(parse_hybrid_pattern(args.pattern).main):
+    for index, item in enumerate(args.parsed_pattern.main):
         if isinstance(item, str):
-            layers.append((f"layers.{index}.", SYMBOL_NAMES[item]))
+            layers.append((f"layers.{index}.", LAYER_KINDS[item]))
             continue
         for inner, symbol in enumerate(item):
             unique = item.count(symbol) == 1
             prefix = f"layers.{index}." if unique else f"layers.{index}.layers.{inner}."
-            layers.append((prefix, SYMBOL_NAMES[symbol]))
+            layers.append((prefix, LAYER_KINDS[symbol]))
     return layers
 
 
@@ -151,12 +147,13 @@ class NemotronHStateDictAdapter(BaseStateDictAdapter):
         }
         for number, (prefix, kind) in enumerate(physical_layer_prefixes(self.model_args)):
             hf = f"backbone.layers.{number}."
-            mapping[hf + "norm.weight"] = f"{prefix}{kind}_norm.weight"
-            for ours, theirs in _RENAMES[kind].items():
-                mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind}.{ours}"
-            if kind == "mamba":
-                for name, parts in _MAMBA_FUSED.items():
-                    mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}mamba.{name}{p}" for p in parts)
+            names = kind.hf_names[FORMAT]
+            mapping[hf + "norm.weight"] = f"{prefix}{kind.name}_norm.weight"
+            for ours, theirs in names.renames.items():
+                mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
+            for name, parts in names.fused.items():
+                mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
+                                                     for part in parts)
         return mapping
 
     def to_hf(self, state_dict: dict) -> dict:
@@ -204,7 +201,7 @@ class NemotronHStateDictAdapter(BaseStateDictAdapter):
 def nemotron_h_config(args: HybridModelArgs) -> dict:
     """The config.json a `transformers` NemotronHForCausalLM needs for these weights."""
     check_nemotron_h_compatible(args)
-    pattern = parse_hybrid_pattern(args.pattern).physical_layer_symbols(include_mtp=False)
+    pattern = args.parsed_pattern.physical_layer_symbols(include_mtp=False)
     attention, mamba = args.attention, args.mamba
     return {
         "architectures": ["NemotronHForCausalLM"],

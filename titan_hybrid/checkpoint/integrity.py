@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from titan_hybrid.errors import JobError
+
 CHECKSUMS_FILE = "checksums.json"
 PARTIAL_SUFFIX = ".partial"
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -88,8 +90,6 @@ def checksum_folder(folder: Path) -> dict[str, dict[str, int]]:
     names = files_of(folder)
     listings = _gather_dicts({rank: names})
     if any(listing != names for listing in listings.values()):
-        from titan_hybrid.errors import JobError
-
         raise JobError(f"checkpoint folder '{folder.parent}' is not the same on every rank (ranks "
                        "list different files): checkpoint.folder must be on a filesystem "
                        "shared by all ranks")

@@ -16,9 +16,9 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
 - a Hugging Face export also writes config.json and the tokenizer files, so `transformers`
   (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is.
 
-Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three private hooks of
-torchtitan 0.2.2's CheckpointManager (`_save_last_step`, `_find_load_step`,
-`_purge_stale_checkpoints`) and feeds its `purge_queue`; checked on 0.2.2 only.
+Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three hooks that torchtitan
+0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan gives them
+(`save_last_step`, `find_load_step`, `purge_stale_checkpoints`), and feeds its `purge_queue`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,7 @@ from pathlib import Path
 import torch
 
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import (
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    TRAIN_STATE,
-    CheckpointManager,
-)
+from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, TRAIN_STATE
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.checkpoint import integrity
@@ -47,6 +41,7 @@ from titan_hybrid.checkpoint.state import (
     check_against_checkpoint,
     map_layers_by_order,
 )
+from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
 from titan_hybrid.errors import JobError
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
@@ -56,7 +51,7 @@ def holds_training_state(metadata) -> bool:
     return any(key.startswith("optimizer.") for key in metadata.state_dict_metadata)
 
 
-class HybridCheckpointManager(CheckpointManager):
+class HybridCheckpointManager(CheckpointManagerHooks):
     def __init__(self, *, model_args, job_config, tokenizer_folder: str | None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.model_args = model_args
@@ -99,19 +94,19 @@ class HybridCheckpointManager(CheckpointManager):
                 if source.is_file():
                     shutil.copyfile(source, folder / name)
 
-    def _save_last_step(self, curr_step: int) -> None:
+    def save_last_step(self, step: int) -> None:
         # torchtitan asserts that an HF export is model-only instead of deciding it, and
         # applies export_dtype to model-only saves alone: either one makes the save model-only.
         saved = self.last_save_model_only
         self.last_save_model_only = (saved or self.last_save_in_hf
                                      or self.export_dtype != torch.float32)
         try:
-            super()._save_last_step(curr_step)
+            super().save_last_step(step)
         finally:
             self.last_save_model_only = saved
-        self._purge_stale_checkpoints()  # torchtitan skips it at the last step
+        self.purge_stale_checkpoints()  # torchtitan skips it at the last step
 
-    def _purge_stale_checkpoints(self) -> None:
+    def purge_stale_checkpoints(self) -> None:
         """Keep the newest `keep_latest_k` intact checkpoints; damaged ones do not count and are
         set aside before their deletion is queued (a later save may re-create their step)."""
         if self.keep_latest_k <= 0 or not integrity.is_rank0():
@@ -135,16 +130,16 @@ class HybridCheckpointManager(CheckpointManager):
         for path in integrity.discard_leftovers(Path(self.folder)):
             logger.warning(f"Removed {path}: left by an interrupted save or a fallback")
         if step >= 0:  # checkpoint.load_step: exactly that one, or a clear error
-            named = Path(self._create_checkpoint_id(step))
+            named = Path(self.step_folder(step))
             if not integrity.agree(named.is_dir() if integrity.is_rank0() else None):
                 raise JobError(f"checkpoint.load_step={step} but '{named}' does not exist")
         return super().load(step)
 
-    def _find_load_step(self, folder: str = "") -> int:
+    def find_load_step(self, folder: str = "") -> int:
         """The newest intact `step-N` (verified against its checksums), or -1 if none exists.
         Damaged newer ones are reported and set aside once an intact one is found."""
         if folder and folder != self.folder:
-            return super()._find_load_step(folder)  # torchft's per-replica folders
+            return super().find_load_step(folder)  # torchft's per-replica folders
         listed = integrity.step_folders(Path(self.folder)) if integrity.is_rank0() else None
         candidates = integrity.agree(listed)
         damaged = []

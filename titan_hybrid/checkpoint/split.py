@@ -9,32 +9,27 @@ parameter (and each optimizer state of it) is saved as one DCP entry per compone
 No rank gathers anything: each rank describes the pieces of its local tensor as chunks of the
 components (offsets computed from the parameter's GLOBAL shape and this rank's global offsets,
 never from the local tensor's size), and DCP writes or reads exactly those chunks. The chunks
-are views of the local tensor, so a load lands in place. Optimizer states that arrive as plain
-local tensors instead of DTensors are placed with their parameter's layout (an upstream crash).
+are views of the local tensor, so a load lands in place. An optimizer state may also arrive as
+a plain tensor holding this rank's shard of a DTensor parameter's state; it is placed by its
+parameter's global shape and placements (`local_placement`), never by its own size, which
+describes only the shard.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from titan_hybrid.compat.dcp import ChunkedTensor, shard_shape_and_offsets
 from titan_hybrid.parallel.tensor_parallel import TPLayout, tp_degree
 
 
-class ComponentChunks(torch.Tensor):
-    """DCP-checkpointable pieces of one global tensor that this rank holds (the `_Checkpointable`
-    protocol that DTensor implements; DCP wants a Tensor, so this is a data-less wrapper
-    subclass). `source` is the fused value (DTensor or tensor) whose local tensor the pieces
-    (offsets in the component's global coordinates, views) come from."""
+class ComponentChunks(ChunkedTensor):
+    """The pieces of one component's global tensor that this rank holds, which DCP writes and
+    reads in place (compat.dcp.ChunkedTensor). `source` is the fused value (DTensor or tensor)
+    whose local tensor the pieces (offsets in the component's global coordinates, views) come
+    from."""
 
-    chunks: list[tuple[torch.Size, torch.Tensor]]
     source: torch.Tensor
     fused_key: str  # the state-dict key of `source`
     tp_layout: TPLayout | None  # of `source`, when it is a fused parameter-shaped value
@@ -43,48 +38,18 @@ class ComponentChunks(torch.Tensor):
     def __new__(cls, global_shape: torch.Size, chunks, source: torch.Tensor, fused_key: str = "",
                 tp_layout: TPLayout | None = None):
         local = source.to_local() if isinstance(source, DTensor) else source
-        wrapper = torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local.dtype,
-                                                      device=local.device)
+        wrapper = cls.make(global_shape, like=local)
         wrapper.chunks, wrapper.source, wrapper.fused_key = chunks, source, fused_key
         wrapper.tp_layout = tp_layout
         return wrapper
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return args[0]
-        if func is torch.ops.aten._to_copy.default:
-            # torchtitan casts a model-only export (checkpoint.export_dtype): cast each piece.
-            self, kwargs = args[0], kwargs or {}
-            chunks = [(offsets, view.to(**kwargs)) for offsets, view in self.chunks]
-            return type(self)(self.shape, chunks, self.source, self.fused_key, self.tp_layout)
-        raise NotImplementedError(f"{func} on checkpoint components: they only carry pieces")
+    def cast(self, **to_kwargs) -> ComponentChunks:
+        """torchtitan casts a model-only export (checkpoint.export_dtype): cast each piece."""
+        chunks = [(offsets, view.to(**to_kwargs)) for offsets, view in self.chunks]
+        return type(self)(self.shape, chunks, self.source, self.fused_key, self.tp_layout)
 
     def __repr__(self) -> str:
         return f"ComponentChunks(shape={tuple(self.shape)}, chunks={len(self.chunks)})"
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.shape),
-                    properties=TensorProperties.create_from_tensor(view),
-                    size=self.shape,
-                ),
-            )
-            for offsets, view in self.chunks
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.chunks]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, view in self.chunks:
-            if offsets == index.offset:
-                return view
-        raise ValueError(f"no chunk at offset {index.offset} for {index.fqn}")
 
 
 def local_placement(value: torch.Tensor, reference: torch.Tensor | None):
@@ -97,8 +62,7 @@ def local_placement(value: torch.Tensor, reference: torch.Tensor | None):
     if isinstance(value, DTensor):
         reference, value = value, value.to_local()
     if isinstance(reference, DTensor):
-        sizes, offsets = compute_local_shape_and_global_offset(
-            reference.shape, reference.device_mesh, reference.placements)
+        sizes, offsets = shard_shape_and_offsets(reference)
         if tuple(sizes) != tuple(value.shape):
             raise ValueError(f"local tensor of shape {tuple(value.shape)} does not match its "
                              f"parameter's shard {tuple(sizes)} of {tuple(reference.shape)}")

@@ -16,10 +16,11 @@ import re
 
 import torch.distributed as dist
 from torch import nn
-from torchtitan.components.checkpoint import ModelWrapper
 
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
+from titan_hybrid.compat.torchtitan import ModelWrapperHooks
 from titan_hybrid.errors import JobError
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.parallel.tensor_parallel import TPLayout
 
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
@@ -35,7 +36,7 @@ def fused_parameters(model_parts: list[nn.Module]) -> dict[str, tuple[TPLayout, 
             for name, layout in getattr(module, "param_layouts", {}).items():
                 if layout.partition_names:
                     fqn = f"{module_name}.{name}" if module_name else name
-                    fused[fqn] = (layout, module._parameters[name])
+                    fused[fqn] = (layout, module.get_parameter(name))
     return fused
 
 
@@ -68,13 +69,16 @@ def physical_keys(state_dict: dict, originals: dict[str, str]) -> dict:
     return {originals.get(key, key): value for key, value in state_dict.items()}
 
 
-class SplitModelWrapper(ModelWrapper):
+class SplitModelWrapper(ModelWrapperHooks):
     """torchtitan's ModelWrapper with fused tensors as components and logical keys."""
 
-    def _get_state_dict(self):
-        split = split_state_dict(super()._get_state_dict(), fused_parameters(self.model))
-        split, self._originals = logical_keys(split)
-        return split
+    def _logical_state_dict(self) -> tuple[dict, dict[str, str]]:
+        """(the model's state dict split and logically keyed, {logical key: model key})."""
+        split = split_state_dict(super().build_state_dict(), fused_parameters(self.model))
+        return logical_keys(split)
+
+    def build_state_dict(self) -> dict:
+        return self._logical_state_dict()[0]
 
     # Set by the loader when it reads layers by order: {checkpoint key: model key}.
     pending_renames: dict[str, str] = {}
@@ -85,7 +89,8 @@ class SplitModelWrapper(ModelWrapper):
         for key, alias in FINAL_NORM_ALIASES.items():
             if alias in state_dict and key not in state_dict:
                 state_dict[key] = state_dict.pop(alias)
-        super().load_state_dict(merge_state_dict(physical_keys(state_dict, self._originals)))
+        _, originals = self._logical_state_dict()  # the model's keys now, whatever ran before
+        super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
 
 
 def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> tuple[dict, dict]:
@@ -93,8 +98,10 @@ def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> tup
     return logical_keys(split)
 
 
+# A layer's key: (optimizer prefix, logical index, kind name from the layer-kind table).
 _LAYER_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\."
-                        r"(mamba|gdn|attention|mlp|moe)(_norm)?\.")
+                        rf"({'|'.join(re.escape(kind.name) for kind in LAYER_KINDS.values())})"
+                        r"(_norm)?\.")
 
 
 def _layers_by_kind(keys) -> dict[str, list[int]]:

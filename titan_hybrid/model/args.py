@@ -1,69 +1,33 @@
 """Model arguments, their validation, and the named flavors.
 
-One dataclass per layer type keeps each constructor small; `HybridModelArgs` holds them plus the
-pattern. Flavors are derived from a few numbers with `dataclasses.replace`, not copied tables.
+Each layer kind's args dataclass lives in the kind's module (see model/layer_kinds.py);
+`HybridModelArgs` holds one section per kind, named like the kind, plus the pattern, which it
+parses once (`parsed_pattern`). Flavors are derived from a few numbers with
+`dataclasses.replace`, not copied tables.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
-
-from torchtitan.config import JobConfig
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_hybrid.pattern import parse_hybrid_pattern
+from titan_hybrid.job_config import hybrid_job
+from titan_hybrid.model.attention import AttentionArgs
+from titan_hybrid.model.flops import nparams_and_flops_per_token
+from titan_hybrid.model.gdn import GDNArgs
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.mamba import MambaArgs
+from titan_hybrid.model.mlp import MLPArgs
+from titan_hybrid.model.moe import MoEArgs
+from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern
 
-
-@dataclass
-class AttentionArgs:
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 64
-    rope_theta: float = 10000.0
-    use_rope: bool = True  # Nemotron-H's attention layers have no position embedding
-
-
-@dataclass
-class MLPArgs:
-    hidden_dim: int = 512
-    activation: str = "swiglu"  # or "relu2": Nemotron-H's non-gated squared-ReLU MLP
-
-
-@dataclass
-class MambaArgs:
-    d_state: int = 128
-    head_dim: int = 64
-    n_groups: int = 8
-    expand: int = 2
-    conv_width: int = 4
-    chunk_size: int = 128
-    dt_min: float = 1e-3
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4
-    a_init_range: tuple[float, float] = (1.0, 16.0)
-    dt_limit: tuple[float, float] = (0.0, float("inf"))  # clamp of softplus(dt + dt_bias)
-
-
-@dataclass
-class GDNArgs:
-    key_head_dim: int = 128
-    value_head_dim: int = 128
-    n_key_heads: int = 16
-    n_value_heads: int = 32
-    conv_width: int = 4
-
-
-@dataclass
-class MoEArgs:
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 256
-    score_func: str = "softmax"  # or "sigmoid"
-    shared_expert_hidden_dim: int = 0  # 0: no shared expert
-    aux_loss_coeff: float = 1e-2
+__all__ = ["AttentionArgs", "GDNArgs", "HybridModelArgs", "MLPArgs", "MambaArgs", "MoEArgs",
+           "hybrid_flavors", "resolve_model_args"]
 
 
 @dataclass
@@ -76,6 +40,7 @@ class HybridModelArgs(BaseModelArgs):
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone
     mtp_loss_coeff: float = 0.1
+    # One section per layer kind, named like the kind (LayerKind.name).
     attention: AttentionArgs = field(default_factory=AttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
@@ -83,64 +48,53 @@ class HybridModelArgs(BaseModelArgs):
     moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
+    def parsed_pattern(self) -> HybridPattern:
+        """The pattern, parsed once per pattern text (ValueError for a malformed one)."""
+        cached = self.__dict__.get("_parsed_pattern")
+        if cached is None or cached.text != self.pattern:
+            cached = parse_hybrid_pattern(self.pattern)
+            self.__dict__["_parsed_pattern"] = cached
+        return cached
+
+    def symbols(self) -> set[str]:
+        return set(self.parsed_pattern.physical_layer_symbols(include_mtp=True))
+
+    def kinds(self) -> list[LayerKind]:
+        """The layer kinds the pattern uses, in the table's order."""
+        symbols = self.symbols()
+        return [kind for symbol, kind in LAYER_KINDS.items() if symbol in symbols]
+
+    def section(self, kind: LayerKind):
+        """The args section of one layer kind, e.g. `self.mamba` for the Mamba kind."""
+        return getattr(self, kind.name)
+
+    @property
+    def has_aux_loss(self) -> bool:
+        return any(kind.has_aux_loss for kind in self.kinds())
+
+    @property
     def mamba_d_inner(self) -> int:
-        return self.mamba.expand * self.dim
+        return self.mamba.d_inner(self.dim)
 
     @property
     def mamba_n_heads(self) -> int:
-        return self.mamba_d_inner // self.mamba.head_dim
-
-    def symbols(self) -> set[str]:
-        return set(parse_hybrid_pattern(self.pattern).physical_layer_symbols(include_mtp=True))
+        return self.mamba.n_heads(self.dim)
 
     def validate(self) -> None:
         """Raise ValueError for shapes that cannot work; cheap, runs before any model is built."""
-        symbols = self.symbols()  # also validates the pattern itself
-        if "M" in symbols:
-            if self.mamba_d_inner % self.mamba.head_dim:
-                raise ValueError(
-                    f"mamba: d_inner = expand*dim = {self.mamba_d_inner} is not divisible by "
-                    f"mamba.head_dim={self.mamba.head_dim}")
-            if self.mamba_n_heads % self.mamba.n_groups:
-                raise ValueError(
-                    f"mamba: nheads={self.mamba_n_heads} is not divisible by "
-                    f"mamba.n_groups={self.mamba.n_groups} (each group must own whole heads)")
-        if "-" in symbols and self.mlp.activation not in ("swiglu", "relu2"):
-            raise ValueError(f"mlp: activation '{self.mlp.activation}' is not 'swiglu' or "
-                             "'relu2'")
-        if "*" in symbols and self.attention.use_rope and self.attention.head_dim % 2:
-            raise ValueError(f"attention: head_dim={self.attention.head_dim} must be even "
-                             "(rotary embeddings rotate channel pairs)")
-        if "*" in symbols and self.attention.n_heads % self.attention.n_kv_heads:
-            raise ValueError(
-                f"attention: n_heads={self.attention.n_heads} is not divisible by "
-                f"n_kv_heads={self.attention.n_kv_heads}")
-        if "G" in symbols and self.gdn.n_value_heads % self.gdn.n_key_heads:
-            raise ValueError(
-                f"gdn: n_value_heads={self.gdn.n_value_heads} is not divisible by "
-                f"n_key_heads={self.gdn.n_key_heads}")
-        if "E" in symbols:
-            if self.moe.num_experts < 1:
-                raise ValueError(f"moe: num_experts={self.moe.num_experts} must be >= 1")
-            if not 1 <= self.moe.top_k <= self.moe.num_experts:
-                raise ValueError(f"moe: top_k={self.moe.top_k} must be in [1, num_experts="
-                                 f"{self.moe.num_experts}]")
-            if self.moe.score_func not in ("softmax", "sigmoid"):
-                raise ValueError(f"moe: score_func '{self.moe.score_func}' is not 'softmax' or "
-                                 "'sigmoid'")
+        for kind in self.kinds():  # parsing the pattern also validates it
+            kind.validate(self.section(kind), self.dim)
 
-    def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
-        hybrid = getattr(job_config, "hybrid", None)
-        if hybrid is not None and hybrid.pattern:
-            self.pattern = hybrid.pattern
+    def update_from_config(self, job_config, **kwargs) -> None:
+        job_config = hybrid_job(job_config)
+        if job_config.hybrid.pattern:
+            self.pattern = job_config.hybrid.pattern
         self.max_seq_len = job_config.training.seq_len
         if job_config.debug.seed is not None:
             self.init_seed = job_config.debug.seed
         self.validate()
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        from titan_hybrid.model.flops import nparams_and_flops_per_token
-
         return nparams_and_flops_per_token(self, model, seq_len)
 
 
@@ -196,3 +150,11 @@ hybrid_flavors = FlavorRegistry({
     # active per token; fits one 80 GB GPU with fp32 Adam state.
     "hybrid_moe_2b": _gpu_sized("ME*EMEMEM*EMEMEMEM*EME/*E"),
 })
+
+
+def resolve_model_args(job_config) -> HybridModelArgs:
+    """The model args a job trains: its flavor, with the job's pattern, sequence length and
+    seed applied, validated (ValueError for an unknown flavor or shapes that cannot work)."""
+    model_args = copy.deepcopy(hybrid_flavors[job_config.model.flavor])
+    model_args.update_from_config(job_config)
+    return model_args

@@ -7,13 +7,24 @@ hand it the keys and values of the whole sequence (titan_hybrid.parallel.context
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.args import AttentionArgs
 from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
+from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
+
+
+@dataclass
+class AttentionArgs:
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 10000.0
+    use_rope: bool = True  # Nemotron-H's attention layers have no position embedding
 
 
 def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -85,3 +96,32 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             init_linear(linear, std=init_std)
         init_linear(self.wo, std=out_std)
+
+
+def _validate(args: AttentionArgs, dim: int) -> None:
+    if args.use_rope and args.head_dim % 2:
+        raise ValueError(f"attention: head_dim={args.head_dim} must be even (rotary embeddings "
+                         "rotate channel pairs)")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(f"attention: n_heads={args.n_heads} is not divisible by "
+                         f"n_kv_heads={args.n_kv_heads}")
+
+
+def _core_flops(args: AttentionArgs, dim: int, seq_len: int) -> int:
+    """QK^T and PV over the full (unmasked) sequence, 2 * 2 * T * head_dim per head forward,
+    as torchtitan and Megatron count it."""
+    return 4 * seq_len * args.head_dim * args.n_heads
+
+
+KIND = LayerKind(
+    symbol="*", name="attention", title="self-attention", args_type=AttentionArgs,
+    build=lambda args, dim, norm_eps: Attention(dim=dim, args=args),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    tensor_parallel_sizes=lambda args, dim: [("attention.n_heads", args.n_heads),
+                                             ("attention.n_kv_heads", args.n_kv_heads)],
+    context_parallel=ContextParallelRule(core="core"),  # keys and values all-gathered
+    hf_names={"nemotron_h": HFNames(
+        block_type="attention",
+        renames={"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",
+                 "wv.weight": "v_proj.weight", "wo.weight": "o_proj.weight"})},
+)

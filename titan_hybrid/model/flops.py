@@ -1,13 +1,9 @@
 """Parameter count and training FLOPs per token (Megatron's convention: count the cores).
 
 6 FLOPs per token per matmul weight (forward 2, backward 4), excluding the embedding lookup but
-including the LM head, plus the sequence-mixing cores that 6N misses:
-- attention: QK^T and PV over the full (unmasked) sequence, 2 * 2 * T * head_dim per head
-  forward, as torchtitan and Megatron count it;
-- SSD (chunked Mamba2 scan) per head per token, forward: intra-chunk C B^T and scores @ x
-  (2 * Q * (N + P)), chunk-state contribution and state read-out (2 * 2 * N * P);
-- gated delta rule (chunked) per value head per token, forward: intra-chunk q k^T, k k^T and
-  their products with v (2 * Q * (2K + V)), state update and read-out (2 * 3 * K * V).
+including the LM head, plus the sequence-mixing cores that 6N misses: each layer kind states its
+core's forward FLOPs per token (`LayerKind.core_flops`: attention over the full unmasked
+sequence as torchtitan and Megatron count it, the chunked SSD and gated-delta scans).
 Backward is counted as twice the forward for the cores too. MoE layers count only the top_k
 routed experts a token visits, and the LM head counts once more per MTP depth.
 """
@@ -16,29 +12,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.moe import MoE
-from titan_hybrid.ops.gated_delta import CHUNK_SIZE as GDN_CHUNK_SIZE
-from titan_hybrid.pattern import parse_hybrid_pattern
-
-
-def _core_forward_flops_per_token(symbol: str, args, seq_len: int) -> int:
-    if symbol == "*":
-        a = args.attention
-        return 4 * seq_len * a.head_dim * a.n_heads
-    if symbol == "M":
-        m = args.mamba
-        chunk = min(m.chunk_size, seq_len)
-        n_heads = args.mamba_n_heads
-        return n_heads * (2 * chunk * (m.d_state + m.head_dim) + 4 * m.d_state * m.head_dim)
-    if symbol == "G":
-        g = args.gdn
-        chunk = min(GDN_CHUNK_SIZE, seq_len)
-        k, v = g.key_head_dim, g.value_head_dim
-        return g.n_value_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
-    return 0
 
 
 def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[int, int]:
+    """(parameters, training FLOPs per token) of a HybridModel built from `args`."""
     total_params = sum(p.numel() for p in model.parameters())
     embedding_params = sum(p.numel() for p in model.tok_embeddings.parameters())
     # MoE layers run only top_k of their routed experts per token.
@@ -49,9 +28,11 @@ def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[i
             inactive_expert_params += per_expert * (args.moe.num_experts - args.moe.top_k)
     active_matmul_params = total_params - embedding_params - inactive_expert_params
 
-    pattern = parse_hybrid_pattern(args.pattern)
+    pattern = args.parsed_pattern
     # The LM head runs once more per MTP depth.
     active_matmul_params += pattern.mtp_depths * model.output.weight.numel()
-    core = sum(_core_forward_flops_per_token(symbol, args, seq_len)
-               for symbol in pattern.physical_layer_symbols(include_mtp=True))
+    core = 0
+    for symbol in pattern.physical_layer_symbols(include_mtp=True):
+        kind = LAYER_KINDS[symbol]
+        core += kind.core_flops(args.section(kind), args.dim, seq_len)
     return total_params, 6 * active_matmul_params + 3 * core

@@ -8,12 +8,12 @@ per-head gated RMSNorm; out_proj. Legend: B batch, T time, Hk/Hv key/value heads
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.args import GDNArgs
 from titan_hybrid.model.common import (
     annotate_replicated_on_local_shards,
     annotate_tensor_parallel,
@@ -22,10 +22,20 @@ from titan_hybrid.model.common import (
     init_ssm_decay,
     upcast,
 )
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import HeadGatedRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
-from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
+from titan_hybrid.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_rule
+
+
+@dataclass
+class GDNArgs:
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    n_key_heads: int = 16
+    n_value_heads: int = 32
+    conv_width: int = 4
 
 
 class ConvAndDeltaRule(nn.Module):
@@ -123,3 +133,30 @@ def _cu_seqlens_from_seq_idx(seq_idx_BT: torch.Tensor) -> torch.Tensor:
     starts.view_as(seq_idx_BT)[:, 0] = True
     boundaries = torch.nonzero(starts).flatten()
     return torch.cat((boundaries, boundaries.new_tensor([flat.numel()]))).to(torch.int32)
+
+
+def _validate(args: GDNArgs, dim: int) -> None:
+    if args.n_value_heads % args.n_key_heads:
+        raise ValueError(f"gdn: n_value_heads={args.n_value_heads} is not divisible by "
+                         f"n_key_heads={args.n_key_heads}")
+
+
+def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
+    """Chunked gated delta rule per value head per token, forward: intra-chunk q k^T, k k^T
+    and their products with v (2 * Q * (2K + V)), state update and read-out (2 * 3 * K * V)."""
+    chunk = min(CHUNK_SIZE, seq_len)
+    k, v = args.key_head_dim, args.value_head_dim
+    return args.n_value_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
+
+
+KIND = LayerKind(
+    symbol="G", name="gdn", title="gated DeltaNet", args_type=GDNArgs,
+    build=lambda args, dim, norm_eps: GatedDeltaNet(dim=dim, args=args, norm_eps=norm_eps),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    tensor_parallel_sizes=lambda args, dim: [("gdn.n_key_heads", args.n_key_heads),
+                                             ("gdn.n_value_heads", args.n_value_heads)],
+    context_parallel=ContextParallelRule(
+        core="conv_and_delta_rule",
+        head_groups=lambda args, dim: (("gdn.n_value_heads", args.n_value_heads),
+                                       ("gdn.n_key_heads", args.n_key_heads))),
+)

@@ -7,11 +7,11 @@ Legend: B batch, T time, D hidden, H heads, P head dim, G groups, N state size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from titan_hybrid.model.args import MambaArgs
 from titan_hybrid.model.common import (
     annotate_tensor_parallel,
     init_depthwise_conv,
@@ -19,10 +19,32 @@ from titan_hybrid.model.common import (
     init_ssm_decay,
     upcast,
 )
+from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
+
+
+@dataclass
+class MambaArgs:
+    d_state: int = 128
+    head_dim: int = 64
+    n_groups: int = 8
+    expand: int = 2
+    conv_width: int = 4
+    chunk_size: int = 128
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    a_init_range: tuple[float, float] = (1.0, 16.0)
+    dt_limit: tuple[float, float] = (0.0, float("inf"))  # clamp of softplus(dt + dt_bias)
+
+    def d_inner(self, dim: int) -> int:
+        return self.expand * dim
+
+    def n_heads(self, dim: int) -> int:
+        return self.d_inner(dim) // self.head_dim
 
 
 class ConvAndScan(nn.Module):
@@ -113,3 +135,39 @@ class Mamba2Mixer(nn.Module):
                        dt_max=args.dt_max, dt_floor=args.dt_init_floor)
         nn.init.ones_(self.D)
         self.norm.init_weights()
+
+
+def _validate(args: MambaArgs, dim: int) -> None:
+    if args.d_inner(dim) % args.head_dim:
+        raise ValueError(f"mamba: d_inner = expand*dim = {args.d_inner(dim)} is not divisible by "
+                         f"mamba.head_dim={args.head_dim}")
+    if args.n_heads(dim) % args.n_groups:
+        raise ValueError(f"mamba: nheads={args.n_heads(dim)} is not divisible by "
+                         f"mamba.n_groups={args.n_groups} (each group must own whole heads)")
+
+
+def _core_flops(args: MambaArgs, dim: int, seq_len: int) -> int:
+    """SSD per head per token, forward: intra-chunk C B^T and scores @ x (2 * Q * (N + P)),
+    chunk-state contribution and state read-out (2 * 2 * N * P)."""
+    chunk = min(args.chunk_size, seq_len)
+    return args.n_heads(dim) * (2 * chunk * (args.d_state + args.head_dim)
+                                + 4 * args.d_state * args.head_dim)
+
+
+KIND = LayerKind(
+    symbol="M", name="mamba", title="Mamba2", args_type=MambaArgs,
+    build=lambda args, dim, norm_eps: Mamba2Mixer(dim=dim, args=args, norm_eps=norm_eps),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    tensor_parallel_sizes=lambda args, dim: [("mamba.nheads", args.n_heads(dim)),
+                                             ("mamba.n_groups", args.n_groups)],
+    context_parallel=ContextParallelRule(
+        core="conv_and_scan",
+        head_groups=lambda args, dim: (("mamba.nheads", args.n_heads(dim)),
+                                       ("mamba.n_groups", args.n_groups))),
+    hf_names={"nemotron_h": HFNames(
+        block_type="mamba",
+        renames={name: name for name in ("A_log", "D", "dt_bias", "norm.weight",
+                                         "out_proj.weight")},
+        fused={"in_proj.weight": (".z", ".x", ".B", ".C", ".dt"),
+               "conv1d.weight": (".x", ".B", ".C"), "conv1d.bias": (".x", ".B", ".C")})},
+)

@@ -3,11 +3,22 @@ Nemotron-H's non-gated squared-ReLU MLP."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+from titan_hybrid.model.layer_kind import HFNames, LayerKind
+
+ACTIVATIONS = ("swiglu", "relu2")
+
+
+@dataclass
+class MLPArgs:
+    hidden_dim: int = 512
+    activation: str = "swiglu"  # or "relu2": Nemotron-H's non-gated squared-ReLU MLP
 
 
 class SwiGLU(nn.Module):
@@ -29,11 +40,11 @@ class SwiGLU(nn.Module):
         init_linear(self.fc2, std=out_std)
 
 
-class SquaredReLUMLP(SwiGLU):
-    """fc2(relu(fc1(x))^2); same parameter names and init as SwiGLU, fc1 is not fused."""
+class SquaredReLUMLP(nn.Module):
+    """fc2(relu(fc1(x))^2): SwiGLU's parameter names and init, with an unfused fc1."""
 
     def __init__(self, *, dim: int, hidden_dim: int) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim, bias=False)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
         annotate_tensor_parallel(self.fc1.weight, partition_dim=0)
@@ -41,3 +52,27 @@ class SquaredReLUMLP(SwiGLU):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.relu(self.fc1(x)).square())
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        init_linear(self.fc1, std=init_std)
+        init_linear(self.fc2, std=out_std)
+
+
+def build_mlp(args: MLPArgs, dim: int) -> nn.Module:
+    mlp_class = SquaredReLUMLP if args.activation == "relu2" else SwiGLU
+    return mlp_class(dim=dim, hidden_dim=args.hidden_dim)
+
+
+def _validate(args: MLPArgs, dim: int) -> None:
+    if args.activation not in ACTIVATIONS:
+        raise ValueError(f"mlp: activation '{args.activation}' is not 'swiglu' or 'relu2'")
+
+
+KIND = LayerKind(
+    symbol="-", name="mlp", title="MLP", args_type=MLPArgs,
+    build=lambda args, dim, norm_eps: build_mlp(args, dim), validate=_validate,
+    tensor_parallel_sizes=lambda args, dim: [("mlp.hidden_dim", args.hidden_dim)],
+    hf_names={"nemotron_h": HFNames(
+        block_type="mlp", renames={"fc1.weight": "up_proj.weight",
+                                   "fc2.weight": "down_proj.weight"})},
+)

@@ -20,60 +20,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.model.attention import Attention, rotary_tables
-from titan_hybrid.model.gdn import GatedDeltaNet
-from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.mamba import Mamba2Mixer
-from titan_hybrid.model.mlp import SquaredReLUMLP, SwiGLU
-from titan_hybrid.model.moe import MoE
-from titan_hybrid.model.norms import RMSNorm
-from titan_hybrid.pattern import SYMBOL_NAMES, Item, parse_hybrid_pattern
 from torchtitan.protocols.model import ModelProtocol
 
-
-def build_mixer(symbol: str, args: HybridModelArgs) -> nn.Module:
-    dim = args.dim
-    if symbol == "M":
-        return Mamba2Mixer(dim=dim, args=args.mamba, norm_eps=args.norm_eps)
-    if symbol == "G":
-        return GatedDeltaNet(dim=dim, args=args.gdn, norm_eps=args.norm_eps)
-    if symbol == "*":
-        return Attention(dim=dim, args=args.attention)
-    if symbol == "-":
-        mlp_class = SquaredReLUMLP if args.mlp.activation == "relu2" else SwiGLU
-        return mlp_class(dim=dim, hidden_dim=args.mlp.hidden_dim)
-    if symbol == "E":
-        return MoE(dim=dim, args=args.moe)
-    raise ValueError(f"unknown layer symbol '{symbol}'")
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.attention import rotary_tables
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.pattern import Item
 
 
 class HybridLayer(nn.Module):
-    """One physical layer. Submodules are named by kind (`attention_norm`, `attention`, ...)
-    so that checkpoint keys say what a layer is, as Megatron's do."""
+    """One physical layer of a kind from the table (model/layer_kinds.py). Submodules are named
+    by kind (`attention_norm`, `attention`, ...) so that checkpoint keys say what a layer is,
+    as Megatron's do."""
 
     def __init__(self, symbol: str, args: HybridModelArgs) -> None:
         super().__init__()
         self.symbol = symbol
-        self.kind = SYMBOL_NAMES[symbol]
-        self.add_module(f"{self.kind}_norm", RMSNorm(args.dim, eps=args.norm_eps))
-        self.add_module(self.kind, build_mixer(symbol, args))
+        self.kind = LAYER_KINDS[symbol]
+        self.add_module(f"{self.kind.name}_norm", RMSNorm(args.dim, eps=args.norm_eps))
+        self.add_module(self.kind.name,
+                        self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.kind.name)
+
+    @property
+    def norm(self) -> nn.Module:
+        return getattr(self, f"{self.kind.name}_norm")
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
-        mixer = getattr(self, self.kind)
-        x = getattr(self, f"{self.kind}_norm")(h)
-        if self.symbol in "*MG":  # the layers that mix along the sequence
-            out = mixer(x, layout)
-        elif self.symbol == "E":
-            out, layer_aux_loss = mixer(x)
+        x = self.norm(h)
+        out = self.mixer(x, layout) if self.kind.mixes_sequence else self.mixer(x)
+        if self.kind.has_aux_loss:
+            out, layer_aux_loss = out
             aux_loss = aux_loss + layer_aux_loss
-        else:
-            out = mixer(x)
         return h + out, aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
-        getattr(self, f"{self.kind}_norm").init_weights()
-        getattr(self, self.kind).init_weights(init_std=init_std, out_std=out_std)
+        self.norm.init_weights()
+        self.mixer.init_weights(init_std=init_std, out_std=out_std)
 
 
 class HybridStack(nn.Module):
@@ -128,14 +116,14 @@ class HybridModel(ModelProtocol):
         super().__init__(model_args)
         model_args.validate()
         self.model_args = model_args
-        pattern = parse_hybrid_pattern(model_args.pattern)
+        pattern = model_args.parsed_pattern
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = HybridStack(pattern.main, model_args).layers
         self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPDepth(pattern.mtp, model_args)
                                  for _ in range(pattern.mtp_depths))
-        self.has_aux_loss = "E" in model_args.symbols()
+        self.has_aux_loss = model_args.has_aux_loss
         self.mtp_depths = pattern.mtp_depths
         self.register_buffer("rope", self._rope_table(), persistent=False)
 
@@ -157,7 +145,7 @@ class HybridModel(ModelProtocol):
             self.rope = self._rope_table()
         # Output projections of residual branches shrink with depth (GPT-2 / Megatron scaling)
         # so the residual stream's variance does not grow with the number of layers.
-        num_layers = parse_hybrid_pattern(args.pattern).num_physical_layers
+        num_layers = args.parsed_pattern.num_physical_layers
         stds = {"init_std": args.init_std, "out_std": args.init_std / math.sqrt(2 * max(1, num_layers))}
         units = [("tok_embeddings", self.tok_embeddings,
                   lambda m: nn.init.normal_(m.weight))]

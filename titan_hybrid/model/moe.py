@@ -5,13 +5,27 @@ Legend: N tokens, D hidden, E experts, H expert hidden, K top-k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.args import MoEArgs
 from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
+from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.mlp import SwiGLU
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256
+    score_func: str = "softmax"  # or "sigmoid"
+    shared_expert_hidden_dim: int = 0  # 0: no shared expert
+    aux_loss_coeff: float = 1e-2
 
 
 class TopKRouter(nn.Module):
@@ -108,3 +122,28 @@ class MoE(nn.Module):
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std=init_std, out_std=out_std)
+
+
+def _validate(args: MoEArgs, dim: int) -> None:
+    if args.num_experts < 1:
+        raise ValueError(f"moe: num_experts={args.num_experts} must be >= 1")
+    if not 1 <= args.top_k <= args.num_experts:
+        raise ValueError(f"moe: top_k={args.top_k} must be in [1, num_experts="
+                         f"{args.num_experts}]")
+    if args.score_func not in SCORE_FUNCTIONS:
+        raise ValueError(f"moe: score_func '{args.score_func}' is not 'softmax' or 'sigmoid'")
+
+
+def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
+    sizes = [("moe.hidden_dim", args.hidden_dim)]
+    if args.shared_expert_hidden_dim:
+        sizes.append(("moe.shared_expert_hidden_dim", args.shared_expert_hidden_dim))
+    return sizes
+
+
+KIND = LayerKind(
+    symbol="E", name="moe", title="mixture of experts", args_type=MoEArgs,
+    build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
+    has_aux_loss=True, closes_group=True, validate=_validate,
+    tensor_parallel_sizes=_tensor_parallel_sizes,
+)

@@ -21,62 +21,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hybrid.model.attention import Attention
-from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.parallel.collectives import all_gather, all_to_all
 from titan_hybrid.parallel.zigzag import zigzag_index
 
 
 # --------------------------------------------------------------------------- collectives
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()  # before empty_like, which would copy a transposed tensor's strides
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
-
-
-class _Exchange(torch.autograd.Function):
-    """Block i of dim 0 goes to rank i; block i of the result came from rank i. With equal
-    blocks the backward is the same exchange."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
-
-
-class _Gather(torch.autograd.Function):
-    """[cp, ...]: every rank's x. Backward sums each rank's gradient of our block (gloo has no
-    reduce-scatter, so the blocks travel by all-to-all and are summed here)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_plain(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group).sum(0), None
-
-
 def _gather_sequence(x_BT: torch.Tensor | None, group) -> torch.Tensor | None:
     """[B, T_local, ...] -> [B, cp * T_local, ...], rank by rank (not in row order)."""
     if x_BT is None:
         return None
-    gathered = _Gather.apply(x_BT, group) if x_BT.requires_grad else _gather_plain(x_BT, group)
-    return gathered.transpose(0, 1).flatten(1, 2)
-
-
-def _gather_plain(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.stack(parts)
+    return all_gather(x_BT, group=group).transpose(0, 1).flatten(1, 2)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -161,12 +117,12 @@ class _SequenceToHeads:
 
     def to_heads(self, x_BTC: torch.Tensor, channels_of_rank: list[torch.Tensor]) -> torch.Tensor:
         sent = torch.stack([x_BTC[..., index.to(x_BTC.device)] for index in channels_of_rank])
-        received = _Exchange.apply(sent, self.group)  # [source rank, B, T_local, C]
+        received = all_to_all(sent, group=self.group)  # [source rank, B, T_local, C]
         return _reorder(received.transpose(0, 1).flatten(1, 2), self.order)
 
     def to_sequence(self, y_BTHP: torch.Tensor) -> torch.Tensor:
         by_source = _reorder(y_BTHP, self.inverse).unflatten(1, (self.cp, -1)).transpose(0, 1)
-        received = _Exchange.apply(by_source, self.group)  # [head owner, B, T_local, H, P]
+        received = all_to_all(by_source, group=self.group)  # [head owner, B, T_local, H, P]
         return received.permute(1, 2, 0, 3, 4).flatten(2, 3)
 
 
@@ -240,16 +196,22 @@ class ContextParallelConvAndDeltaRule(nn.Module):
         return exchange.to_sequence(o)
 
 
+# The wrapper of each layer kind's sequence-mixing core (LayerKind.context_parallel.core).
+CONTEXT_PARALLEL_WRAPPERS: dict[str, type[nn.Module]] = {
+    "attention": ContextParallelAttentionCore,
+    "mamba": ContextParallelConvAndScan,
+    "gdn": ContextParallelConvAndDeltaRule,
+}
+
+
 def apply_context_parallel(model: nn.Module, cp_group) -> None:
-    """Wrap the sequence-mixing core of every attention, Mamba2 and GDN layer."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.core = ContextParallelAttentionCore(module.core, cp_group)
-        elif isinstance(module, Mamba2Mixer):
-            module.conv_and_scan = ContextParallelConvAndScan(module.conv_and_scan, cp_group)
-        elif isinstance(module, GatedDeltaNet):
-            module.conv_and_delta_rule = ContextParallelConvAndDeltaRule(
-                module.conv_and_delta_rule, cp_group)
+    """Wrap the sequence-mixing core of every layer whose kind mixes along the sequence."""
+    for layer in model.modules():
+        if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
+            continue
+        core = layer.kind.context_parallel.core
+        wrapper = CONTEXT_PARALLEL_WRAPPERS[layer.kind.name]
+        setattr(layer.mixer, core, wrapper(getattr(layer.mixer, core), cp_group))
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, cp_group):

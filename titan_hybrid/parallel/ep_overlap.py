@@ -6,7 +6,9 @@ pipeline schedule with the same machinery).
 
 Mechanism. Two threads take turns: the trainer's thread runs the forward, a helper thread the
 backward, and only one of them computes at a time. Every all-to-all of the MoE dispatch and
-combine (forward and backward, see expert_parallel.py) is a hand-over point: the running thread
+combine (forward and backward, see expert_parallel.py and collectives.py) is a hand-over point,
+once `install_overlap_hooks` has given the model's dispatchers its coordinator (without it they
+wait for their all-to-alls in place and nothing here is consulted): the running thread
 issues its all-to-all asynchronously, lets the other thread compute until that one issues its
 own, then waits for its result. So the forward's layer j meets the backward's layer L-1-j, each
 microbatch's all-to-all hides behind the other's expert or mixer compute, and:
@@ -34,7 +36,6 @@ import threading
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -44,7 +45,7 @@ _OTHER = {FORWARD: BACKWARD, BACKWARD: FORWARD}
 RUNNING, PARKED, BLOCKED, DONE = "running", "parked", "blocked", "done"
 
 
-class _Coordinator:
+class OverlapCoordinator:
     """Turn-taking between the forward thread and the backward thread of one overlapped pair.
     All transitions are made by the thread holding the turn, so they happen at the same
     program points on every rank."""
@@ -137,36 +138,6 @@ class _Coordinator:
                 self._block(BACKWARD, ("done",))
 
 
-coordinator = _Coordinator()
-
-
-# --------------------------------------------------------------------------- all-to-all
-def _exchange(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group):
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group,
-                                  async_op=True)
-    coordinator.communicate(work)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return _exchange(x, send_splits, recv_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
-
-
-def all_to_all(x: torch.Tensor, *, send_splits: list[int], recv_splits: list[int], group):
-    """Rows x[sum(send_splits[:r]) : ...] go to rank r of `group`; returns the rows received,
-    by source rank. A hand-over point of the EP-overlap schedule, forward and backward."""
-    return _AllToAll.apply(x, send_splits, recv_splits, group)
-
-
 # --------------------------------------------------------------------------- layer tracking
 class _OnBackward(torch.autograd.Function):
     """Identity whose backward calls `callback` when the gradient reaches this point."""
@@ -188,14 +159,30 @@ def _mark(value, callback):
     return value
 
 
-def install_overlap_hooks(model: nn.Module) -> None:
-    """Track which logical layers each thread is inside (after parallelization, so the hooks
-    wrap FSDP's: the forward checks a layer before FSDP gathers it; the backward marks
-    entering a layer before FSDP's pre-backward and leaving it after its post-backward).
+def install_overlap_hooks(*models: nn.Module) -> OverlapCoordinator:
+    """Make `models` (one model, or the pipeline stages of one rank, whose forwards and
+    backwards pair across stages) overlap-capable with one shared coordinator, returned and
+    kept as each model's `ep_overlap`: their MoE dispatchers hand over at every all-to-all,
+    and their layers record which thread is inside them.
 
-    The backward enters a layer when the gradient reaches the layer's outputs and leaves it when
-    the gradient reaches its input; autograd runs nodes in reverse creation order, so these
-    markers bracket exactly that layer's backward."""
+    Layer tracking is installed after parallelization, so the hooks wrap FSDP's: the forward
+    checks a layer before FSDP gathers it; the backward marks entering a layer before FSDP's
+    pre-backward and leaving it after its post-backward. The backward enters a layer when the
+    gradient reaches the layer's outputs and leaves it when the gradient reaches its input;
+    autograd runs nodes in reverse creation order, so these markers bracket exactly that
+    layer's backward."""
+    coordinator = OverlapCoordinator()
+    for model in models:
+        _install(model, coordinator)
+        model.ep_overlap = coordinator
+    return coordinator
+
+
+def _install(model: nn.Module, coordinator: OverlapCoordinator) -> None:
+    for module in model.modules():
+        dispatcher = getattr(module, "ep_dispatcher", None)  # set by apply_expert_parallel
+        if dispatcher is not None:
+            dispatcher.overlap = coordinator
     units = [*model.layers.values(), *getattr(model, "mtp", [])]
     for unit in units:
         key = id(unit)
@@ -218,10 +205,11 @@ def install_overlap_hooks(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- schedule
-def run_forward_with_backward(forward: Callable[[], torch.Tensor],
+def run_forward_with_backward(coordinator: OverlapCoordinator,
+                              forward: Callable[[], torch.Tensor],
                               backward: Callable[[], None]) -> torch.Tensor:
     """Run `forward` on this thread and `backward` on a helper thread, taking turns at the
-    all-to-alls; returns what `forward` returned."""
+    all-to-alls of the models `coordinator` was installed on; returns what `forward` returned."""
     errors: list[BaseException] = []
 
     def backward_thread() -> None:
@@ -252,10 +240,13 @@ def run_forward_with_backward(forward: Callable[[], torch.Tensor],
 class CombinedOneFOneB:
     """Forward/backward of a step's microbatches, one call per microbatch (the trainer's
     gradient-accumulation loop): forward(0) alone, forward(i+1) with backward(i), and the
-    last microbatch's backward right after its forward."""
+    last microbatch's backward right after its forward. `model` has had install_overlap_hooks."""
 
     def __init__(self, model: nn.Module, num_microbatches: int) -> None:
+        if getattr(model, "ep_overlap", None) is None:
+            raise ValueError("CombinedOneFOneB needs a model prepared by install_overlap_hooks")
         self.model = model
+        self.coordinator = model.ep_overlap
         self.num_microbatches = num_microbatches
         self._pending: torch.Tensor | None = None
         self._done = 0
@@ -274,7 +265,7 @@ class CombinedOneFOneB:
         else:
             pending = self._pending
             self._set_last_backward(False)
-            loss = run_forward_with_backward(forward, pending.backward)
+            loss = run_forward_with_backward(self.coordinator, forward, pending.backward)
         self._done += 1
         if last:
             self._set_last_backward(True)

@@ -11,9 +11,10 @@ and two hooks around its forward move the tokens:
     combine (post-hook)   undo the regrouping, all-to-all the expert outputs back
 
 so the module computes on local experts only and the MoE's combine (weighting, scatter-add to
-tokens) is untouched. Backward is the same all-to-alls with the splits swapped. The all-to-alls
-go through `ep_overlap.all_to_all`, where the EP-overlap schedule lets the other microbatch run
-while they are in flight.
+tokens) is untouched. Backward is the same all-to-alls with the splits swapped (collectives.py).
+With the EP-overlap schedule, `install_overlap_hooks` gives each dispatcher (kept as the experts
+module's `ep_dispatcher`) the coordinator that lets the other microbatch run while they are in
+flight.
 
 Expert gradients arrive already summed over the EP group (every rank's tokens reach the owning
 rank); data parallelism then shards experts over the ranks that hold the same experts
@@ -29,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_hybrid.model.moe import MoE
-from titan_hybrid.parallel.ep_overlap import all_to_all
+from titan_hybrid.parallel.collectives import all_to_all
 from titan_hybrid.parallel.tensor_parallel import use_local_views
 
 
@@ -67,6 +68,7 @@ class ExpertDispatcher:
     def __init__(self, ep_mesh: DeviceMesh) -> None:
         self.group = ep_mesh.get_group()
         self.pending: list[_Routing] = []  # a stack: activation recompute nests forwards
+        self.overlap = None  # the EP-overlap coordinator, set by install_overlap_hooks
 
     def dispatch(self, module: nn.Module, args):
         x_sorted, tokens_per_expert = args
@@ -75,7 +77,7 @@ class ExpertDispatcher:
         send_splits = torch.tensor(tokens_per_expert).view(ep, -1).sum(1).tolist()
         recv_splits = received_RE.sum(1).tolist()
         received = all_to_all(x_sorted, send_splits=send_splits, recv_splits=recv_splits,
-                              group=self.group)
+                              group=self.group, overlap=self.overlap)
         by_expert = _group_by_local_expert(received_RE).to(x_sorted.device)
         self.pending.append(_Routing(send_splits, recv_splits, by_expert))
         return received[by_expert], received_RE.sum(0).tolist()
@@ -85,7 +87,8 @@ class ExpertDispatcher:
         unsorted = torch.empty_like(output).index_copy(0, routing.by_expert, output)
         # Back along the same paths: what this rank received it now sends.
         return all_to_all(unsorted, send_splits=routing.recv_splits,
-                          recv_splits=routing.send_splits, group=self.group)
+                          recv_splits=routing.send_splits, group=self.group,
+                          overlap=self.overlap)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -112,3 +115,4 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         dispatcher = ExpertDispatcher(ep_mesh["ep"] if tensor_parallel else ep_mesh)
         experts.register_forward_pre_hook(dispatcher.dispatch)
         experts.register_forward_hook(dispatcher.combine)
+        experts.ep_dispatcher = dispatcher

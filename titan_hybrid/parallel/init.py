@@ -25,12 +25,12 @@ from titan_hybrid.parallel.tensor_parallel import interleave_for_tp, tp_degree
 def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
     swapped: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
     for module in unit.modules():
-        for name, param in list(module._parameters.items()):
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if isinstance(param, DTensor):
                 full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
                                                 device=param.to_local().device),
                                     requires_grad=param.requires_grad)
-                module._parameters[name] = full
+                setattr(module, name, full)
                 swapped.append((module, name, param, full))
     try:
         yield
@@ -46,4 +46,4 @@ def full_tensor_materializer(unit: nn.Module) -> Iterator[None]:
                 local = distribute_tensor(value, sharded.device_mesh, sharded.placements,
                                           src_data_rank=None).to_local()
                 sharded.to_local().copy_(local)
-                module._parameters[name] = sharded
+                setattr(module, name, sharded)

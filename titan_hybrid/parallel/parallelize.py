@@ -5,23 +5,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.job_config import JobConfig, hybrid_job
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, record_param_layouts
-from titan_hybrid.parallel.validate import (
-    expert_parallel_overlap,
-    sequence_parallel,
-    sharding_strategy,
-    validate_layout,
-)
+from titan_hybrid.parallel.validate import validate_layout
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -49,17 +45,19 @@ def expert_data_parallel_mesh(parallel_dims: ParallelDims):
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
                        job_config: JobConfig) -> nn.Module:
+    job_config = hybrid_job(job_config)
     validate_layout(job_config, model.model_args, parallel_dims.world_size)
+    sequence_parallel = not job_config.parallelism.disable_sequence_parallel
     record_param_layouts(model)
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.
         plain_logits = not model.has_aux_loss and not len(model.mtp)
         apply_tensor_parallel(
             model, parallel_dims.get_mesh("tp"),
-            sequence_parallel=sequence_parallel(job_config),
+            sequence_parallel=sequence_parallel,
             loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
         logger.info(f"Applied tensor parallel (sequence parallel: "
-                    f"{sequence_parallel(job_config)})")
+                    f"{sequence_parallel})")
     if parallel_dims.cp_enabled:
         apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
         logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag)")
@@ -71,7 +69,8 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         apply_ac(model, job_config.activation_checkpoint,
                  base_folder=job_config.job.dump_folder)
     if parallel_dims.dp_cp_enabled:
-        strategy, dp_mesh = data_parallel_plan(parallel_dims, sharding_strategy(job_config))
+        strategy, dp_mesh = data_parallel_plan(
+            parallel_dims, job_config.parallelism.data_parallel_sharding_strategy)
         apply_data_parallel(
             model,
             dp_mesh,
@@ -84,7 +83,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         # The optimizer builder reads this to shard optimizer state for ZeRO-1.
         model.zero1_mesh = dp_mesh if strategy == "optim" else None
         logger.info(f"Applied data parallel '{strategy}' over {dp_mesh.mesh_dim_names}")
-    if expert_parallel_overlap(job_config):
-        install_overlap_hooks(model)
+    if job_config.parallelism.expert_parallel_overlap and not parallel_dims.pp_enabled:
+        install_overlap_hooks(model)  # under PP: pipeline_hybrid, once for all local stages
     model.init_materializer = full_tensor_materializer
     return model

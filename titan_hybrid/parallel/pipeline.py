@@ -9,8 +9,12 @@ other stages' parts removed, parallelized like a whole model, and driven by one 
 schedules (GPipe, 1F1B, Interleaved1F1B, the zero-bubble variants, DualPipeV).
 
 torchtitan's pipeline path back-propagates the summed loss of each microbatch; here the loss
-function divides by the step's global valid-token count (set by the trainer before each step),
-so gradients equal the non-pipelined ones.
+function divides by the step's global valid-token count, so gradients equal the non-pipelined
+ones. The schedule is built with that loss function (GlobalTokenScaledLoss) as its `loss_fn`,
+and the trainer sets the count on it before each step (`scaled_loss_of(schedule)`). torch's
+`scale_grads` divides by the number of microbatches, not by tokens, so it stays off; the
+schedules' `loss_kwargs` could carry the count, but the runtime does not hand them to custom
+actions (the EP-overlap's OVERLAP_F_B computes losses too).
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.compat import pipelining
+from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.moe import MoE
+from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
-from titan_hybrid.parallel.validate import expert_parallel_overlap
-from titan_hybrid.pattern import parse_hybrid_pattern
 
 
 def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
@@ -47,7 +52,7 @@ def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
     pp = parallelism.pipeline_parallel_degree
     schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
     single = issubclass(schedule, PipelineScheduleSingle)
-    pattern = parse_hybrid_pattern(model_args.pattern)
+    pattern = model_args.parsed_pattern
     if len(pattern.segments) > 1:
         count = len(pattern.segments) // pp if len(pattern.segments) % pp == 0 else 0
     elif parallelism.pipeline_parallel_layers_per_stage:
@@ -79,7 +84,7 @@ def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
 def module_names_per_stage(model_args: HybridModelArgs, pp: int,
                            virtual_stages: int) -> list[list[str]]:
     """The model's module names that each pipeline stage keeps, in stage order."""
-    pattern = parse_hybrid_pattern(model_args.pattern)
+    pattern = model_args.parsed_pattern
     stages = pattern.pipeline_stages(pp, virtual_stages)
     names = []
     for stage in stages:
@@ -103,23 +108,29 @@ class GlobalTokenScaledLoss:
         return self.loss_fn(pred, labels) / self.global_valid_tokens
 
 
+def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:
+    """The loss function of a schedule built by pipeline_hybrid: set its token count."""
+    loss_fn = pipelining.loss_function(schedule)
+    assert isinstance(loss_fn, GlobalTokenScaledLoss), type(loss_fn)
+    return loss_fn
+
+
 def _forget_metadata_inference_routing(stage) -> None:
     """torch's first schedule step runs each stage once on the first microbatch to learn the
     shapes it sends; that run must not count in the router statistics of step 1."""
-    cleanup = stage._post_metadata_inference_cleanup
 
-    def cleanup_and_reset() -> None:
-        cleanup()
+    def reset() -> None:
         for module in stage.submod.modules():
             if isinstance(module, MoE):
                 module.reset_router_statistics()
 
-    stage._post_metadata_inference_cleanup = cleanup_and_reset
+    pipelining.after_metadata_inference(stage, reset)
 
 
 def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
                     device: torch.device, model_args: HybridModelArgs, parallelize_fn,
                     loss_fn):
+    job_config = hybrid_job(job_config)
     pp_mesh = parallel_dims.get_mesh("pp")
     virtual = stages_per_rank(job_config, model_args)
     names = module_names_per_stage(model_args, parallel_dims.pp, virtual)
@@ -135,9 +146,12 @@ def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: J
         _forget_metadata_inference_routing(stage)
     scaled_loss = GlobalTokenScaledLoss(loss_fn)
     schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
-    if expert_parallel_overlap(job_config):
+    if job_config.parallelism.expert_parallel_overlap:
+        # One coordinator for this rank's stages: a pair may be a forward of one stage and a
+        # backward of another (parallelize_hybrid leaves this to us under PP).
+        coordinator = install_overlap_hooks(*model_parts)
         schedule = overlap_pipeline_schedule(schedule, stages,
-                                             job_config.parallelism.pipeline_parallel_schedule)
-    schedule.scaled_loss = scaled_loss  # the trainer sets its token count each step
+                                             job_config.parallelism.pipeline_parallel_schedule,
+                                             coordinator)
     return (schedule, model_parts, any(stage.is_first for stage in stages),
             any(stage.is_last for stage in stages))

@@ -1,10 +1,9 @@
 """Tensor + sequence parallelism derived from per-parameter annotations.
 
-Layout. Every parameter becomes a DTensor on the TP mesh, placed by `classify_parameter`:
-the PARAMETER's own `tensor_model_parallel` / `partition_dim` / `partition_sizes` first (set by
-the model code: Mamba's gated-norm weight is a norm by name but sharded), then class-name
-registries for modules that carry no annotations, then "Norm in the class name -> replicated",
-then replicated. A fused tensor (`partition_sizes`) is sharded so that each rank holds its own
+Layout. Every parameter becomes a DTensor on the TP mesh, placed by `classify_parameter` from
+the parameter's own `tensor_model_parallel` / `partition_dim` / `partition_sizes` annotations
+(set by the model code: Mamba's gated-norm weight is a norm by name but sharded); a parameter
+without them is replicated. A fused tensor (`partition_sizes`) is sharded so that each rank holds its own
 slice of every component: its global (DTensor) view is the per-rank concatenation
 [W_0; V_0; W_1; V_1], see `interleave_for_tp`.
 
@@ -19,9 +18,11 @@ rank-local partial results, so a replicated parameter there (GDN's per-head outp
 local heads, the MoE router whose weights scale local expert outputs) gets only a partial
 gradient on each rank: it takes a Partial gradient, summed over the TP group. Outside the
 regions the same holds with sequence parallelism (norms see one sequence shard). Treating these
-as replicated is the silent upstream bug. A region's side outputs (the MoE load-balancing
-loss) are computed identically on every rank; their gradient is scaled by 1/TP so that the sum
-over ranks counts it once.
+gradients as replicated (what `DTensor.to_local()` assumes by default: the gradient keeps the
+parameter's Replicate placement, so nothing sums it) raises no error and leaves each rank
+stepping with its own partial gradient: the replicas silently diverge. A region's side
+outputs (the MoE load-balancing loss) are computed identically on every rank; their gradient is
+scaled by 1/TP so that the sum over ranks counts it once.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-# Modules without annotations whose Linear weights are split like Megatron's.
-COLUMN_PARALLEL_MODULES: set[str] = set()
-ROW_PARALLEL_MODULES: set[str] = set()
-REPLICATED_MODULES: set[str] = {"TopKRouter"}
+from titan_hybrid.compat.nn import parameter_slots
+from titan_hybrid.model.model import HybridLayer
+
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,12 @@ class TPLayout:
         return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
 
 
-def classify_parameter(module: nn.Module, name: str, param: torch.Tensor) -> TPLayout:
+def classify_parameter(param: torch.Tensor) -> TPLayout:
+    """A parameter's layout from its annotations (model/common.py); none means replicated."""
     if getattr(param, "tensor_model_parallel", False):
         return TPLayout(param.partition_dim, getattr(param, "partition_sizes", None),
                         partition_names=getattr(param, "partition_names", None))
-    partial = bool(getattr(param, "tensor_parallel_partial_grad", False))
-    class_name = type(module).__name__
-    if name == "weight" and class_name in COLUMN_PARALLEL_MODULES:
-        return TPLayout(0)
-    if name == "weight" and class_name in ROW_PARALLEL_MODULES:
-        return TPLayout(1)
-    if class_name in REPLICATED_MODULES or "Norm" in class_name:
-        return TPLayout(None, partial_grad=partial)
-    return TPLayout(None, partial_grad=partial)
+    return TPLayout(None, partial_grad=bool(getattr(param, "tensor_parallel_partial_grad", False)))
 
 
 def tp_degree(tensor: torch.Tensor | None) -> int:
@@ -107,8 +100,9 @@ def record_param_layouts(model: nn.Module) -> None:
     for module in model.modules():
         if "param_layouts" in module.__dict__:
             continue
-        layouts = {name: classify_parameter(module, name, param)
-                   for name, param in module._parameters.items() if param is not None}
+        layouts = {name: classify_parameter(param)
+                   for name, param in module.named_parameters(recurse=False,
+                                                              remove_duplicate=False)}
         if layouts:
             module.__dict__["param_layouts"] = layouts
 
@@ -123,17 +117,18 @@ def use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
 
     def swap(module, args):
         for owner in owners:
-            saved = dict(owner._parameters)
-            owner.__dict__.setdefault("_tp_saved_params", []).append(saved)
+            slots = parameter_slots(owner)  # a plain tensor in a parameter's slot: see compat
+            saved = dict(slots)
+            owner.__dict__.setdefault("tp_saved_params", []).append(saved)
             for name, param in saved.items():
                 if isinstance(param, DTensor):
                     partial = owner.tp_partial_grad.get(name, False)
                     grad = [Partial()] if partial else param.placements
-                    owner._parameters[name] = param.to_local(grad_placements=grad)
+                    slots[name] = param.to_local(grad_placements=grad)
 
     def restore(module, args, output):
         for owner in owners:
-            owner._parameters.update(owner._tp_saved_params.pop())
+            parameter_slots(owner).update(owner.tp_saved_params.pop())
         return output
 
     root.register_forward_pre_hook(swap)
@@ -184,16 +179,14 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: 
                        sequence_parallel: bool) -> bool:
     """Turn module's own parameters into TP DTensors; returns whether it has any."""
     partial_grad = {}
-    for name, param in list(module._parameters.items()):
-        if param is None:
-            continue
+    for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
         layout = module.param_layouts[name]
         # Outside the TP regions with sequence parallelism, every rank sees only its own
         # sequence shard, so replicated parameters there accumulate partial gradients too.
         partial_grad[name] = layout.partial_grad or (
             layout.shard_dim is None and (not outside_regions or sequence_parallel))
         dtensor = distribute_tensor(param.data, mesh, [layout.placement()], src_data_rank=None)
-        module._parameters[name] = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        setattr(module, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
     module.tp_partial_grad = partial_grad
     return bool(partial_grad)
 
@@ -201,11 +194,7 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
                           loss_parallel: bool) -> None:
     """Apply TP (+SP) to a HybridModel built on the meta device, after record_param_layouts."""
-    mixers = []
-    for layer in model.modules():
-        kind = getattr(layer, "kind", None)
-        if kind is not None and hasattr(layer, f"{kind}_norm"):
-            mixers.append(getattr(layer, kind))
+    mixers = [layer.mixer for layer in model.modules() if isinstance(layer, HybridLayer)]
     inside = {id(m) for mixer in mixers for m in mixer.modules()}
     boundary = {id(model.tok_embeddings), id(model.output)}
     for module in model.modules():

@@ -1,27 +1,19 @@
-"""Checks of a parallel layout against the model, raised as ValueError before any allocation."""
+"""Checks of a parallel layout against the model, raised as ValueError before any allocation.
+
+The per-kind rules (which sizes TP must divide, how CP splits a kind's heads) come from the
+layer-kind table (model/layer_kinds.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from titan_hybrid.job_config import JobConfig, hybrid_job
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS, check_head_split
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
-
-# Pipeline schedules that parallelism.expert_parallel_overlap runs inside (ep_overlap_pipeline).
-OVERLAP_SCHEDULES = ("1F1B", "Interleaved1F1B")
-
-
-def sharding_strategy(job_config) -> str:
-    return getattr(job_config.parallelism, "data_parallel_sharding_strategy",
-                   "optim_grads_params")
-
-
-def expert_parallel_overlap(job_config) -> bool:
-    return getattr(job_config.parallelism, "expert_parallel_overlap", False)
-
-
-def sequence_parallel(job_config) -> bool:
-    return not getattr(job_config.parallelism, "disable_sequence_parallel", False)
+from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
+from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
 
 
 def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
@@ -32,33 +24,17 @@ def _require_divisible(field: str, value: int, degree_name: str, degree: int) ->
 
 def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: int,
                              sequence_parallel: bool) -> None:
-    symbols = model_args.symbols()
     name = "tensor_parallel_degree"
     checks = [("model.vocab_size", model_args.vocab_size)]
-    if "M" in symbols:
-        checks += [("mamba.nheads", model_args.mamba_n_heads),
-                   ("mamba.n_groups", model_args.mamba.n_groups)]
-    if "*" in symbols:
-        checks += [("attention.n_heads", model_args.attention.n_heads),
-                   ("attention.n_kv_heads", model_args.attention.n_kv_heads)]
-    if "G" in symbols:
-        checks += [("gdn.n_key_heads", model_args.gdn.n_key_heads),
-                   ("gdn.n_value_heads", model_args.gdn.n_value_heads)]
-    if "-" in symbols:
-        checks += [("mlp.hidden_dim", model_args.mlp.hidden_dim)]
-    if "E" in symbols:
-        checks += [("moe.hidden_dim", model_args.moe.hidden_dim)]
-        if model_args.moe.shared_expert_hidden_dim:
-            checks += [("moe.shared_expert_hidden_dim", model_args.moe.shared_expert_hidden_dim)]
+    for kind in model_args.kinds():
+        checks += kind.tensor_parallel_sizes(model_args.section(kind), model_args.dim)
     if sequence_parallel:
         checks += [("training.seq_len (sequence parallel)", seq_len)]
     for field, value in checks:
         _require_divisible(field, value, name, tp)
 
 
-def validate_pipeline(job_config, model_args: HybridModelArgs) -> None:
-    from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
-
+def validate_pipeline(job_config: JobConfig, model_args: HybridModelArgs) -> None:
     p = job_config.parallelism
     virtual_stages = stages_per_rank(job_config, model_args)
     module_names_per_stage(model_args, p.pipeline_parallel_degree, virtual_stages)  # split errors
@@ -95,7 +71,7 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
         raise ValueError(
             f"parallelism.expert_parallel_degree={ep} must divide data_parallel_shard_degree="
             f"{shard}: expert parallelism spreads experts over ranks of the FSDP dimension")
-    etp = getattr(p, "expert_tensor_parallel_degree", 1)
+    etp = p.expert_tensor_parallel_degree
     if etp != p.tensor_parallel_degree:
         raise ValueError(
             f"parallelism.expert_tensor_parallel_degree={etp} with tensor_parallel_degree="
@@ -109,35 +85,39 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
             "'optim_grads_params' (experts are sharded over the ranks that hold the same experts)")
 
 
-def validate_context_parallel(job_config, model_args: HybridModelArgs) -> None:
-    from titan_hybrid.parallel.context_parallel import check_head_split
-    from titan_hybrid.pattern import parse_hybrid_pattern
-
+def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs) -> None:
     p = job_config.parallelism
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
     seq_len = job_config.training.seq_len
-    chunks = 2 * cp * (tp if tp > 1 and sequence_parallel(job_config) else 1)
+    sequence_parallel = not p.disable_sequence_parallel
+    chunks = 2 * cp * (tp if tp > 1 and sequence_parallel else 1)
     if seq_len % chunks:
         raise ValueError(
             f"training.seq_len={seq_len} is not divisible by {chunks} = 2 * context_parallel_"
             f"degree({cp})" + (f" * tensor_parallel_degree({tp}) (sequence parallel)"
                                if chunks != 2 * cp else "")
             + ": each CP rank holds 2 equal chunks (zigzag)")
-    if parse_hybrid_pattern(model_args.pattern).mtp_depths:
+    if model_args.parsed_pattern.mtp_depths:
         raise ValueError(
             f"parallelism.context_parallel_degree={cp} with MTP depths in pattern "
             f"'{model_args.pattern}': MTP reads the tokens k positions ahead, which a zigzag "
             "shard does not hold; drop the '/...' part of the pattern or use CP = 1")
-    symbols = model_args.symbols()
-    if "M" in symbols:
-        check_head_split("mamba.nheads", model_args.mamba_n_heads // tp, "mamba.n_groups",
-                         model_args.mamba.n_groups // tp, cp)
-    if "G" in symbols:
-        check_head_split("gdn.n_value_heads", model_args.gdn.n_value_heads // tp,
-                         "gdn.n_key_heads", model_args.gdn.n_key_heads // tp, cp)
+    for kind in model_args.kinds():
+        if not kind.mixes_sequence:
+            continue
+        rule = kind.context_parallel
+        if rule is None or kind.name not in CONTEXT_PARALLEL_WRAPPERS:
+            raise ValueError(
+                f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
+                f"context parallelism is not implemented for {kind.title} ('{kind.symbol}') "
+                "layers; use CP = 1")
+        if rule.head_groups is not None:
+            (heads_field, heads), (groups_field, groups) = rule.head_groups(
+                model_args.section(kind), model_args.dim)
+            check_head_split(heads_field, heads // tp, groups_field, groups // tp, cp)
 
 
-def validate_overlap(job_config, *, data_parallel: int) -> None:
+def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
     p, training = job_config.parallelism, job_config.training
     if p.expert_parallel_degree < 2:
         raise ValueError(
@@ -161,8 +141,9 @@ def validate_overlap(job_config, *, data_parallel: int) -> None:
             f"{training.local_batch_size}) * data-parallel degree({data_parallel})")
 
 
-def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) -> int:
+def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_size: int) -> int:
     """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
+    job_config = hybrid_job(job_config)
     p = job_config.parallelism
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
@@ -194,7 +175,7 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
             f" * data_parallel_shard_degree({shard}) * context({p.context_parallel_degree}) * "
             f"tensor({p.tensor_parallel_degree}) * pipeline({p.pipeline_parallel_degree})")
 
-    strategy = sharding_strategy(job_config)
+    strategy = p.data_parallel_sharding_strategy
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
                          f"of {SHARDING_STRATEGIES}")
@@ -208,10 +189,10 @@ def validate_layout(job_config, model_args: HybridModelArgs, world_size: int) ->
     if p.tensor_parallel_degree > 1:
         validate_tensor_parallel(model_args, p.tensor_parallel_degree,
                                  seq_len=job_config.training.seq_len,
-                                 sequence_parallel=sequence_parallel(job_config))
+                                 sequence_parallel=not p.disable_sequence_parallel)
     if p.expert_parallel_degree > 1:
         validate_expert_parallel(p, model_args, shard=shard, strategy=strategy)
-    if expert_parallel_overlap(job_config):
+    if p.expert_parallel_overlap:
         validate_overlap(job_config, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(job_config, model_args)

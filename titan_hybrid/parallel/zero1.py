@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -55,10 +54,11 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, mesh: DeviceMesh) ->
             tensors = [_local(p) for p, o in zip(params, owners) if o == owner]
             if not tensors:
                 continue
-            bucket = _flatten_dense_tensors(tensors)
+            bucket = torch.cat([tensor.reshape(-1) for tensor in tensors])
             dist.broadcast(bucket, group=group, group_src=owner)
-            for tensor, synced in zip(tensors, _unflatten_dense_tensors(bucket, tensors)):
-                tensor.copy_(synced)
+            synced = bucket.split([tensor.numel() for tensor in tensors])
+            for tensor, values in zip(tensors, synced):
+                tensor.copy_(values.view_as(tensor))
 
     optimizer.register_step_pre_hook(drop_foreign_grads)
     optimizer.register_step_post_hook(broadcast_from_owners)

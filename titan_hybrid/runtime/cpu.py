@@ -2,21 +2,24 @@
 
 torchtitan assumes CUDA. Each patch below removes one obstacle found by running its trainer on a
 CPU-only machine; all are applied by `apply()`, which does nothing when an accelerator exists.
+The two that touch private names live in titan_hybrid.compat and are only called from here.
 
 - device: `torchtitan.tools.utils` computes `device_type = ... or "cuda"` at import time and
-  several modules copy it with `from ... import device_type`. We rewrite those module globals to
-  "cpu" (functions read globals at call time) and give them a CPU device module that has the
-  memory-API methods torchtitan's DeviceMemoryMonitor calls. Works whether or not torchtitan was
-  imported first, so `python -m torchtitan.train --experimental.custom_import titan_hybrid` runs.
+  several modules copy it with `from ... import device_type`. Those module globals become "cpu"
+  (functions read globals at call time), with a CPU device module that has the memory-API
+  methods torchtitan's DeviceMemoryMonitor calls (compat.torchtitan.point_device_globals_at_cpu).
+  Works whether or not torchtitan was imported first, so `python -m torchtitan.train
+  --experimental.custom_import titan_hybrid.torchtitan_plugin` runs.
 - fsdp_sum: torchtitan asks FSDP2 for `gradient_divide_factor=1.0`, which FSDP2 implements with
   ReduceOp.PREMUL_SUM; gloo rejects that op. Force plain SUM on CPU (torch already does so for
-  MTIA); the divide then happens locally, which is the same arithmetic.
-- histc: torchtitan's MoE calls `torch.histc` on int64 expert ids; the CPU kernel only takes
-  floating dtypes. Counting small integers in float32 is exact.
-- moe_permute: torchtitan's expert-parallel permute uses a Triton kernel that has no CPU driver;
-  the function has a `use_cpu=True` path, which we select for CPU tensors.
+  MTIA); the divide then happens locally, which is the same arithmetic
+  (compat.fsdp.force_sum_reduction_on_cpu).
 - peak flops: MFU on CPU divides by the best fp32 matmul rate measured on this machine, cached
-  per machine (see `measured_peak_flops`).
+  per machine (see `measured_peak_flops`). The trainer and the metrics processor both call
+  `torchtitan.tools.utils.get_peak_flops` through that module, so it is set there once.
+
+torchtitan's own MoE needs two more patches on CPU (int64 `torch.histc`, its Triton token
+permute); titan_hybrid's MoE uses neither, so they are not applied.
 
 The gloo-at-exit abort is handled by the launcher (`titan_hybrid.train`), which leaves with
 `os._exit` once the process group is gone.
@@ -29,7 +32,6 @@ import json
 import os
 import platform
 import resource
-import sys
 import time
 import types
 from pathlib import Path
@@ -129,68 +131,6 @@ def measured_peak_flops() -> float:
     return best
 
 
-def _patch_device_globals(cpu_module: types.ModuleType) -> None:
-    import torchtitan.tools.utils as tt_utils
-
-    tt_utils.device_type, tt_utils.device_module = "cpu", cpu_module
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torchtitan") or module is None:
-            continue
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = cpu_module
-
-    # The trainer asks this for the MFU denominator; on CPU it would fall back to an A100 figure.
-    tt_utils.get_peak_flops = lambda device_name: measured_peak_flops()
-    import torchtitan.components.metrics as tt_metrics
-
-    tt_metrics.utils.get_peak_flops = tt_utils.get_peak_flops
-
-
-def _patch_fsdp_sum_reduction() -> None:
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
-
-    original = collectives._get_gradient_divide_factors
-
-    @functools.wraps(original)
-    def sum_on_cpu(rs_group, ar_group, reduce_dtype, device_type="", factor=None,
-                   force_sum_reduction_for_comms=False):
-        if device_type == "cpu":
-            force_sum_reduction_for_comms = True
-        return original(rs_group, ar_group, reduce_dtype, device_type, factor,
-                        force_sum_reduction_for_comms)
-
-    collectives._get_gradient_divide_factors = sum_on_cpu
-
-
-def _patch_integer_histc() -> None:
-    original = torch.histc
-
-    @functools.wraps(original)
-    def histc(input, bins=100, min=0, max=0, *, out=None):
-        if input.device.type == "cpu" and not input.is_floating_point() and out is None:
-            return original(input.float(), bins=bins, min=min, max=max).to(input.dtype)
-        if out is None:
-            return original(input, bins=bins, min=min, max=max)
-        return original(input, bins=bins, min=min, max=max, out=out)
-
-    torch.histc = histc
-
-
-def _patch_moe_permute() -> None:
-    import torchtitan.models.moe.utils as moe_utils
-
-    original = moe_utils.generate_permute_indices
-
-    @functools.wraps(original)
-    def permute_indices(tokens_per_expert_group, *args, use_cpu=False, **kwargs):
-        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
-        return original(tokens_per_expert_group, *args, use_cpu=use_cpu, **kwargs)
-
-    moe_utils.generate_permute_indices = permute_indices
-
-
 def apply() -> bool:
     """Apply every CPU patch once, if no accelerator exists. Returns whether they are active."""
     global _applied
@@ -198,9 +138,14 @@ def apply() -> bool:
         return True
     if accelerator_available():
         return False
-    _patch_device_globals(_cpu_device_module())
-    _patch_fsdp_sum_reduction()
-    _patch_integer_histc()
-    _patch_moe_permute()
+    import torchtitan.tools.utils as tt_utils
+
+    from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
+    from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
+
+    point_device_globals_at_cpu(_cpu_device_module())
+    force_sum_reduction_on_cpu()
+    # The MFU denominator; on CPU torchtitan would fall back to an A100 figure.
+    tt_utils.get_peak_flops = lambda device_name: measured_peak_flops()
     _applied = True
     return True

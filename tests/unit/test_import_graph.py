@@ -1,0 +1,174 @@
+"""The package's import structure: no circles, and importing a library module changes nothing
+in torch or torchtitan (only the entry points do: train, launch, torchtitan_plugin)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "titan_hybrid"
+ENTRY_POINTS = {"titan_hybrid.train", "titan_hybrid.launch", "titan_hybrid.torchtitan_plugin"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(path: Path) -> dict[str, int]:
+    """{imported titan_hybrid module: line} for every import in the file, including those
+    inside functions (an import hidden in a function still closes a circle at run time)."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from a.b import c` imports a.b, and a.b.c when c is a submodule.
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("titan_hybrid"):
+                found.setdefault(name, node.lineno)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        graph[name] = {target for target in project_imports(path) if target in files
+                       and target != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_package_imports_have_no_circles():
+    # Package __init__ files import nothing, so a module's parents add no edges.
+    assert find_cycle(import_graph()) is None
+
+
+def test_no_project_import_is_hidden_inside_a_function():
+    hidden = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if (isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top_level
+                    and any(name.startswith("titan_hybrid") for name in
+                            [getattr(node, "module", None) or ""]
+                            + [alias.name for alias in node.names])):
+                hidden.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert hidden == []
+
+
+SNAPSHOT_SCRIPT = r"""
+import importlib, json, sys, types
+library, third_party = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for name in third_party:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # a name imported from a module, not a module itself
+
+def snapshot():
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.split(".")[0] in ("torch", "torchtitan"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, types.ModuleType):
+                state[f"{name}.{attr}"] = id(value)
+    return state
+
+import torch
+from torchtitan.hf_datasets import text_datasets
+from torchtitan.protocols import train_spec
+before, datasets = snapshot(), sorted(text_datasets.DATASETS)
+threads = torch.get_num_threads()
+for name in library:
+    importlib.import_module(name)
+after = snapshot()
+changed = sorted(key for key, value in before.items() if after.get(key) != value)
+try:
+    train_spec.get_train_spec("hybrid")
+    registered = True
+except Exception:
+    registered = False
+print("RESULT " + json.dumps({"changed": changed, "registered": registered,
+                              "datasets_changed": sorted(text_datasets.DATASETS) != datasets,
+                              "threads_changed": torch.get_num_threads() != threads}))
+"""
+
+
+def third_party_modules() -> list[str]:
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return sorted(name for name in names if name.split(".")[0] in ("torch", "torchtitan"))
+
+
+def test_importing_library_modules_leaves_torch_and_torchtitan_untouched():
+    library = sorted(name for name in (module_name(p) for p in PACKAGE.rglob("*.py"))
+                     if name not in ENTRY_POINTS)
+    assert "titan_hybrid.pattern" in library and "titan_hybrid.parallel.parallelize" in library
+    proc = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT_SCRIPT, json.dumps(library),
+         json.dumps(third_party_modules())],
+        capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {"changed": [], "registered": False, "datasets_changed": False,
+                      "threads_changed": False}
+
+
+def test_the_entry_point_registers_and_patches_and_the_check_sees_it():
+    # The same check must notice what the plugin does, or it proves nothing.
+    proc = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT_SCRIPT, json.dumps(["titan_hybrid.torchtitan_plugin"]),
+         json.dumps(third_party_modules())],
+        capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["registered"] and result["datasets_changed"]
+    assert any(key.startswith("torchtitan.") for key in result["changed"])  # CPU runtime

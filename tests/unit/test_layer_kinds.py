@@ -1,0 +1,55 @@
+"""The layer-kind table is complete and consistent: every place that differs by kind reads it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titan_hybrid.checkpoint.state import _layers_by_kind
+from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS
+from titan_hybrid.pattern import SYMBOL_NAMES
+
+
+def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
+    assert len({kind.name for kind in LAYER_KINDS.values()}) == len(LAYER_KINDS)
+    assert all(symbol == kind.symbol for symbol, kind in LAYER_KINDS.items())
+    assert SYMBOL_NAMES == {symbol: kind.name for symbol, kind in LAYER_KINDS.items()}
+
+
+@pytest.mark.parametrize("symbol", list(LAYER_KINDS))
+def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
+    kind = LAYER_KINDS[symbol]
+    sections = {f.name: f for f in dataclasses.fields(HybridModelArgs)}
+    assert kind.name in sections
+    args = hybrid_flavors["debug"]
+    assert isinstance(args.section(kind), kind.args_type)
+    with torch.device("meta"):
+        layer = HybridLayer(symbol, args)
+    assert layer.kind is kind and {name for name, _ in layer.named_children()} == {
+        kind.name, f"{kind.name}_norm"}
+    if kind.context_parallel is not None:
+        assert hasattr(layer.mixer, kind.context_parallel.core)
+        assert kind.name in CONTEXT_PARALLEL_WRAPPERS
+    assert kind.mixes_sequence == (kind.context_parallel is not None)  # all of today's kinds
+
+
+def test_kinds_follow_the_pattern_and_checkpoint_keys_know_every_kind():
+    args = dataclasses.replace(hybrid_flavors["debug_moe"], pattern="G[M*]E-/*E")
+    assert [kind.symbol for kind in args.kinds()] == ["M", "G", "*", "-", "E"]
+    assert args.has_aux_loss
+    keys = [f"layers.{index}.{kind.name}.weight" for index, kind in enumerate(LAYER_KINDS.values())]
+    assert _layers_by_kind(keys) == {kind.name: [index]
+                                     for index, kind in enumerate(LAYER_KINDS.values())}
+
+
+def test_the_pattern_is_parsed_once_per_text():
+    args = dataclasses.replace(hybrid_flavors["debug"])
+    first = args.parsed_pattern
+    assert args.parsed_pattern is first
+    args.pattern = "M-"
+    assert args.parsed_pattern is not first and args.parsed_pattern.main == ["M", "-"]

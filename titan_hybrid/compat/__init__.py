@@ -1,0 +1,58 @@
+"""Every private torch / torchtitan name titan_hybrid uses, in one fenced package.
+
+Outside this package titan_hybrid uses only public names of torch and torchtitan
+(tests/unit/test_compat.py checks it). Each private use here says why no public API suffices
+and was checked on the versions below. Importing this package (or any module in it) on other
+versions raises ImportError before anything else happens: private names move between releases
+without notice, and a clear refusal beats a wrong result.
+
+Importing changes nothing global. The two patches (`point_device_globals_at_cpu`,
+`force_sum_reduction_on_cpu`) run only when titan_hybrid.runtime.cpu.apply() calls them.
+
+    torchtitan.py  CheckpointManager / ModelWrapper hooks under public names; the device-type
+                   globals (patch)
+    dcp.py         DCP's chunk protocol, data-less wrapper tensors, a DTensor shard's offsets
+    fsdp.py        FSDP2's `replicate` (DDP); plain SUM gradient reduction on CPU (patch)
+    nn.py          nn.Module's own parameter registry
+    pipelining.py  torch's pipelining runtime, for custom (overlapped) actions; schedules'
+                   private fields; the hook after the first step's shape inference
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import torch
+
+CHECKED_TORCH = ("2.13", "2.14")  # major.minor; every patch release of these
+CHECKED_TORCHTITAN = ("0.2.2",)
+
+
+def _release(version: str, parts: int) -> str:
+    """The first `parts` numbers of a version string: "2.13.0+cpu", 2 -> "2.13"."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return ".".join((match.group(0) if match else "").split(".")[:parts])
+
+
+def check_versions(torch_version: str, torchtitan_version: str) -> None:
+    """Raise ImportError unless both versions are ones the private names were checked on."""
+    if (_release(torch_version, 2) in CHECKED_TORCH
+            and _release(torchtitan_version, 3) in CHECKED_TORCHTITAN):
+        return
+    raise ImportError(
+        f"titan_hybrid uses private torch / torchtitan names that were checked on torch "
+        f"{' / '.join(v + '.x' for v in CHECKED_TORCH)} and torchtitan "
+        f"{' / '.join(CHECKED_TORCHTITAN)}, but torch {torch_version} and torchtitan "
+        f"{torchtitan_version} are installed; install checked versions (see pyproject.toml) "
+        "or re-check titan_hybrid/compat/ against these ones")
+
+
+def _installed_torchtitan() -> str:
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+check_versions(torch.__version__, _installed_torchtitan())

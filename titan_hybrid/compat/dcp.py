@@ -1,0 +1,92 @@
+"""Distributed checkpoint internals: tensors that DCP saves and loads chunk by chunk.
+
+Checked on torch 2.13 and 2.14.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+# Private module: where a DTensor's local shard sits in the global tensor. DTensor exposes its
+# global shape and placements publicly but not its shard's global offsets; this is the function
+# DTensor's own checkpointing uses, so the offsets match what DCP writes for DTensors.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+import titan_hybrid.compat  # noqa: F401  (the version check)
+
+# `Tensor.to(dtype)` reaches __torch_dispatch__ as this Core ATen IR operator (the leading
+# underscore is its ATen name, not a sign of a private Python API).
+_TO_COPY = torch.ops.aten._to_copy.default
+
+Chunk = tuple[torch.Size, torch.Tensor]  # (global offsets, a view holding the chunk's values)
+
+
+def shard_shape_and_offsets(dtensor: DTensor) -> tuple[torch.Size, torch.Size]:
+    """(shape, global offsets) of this rank's shard of `dtensor`."""
+    shape, offsets = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return torch.Size(shape), torch.Size(offsets)
+
+
+class ChunkedTensor(torch.Tensor):
+    """A data-less tensor of a global shape whose values this rank holds as `chunks`, which DCP
+    writes and reads in place, chunk by chunk, as it does a DTensor's shard.
+
+    Private protocol: DCP checks a tensor for `__create_write_items__`, `__create_chunk_list__`
+    and `__get_tensor_shard__` (torch.distributed.checkpoint.planner_helpers / utils), the
+    checkpointing protocol DTensor implements; it is not documented as public, and it is the
+    only way to give DCP pieces that are not a DTensor's one shard. The wrapper itself is made
+    with the private `torch.Tensor._make_wrapper_subclass`, which is how every tensor subclass
+    without storage is made (there is no public constructor for one).
+
+    Subclasses set `chunks` and implement `cast(**to_kwargs)` (the result of `.to(dtype)`).
+    """
+
+    chunks: list[Chunk]
+
+    @classmethod
+    def make(cls, global_shape: torch.Size, like: torch.Tensor) -> ChunkedTensor:
+        """An empty instance with `like`'s dtype and device (for the subclass's __new__)."""
+        return torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=like.dtype,
+                                                   device=like.device)
+
+    def cast(self, **to_kwargs) -> ChunkedTensor:
+        raise NotImplementedError
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        if func is _TO_COPY:  # torchtitan casts a model-only export (checkpoint.export_dtype)
+            return args[0].cast(**(kwargs or {}))
+        raise NotImplementedError(f"{func} on {cls.__name__}: it only carries chunks")
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.shape),
+                    properties=TensorProperties.create_from_tensor(view),
+                    size=self.shape,
+                ),
+            )
+            for offsets, view in self.chunks
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, view in self.chunks:
+            if offsets == index.offset:
+                return view
+        raise ValueError(f"no chunk at offset {index.offset} for {index.fqn}")

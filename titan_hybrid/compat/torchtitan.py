@@ -1,0 +1,88 @@
+"""torchtitan 0.2.2 internals: checkpoint hooks under public names, and its device globals.
+
+Checked on torchtitan 0.2.2 (with torch 2.13 and 2.14).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
+
+import titan_hybrid.compat  # noqa: F401  (the version check)
+
+
+class ModelWrapperHooks(ModelWrapper):
+    """torchtitan's ModelWrapper (the checkpointed model state) with its one hook public.
+
+    Private name: `ModelWrapper._get_state_dict`, which torchtitan calls at construction and
+    after every load to (re)build the state dict that `state_dict()` hands to DCP. It is the
+    only place to change what a checkpoint holds for the model (titan_hybrid saves fused
+    tensors as their components); `state_dict()` returns a cache built by it, so overriding
+    `state_dict()` alone would miss the rebuild after a load.
+    """
+
+    def build_state_dict(self) -> dict:
+        """The model's state dict as torchtitan builds it; override to transform it."""
+        return super()._get_state_dict()
+
+    def _get_state_dict(self) -> dict:
+        return self.build_state_dict()
+
+
+class CheckpointManagerHooks(CheckpointManager):
+    """torchtitan's CheckpointManager with the private hooks titan_hybrid overrides or calls
+    under public names. Subclasses override the public methods; torchtitan's own calls to the
+    private hooks land on them, and the defaults run torchtitan's code.
+
+    Private names (no public hook exists for these steps in 0.2.2):
+    - `_save_last_step`: the final save, whose model-only / HF / dtype rules titan_hybrid decides;
+    - `_find_load_step`: which `step-N` folder a resume reads (titan_hybrid skips damaged ones);
+    - `_purge_stale_checkpoints`: `keep_latest_k` (titan_hybrid counts intact folders only);
+    - `_create_checkpoint_id`: the folder of a step, as torchtitan names it.
+    """
+
+    def save_last_step(self, step: int) -> None:
+        super()._save_last_step(step)
+
+    def find_load_step(self, folder: str = "") -> int:
+        return super()._find_load_step(folder)
+
+    def purge_stale_checkpoints(self) -> None:
+        super()._purge_stale_checkpoints()
+
+    def step_folder(self, step: int) -> str:
+        return self._create_checkpoint_id(step)
+
+    def _save_last_step(self, curr_step: int) -> None:
+        self.save_last_step(curr_step)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        return self.find_load_step(folder)
+
+    def _purge_stale_checkpoints(self) -> None:
+        self.purge_stale_checkpoints()
+
+
+def point_device_globals_at_cpu(cpu_module: types.ModuleType) -> None:
+    """Make every loaded torchtitan module see device "cpu" and `cpu_module` (a patch: applied
+    only by titan_hybrid.runtime.cpu.apply()).
+
+    Internal detail relied on: `torchtitan.tools.utils` computes `device_type = ... or "cuda"`
+    and `device_module` once at import, other modules copy them with `from ... import
+    device_type`, and their functions read these module globals at call time. torchtitan has
+    no setting for the device type, so each copy is rewritten; modules imported later copy the
+    already rewritten values from torchtitan.tools.utils.
+    """
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type, tt_utils.device_module = "cpu", cpu_module
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torchtitan") or module is None:
+            continue
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"
+        if getattr(module, "device_module", None) is torch.cuda:
+            module.device_module = cpu_module

@@ -1,0 +1,74 @@
+"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, -, E).
+
+Each layer module (mamba.py, gdn.py, attention.py, mlp.py, moe.py) ends with its `KIND`; the
+table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that differs between
+kinds outside the layer's own module is read from here: the pattern grammar, model building,
+shape validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+
+def _no_checks(section: Any, dim: int) -> None:
+    return None
+
+
+def _no_core(section: Any, dim: int, seq_len: int) -> int:
+    return 0
+
+
+def _nothing_to_split(section: Any, dim: int) -> list[tuple[str, int]]:
+    return []
+
+
+@dataclass(frozen=True)
+class HFNames:
+    """How one Hugging Face format names this kind's layers."""
+
+    block_type: str  # the format's layer-type word (Nemotron-H: hybrid_override_pattern)
+    renames: dict[str, str]  # our parameter -> the format's parameter under `mixer.`
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF tensor -> components
+
+
+@dataclass(frozen=True)
+class ContextParallelRule:
+    """How context parallelism splits this kind's sequence-mixing core.
+
+    `core` is the mixer's submodule that runs along the sequence; parallel/context_parallel.py
+    wraps it (its wrapper for this kind's name). `head_groups(section, dim)` gives
+    ((heads field, heads), (groups field, groups)) for kinds whose CP exchanges heads for
+    sequence: each CP rank takes whole groups' heads or whole heads of one group; None for
+    kinds that gather keys and values instead."""
+
+    core: str
+    head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One layer kind. `section` below is the kind's own args dataclass (`args_type`), found on
+    HybridModelArgs under the kind's `name`; `dim` is the model width."""
+
+    symbol: str  # its character in the hybrid pattern
+    name: str  # args section, submodule name and checkpoint-key word: layers.3.mamba.*
+    title: str  # for messages: "Mamba2"
+    args_type: type
+    build: Callable[[Any, int, float], nn.Module]  # (section, dim, norm_eps) -> mixer
+    mixes_sequence: bool = False  # mixer(x, layout) instead of mixer(x)
+    has_aux_loss: bool = False  # mixer returns (output, auxiliary loss)
+    closes_group: bool = False  # may only be the last symbol of a bracket group (MoE)
+    validate: Callable[[Any, int], None] = _no_checks  # ValueError for shapes that cannot work
+    # Forward FLOPs per token of the sequence-mixing core that 6 * parameters misses.
+    core_flops: Callable[[Any, int, int], int] = _no_core  # (section, dim, seq_len)
+    # (field, size) pairs that the tensor-parallel degree must divide.
+    tensor_parallel_sizes: Callable[[Any, int], list[tuple[str, int]]] = _nothing_to_split
+    context_parallel: ContextParallelRule | None = None  # None: token-wise, nothing to do
+    hf_names: dict[str, HFNames] = field(default_factory=dict)  # by HF format
+
+    def __deepcopy__(self, memo) -> "LayerKind":
+        return self  # a registry entry: copies of a model share it

@@ -1,0 +1,72 @@
+"""The differentiable collectives of expert and context parallelism: one autograd function.
+
+`all_to_all` (an all-to-all whose backward is the reverse all-to-all) serves the MoE dispatch
+and combine (expert_parallel.py), the heads <-> sequence exchange of Mamba2 / GDN under context
+parallelism, and, through `all_gather`, the key / value gather of attention under context
+parallelism (context_parallel.py).
+
+Why not torch.distributed.nn.functional: its `all_to_all_single` and `all_gather` do run on
+gloo and give the same numbers (checked, forward and backward), but torch 2.13 deprecates both
+(a FutureWarning at every call) in favour of torch.distributed._functional_collectives, a
+private module; and the EP-overlap schedule needs each all-to-all, forward and backward, issued
+asynchronously with a hand-over to the other microbatch while it is in flight (`overlap`),
+which no public differentiable collective offers. gloo has no reduce-scatter, which is why the
+gather's backward is an all-to-all and a sum rather than a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class HandOver(Protocol):
+    """What `all_to_all` calls right after issuing its collective asynchronously; it must
+    wait for `work` before returning (ep_overlap.py's coordinator lets the other microbatch
+    compute in between)."""
+
+    def communicate(self, work) -> None: ...
+
+
+def _exchange(x: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
+              group, overlap: HandOver | None) -> torch.Tensor:
+    x = x.contiguous()
+    rows = x.shape[0] if recv_splits is None else sum(recv_splits)
+    out = x.new_empty((rows, *x.shape[1:]))  # contiguous, whatever x's strides were
+    if overlap is None:
+        dist.all_to_all_single(out, x, recv_splits, send_splits, group=group)
+    else:
+        overlap.communicate(dist.all_to_all_single(out, x, recv_splits, send_splits,
+                                                   group=group, async_op=True))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, overlap):
+        ctx.splits, ctx.group, ctx.overlap = (send_splits, recv_splits), group, overlap
+        return _exchange(x, send_splits, recv_splits, group, overlap)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _exchange(grad, recv_splits, send_splits, ctx.group, ctx.overlap), *[None] * 4
+
+
+def all_to_all(x: torch.Tensor, *, group, send_splits: list[int] | None = None,
+               recv_splits: list[int] | None = None,
+               overlap: HandOver | None = None) -> torch.Tensor:
+    """Rows x[sum(send_splits[:r]) : ...] go to rank r of `group`; returns the rows received,
+    by source rank (without splits: equal blocks of dim 0). The backward sends the gradient
+    back along the same paths. With `overlap`, forward and backward hand over while in flight."""
+    return _AllToAll.apply(x, send_splits, recv_splits, group, overlap)
+
+
+def all_gather(x: torch.Tensor, *, group) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x, by rank. The backward sums, for each rank, the
+    gradients all ranks hold for its block: the all-to-all of x repeated once per rank, whose
+    expand's backward is that sum."""
+    world = dist.get_world_size(group)
+    return all_to_all(x.unsqueeze(0).expand(world, *x.shape), group=group)
