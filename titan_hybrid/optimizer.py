@@ -16,6 +16,10 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
 
+from titan_hybrid.checkpoint.split import merge_state_dict
+from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
+from titan_hybrid.parallel.zero1 import shard_optimizer_state
+
 NO_DECAY_NAMES = ("A_log", "D", "dt_bias")
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -38,8 +42,6 @@ def _build_one(model: nn.Module, optimizer_cls, optimizer_kwargs) -> torch.optim
                               **optimizer_kwargs)
     zero1_mesh = getattr(model, "zero1_mesh", None)  # set by the `optim` strategy
     if zero1_mesh is not None:
-        from titan_hybrid.parallel.zero1 import shard_optimizer_state
-
         shard_optimizer_state(optimizer, zero1_mesh)
     return optimizer
 
@@ -62,14 +64,9 @@ class HybridOptimizersContainer(OptimizersContainer):
     # Checkpoints hold fused parameters' states (Adam's moments) as logical components, like
     # the parameters themselves, so they reload under any TP / FSDP layout.
     def state_dict(self) -> dict[str, Any]:
-        from titan_hybrid.checkpoint.state import split_optimizer_state
-
         return split_optimizer_state(super().state_dict(), self.model_parts)[0]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from titan_hybrid.checkpoint.split import merge_state_dict
-        from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
-
         # {logical key: optimizer key} of this optimizer, whatever was saved or loaded before.
         _, originals = split_optimizer_state(super().state_dict(), self.model_parts)
         super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))

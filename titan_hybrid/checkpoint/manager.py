@@ -35,6 +35,7 @@ from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, TR
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.checkpoint import integrity
+from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
 from titan_hybrid.checkpoint.state import (
     NON_MODEL_PREFIXES,
     SplitModelWrapper,
@@ -82,8 +83,6 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         return result
 
     def _complete_hf_export(self, folder: Path) -> None:
-        from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
-
         # torchtitan writes per-rank shards under sharded/, then consolidates them next to it.
         shutil.rmtree(folder / "sharded", ignore_errors=True)
         (folder / "config.json").write_text(json.dumps(nemotron_h_config(self.model_args),

@@ -42,39 +42,39 @@ class VisionLanguageModel(nn.Module):
             nn.init.normal_(self.vision_projection.weight,
                             std=self.vision_projection.in_features ** -0.5)
 
-    def embed(self, tokens_BS: torch.Tensor, vision_features_NV: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens_BT: torch.Tensor, vision_features: torch.Tensor) -> torch.Tensor:
         """[S, B, H]: token embeddings with the projected vision features, in order, at the
         image placeholder tokens."""
-        h = self.tok_embeddings(tokens_BS)
-        image = (tokens_BS == self.image_token_id).unsqueeze(-1)
-        if int(image.sum()) != vision_features_NV.shape[0]:
-            raise ValueError(f"{int(image.sum())} image tokens but {vision_features_NV.shape[0]} "
+        h = self.tok_embeddings(tokens_BT)
+        image = (tokens_BT == self.image_token_id).unsqueeze(-1)
+        if int(image.sum()) != vision_features.shape[0]:
+            raise ValueError(f"{int(image.sum())} image tokens but {vision_features.shape[0]} "
                              "vision feature rows: one row per image token")
-        h = h.masked_scatter(image, self.vision_projection(vision_features_NV).to(h.dtype))
+        h = h.masked_scatter(image, self.vision_projection(vision_features).to(h.dtype))
         return h.transpose(0, 1)
 
-    def forward(self, tokens_BS: torch.Tensor, vision_features_NV: torch.Tensor,
-                labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
+    def forward(self, tokens_BT: torch.Tensor, vision_features: torch.Tensor,
+                labels_BT: torch.Tensor, loss_mask_BT: torch.Tensor,
                 adapter: PartitionAdapter,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         """This rank's summed cross-entropy over its masked tokens (sum it over the CP group
         and divide by loss_mask.sum() for the mean)."""
-        batch, seq_len = tokens_BS.shape
+        batch, seq_len = tokens_BT.shape
         if packed_seq_params is None:
             seq_idx = None
-            positions = torch.arange(seq_len, device=tokens_BS.device).expand(batch, -1)
+            positions = torch.arange(seq_len, device=tokens_BT.device).expand(batch, -1)
         else:
             bounds = packed_seq_params.cu_seqlens_q_padded
             seq_idx, positions = packed_layout(
                 packed_seq_params.cu_seqlens_q if bounds is None else bounds)
         embeddings, labels, loss_mask, _ = adapter.shard(
-            self.embed(tokens_BS, vision_features_NV), labels_BS, loss_mask_BS,
+            self.embed(tokens_BT, vision_features), labels_BT, loss_mask_BT,
             packed_seq_params)
 
         # The LM's layers see whole CP-local sequences (SP gathers inside the TP regions), so
         # positions and documents are CP-sharded like the labels, never SP-scattered.
-        def cp_local(per_token_BS):
-            return adapter.shard(None, per_token_BS, per_token_BS, packed_seq_params)[1]
+        def cp_local(per_token_BT):
+            return adapter.shard(None, per_token_BT, per_token_BT, packed_seq_params)[1]
 
         logits = self.language_model(
             embeddings.transpose(0, 1), positions=cp_local(positions),

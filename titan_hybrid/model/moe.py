@@ -1,6 +1,7 @@
 """Dropless top-k mixture of experts with fused-fc1 SwiGLU experts and a load-balancing loss.
 
-Legend: N tokens, D hidden, E experts, H expert hidden, K top-k.
+Shape suffixes (README, "Shape suffixes"): X tokens (batch x time), D width, E experts,
+A routing choices per token (top-k).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class TopKRouter(nn.Module):
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_XD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (weights [N, K], expert ids [N, K], load-balancing loss)."""
         # Routing in fp32: near-ties between experts flip under bf16 logits.
-        logits = upcast(self.gate(x_ND))
+        logits = upcast(self.gate(x_XD))
         if self.args.score_func == "softmax":
             scores = logits.softmax(dim=-1)
             weights, experts = scores.topk(self.args.top_k, dim=-1)
@@ -65,9 +66,9 @@ class GroupedExperts(nn.Module):
                                  components={"_w": hidden_dim, "_v": hidden_dim})
         annotate_tensor_parallel(self.fc2, partition_dim=2)
 
-    def forward(self, x_sorted_ND: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, x_sorted_XD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         outputs = []
-        for expert, x in enumerate(x_sorted_ND.split(tokens_per_expert)):
+        for expert, x in enumerate(x_sorted_XD.split(tokens_per_expert)):
             gate, up = (x @ self.fc1[expert].t()).chunk(2, dim=-1)
             outputs.append((F.silu(gate) * up) @ self.fc2[expert].t())
         return torch.cat(outputs)
@@ -93,24 +94,24 @@ class MoE(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, this layer's load-balancing loss times its coefficient)."""
-        x_ND = x_BTD.flatten(0, 1)
-        weights_NK, experts_NK, aux_loss = self.router(x_ND)
+        x_XD = x_BTD.flatten(0, 1)
+        weights_XA, experts_XA, aux_loss = self.router(x_XD)
         # Dropless dispatch: sort the N*K (token, expert) slots by expert, run each expert on
         # its contiguous block, scatter-add the weighted results back to their tokens.
-        slot_order = experts_NK.flatten().argsort(stable=True)
+        slot_order = experts_XA.flatten().argsort(stable=True)
         token_of_slot = slot_order // self.args.top_k
-        tokens_per_expert = torch.bincount(experts_NK.flatten(), minlength=self.args.num_experts)
+        tokens_per_expert = torch.bincount(experts_XA.flatten(), minlength=self.args.num_experts)
         with torch.no_grad():
             self.routed_tokens += tokens_per_expert
             aux_value = aux_loss.detach().to(self.aux_loss_sum.dtype)
             self.aux_loss_sum += torch.stack((aux_value, torch.ones_like(aux_value)))
-        expert_out = self.experts(x_ND[token_of_slot], tokens_per_expert.tolist())
-        slot_weights = weights_NK.flatten()[slot_order].unsqueeze(-1)
-        out_ND = torch.zeros_like(x_ND).index_add_(
-            0, token_of_slot, (upcast(expert_out) * slot_weights).type_as(x_ND))
+        expert_out = self.experts(x_XD[token_of_slot], tokens_per_expert.tolist())
+        slot_weights = weights_XA.flatten()[slot_order].unsqueeze(-1)
+        out_XD = torch.zeros_like(x_XD).index_add_(
+            0, token_of_slot, (upcast(expert_out) * slot_weights).type_as(x_XD))
         if self.shared_expert is not None:
-            out_ND = out_ND + self.shared_expert(x_ND)
-        return out_ND.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
+            out_XD = out_XD + self.shared_expert(x_XD)
+        return out_XD.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
 
     def reset_router_statistics(self) -> None:
         self.routed_tokens.zero_()

@@ -1,7 +1,8 @@
 """Gated delta rule (gated DeltaNet) in pure PyTorch, with flash-linear-attention's API.
 
-Shape legend: B batch, T time, H heads, K key/query dim, V value dim, N sequences (B, or the
-number of packed documents when `cu_seqlens` is given), C chunk length, Nc chunks.
+Shape suffixes follow the package legend (README, "Shape suffixes"): B batch, T time, H heads,
+K key/query dim, V value dim, J chunks, Q positions in a chunk (chunk length); a lower-case b
+is B*H flattened. Sequences: the B rows, or the packed documents when `cu_seqlens` is given.
 
 Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
 
@@ -11,7 +12,7 @@ Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
     o_t = S^T (scale * q_t)
 
 `chunk_gated_delta_rule` calls fla's Triton kernel for CUDA tensors when `fla` is installed and
-`chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of C tokens. Within a
+`chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of Q tokens. Within a
 chunk, with G the inclusive cumulative log-decay and S0 the state entering the chunk, the
 corrected values v' (rows of U) solve a unit lower-triangular system (WY / UT representation):
 
@@ -20,7 +21,7 @@ corrected values v' (rows of U) solve a unit lower-triangular system (WY / UT re
 so with Tinv = (I + A)^-1:  U = W - KC S0,  W = Tinv (beta*V),  KC = Tinv (beta*exp(G)*K), and
 
     O      = (exp(G)*Q) S0 + P U,           P_ij = exp(G_i - G_j) q_i.k_j  (j <= i)
-    S_exit = exp(G_C) S0 + (exp(G_C - G)*K)^T U.
+    S_exit = exp(G_end) S0 + (exp(G_end - G)*K)^T U,   G_end: G at the chunk's last token.
 
 Everything but the last three products is batched over all chunks at once; a Python loop over
 chunks carries S0 from chunk to chunk.
@@ -94,7 +95,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     B, T, H, K = q.shape
     if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != T):
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}")
-    V, C = v.shape[-1], chunk_size
+    V, Q = v.shape[-1], chunk_size
     scale = K ** -0.5 if scale is None else scale
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), v.dtype
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
@@ -105,63 +106,63 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     # Every sequence is padded to whole chunks with zeros: a zero token (g = 0, k = 0, beta = 0)
     # leaves the state exactly unchanged, so padding affects neither outputs nor final states.
     if cu_seqlens is None:
-        seq_chunks = [math.ceil(T / C)]
+        seq_chunks = [math.ceil(T / Q)]
         dest_T = None
     else:
-        lens_N = cu_seqlens.diff().to(q.device)
-        seq_chunks = ((lens_N + C - 1) // C).tolist()
-        padded_start_N = torch.cumsum(lens_N.new_tensor([0] + seq_chunks[:-1]), 0) * C
-        seq_T = torch.repeat_interleave(torch.arange(n_seqs, device=q.device), lens_N)
+        seq_lens = cu_seqlens.diff().to(q.device)
+        seq_chunks = ((seq_lens + Q - 1) // Q).tolist()
+        seq_padded_starts = torch.cumsum(seq_lens.new_tensor([0] + seq_chunks[:-1]), 0) * Q
+        seq_T = torch.repeat_interleave(torch.arange(n_seqs, device=q.device), seq_lens)
         dest_T = (torch.arange(T, device=q.device) - cu_seqlens.to(q.device)[seq_T]
-                  + padded_start_N[seq_T])
-    Nc = sum(seq_chunks)
+                  + seq_padded_starts[seq_T])
+    n_chunks = sum(seq_chunks)
 
-    def to_chunks(x_BTHD):  # -> [Nc, B, H, C, D], chunk-major so one chunk's slice is contiguous
+    def to_chunks(x_BTHD):  # -> [J, B, H, Q, D], chunk-major: one chunk's slice is contiguous
         if dest_T is None:
-            x_BTHD = torch.nn.functional.pad(x_BTHD, (0, 0, 0, 0, 0, Nc * C - T))
+            x_BTHD = torch.nn.functional.pad(x_BTHD, (0, 0, 0, 0, 0, n_chunks * Q - T))
         else:
-            x_BTHD = x_BTHD.new_zeros((B, Nc * C) + x_BTHD.shape[2:]).index_copy(1, dest_T, x_BTHD)
-        return x_BTHD.unflatten(1, (Nc, C)).movedim((1, 2), (0, 3)).contiguous()
+            x_BTHD = x_BTHD.new_zeros((B, n_chunks * Q) + x_BTHD.shape[2:]).index_copy(1, dest_T, x_BTHD)
+        return x_BTHD.unflatten(1, (n_chunks, Q)).movedim((1, 2), (0, 3)).contiguous()
 
-    q_NBHCK, k_NBHCK, v_NBHCV = to_chunks(q), to_chunks(k), to_chunks(v)
-    g_NBHC, beta_NBHC = to_chunks(g[..., None])[..., 0], to_chunks(beta[..., None])[..., 0]
+    q_JBHQK, k_JBHQK, v_JBHQV = to_chunks(q), to_chunks(k), to_chunks(v)
+    g_JBHQ, beta_JBHQ = to_chunks(g[..., None])[..., 0], to_chunks(beta[..., None])[..., 0]
 
-    G_NBHC = g_NBHC.cumsum(-1)
+    G_JBHQ = g_JBHQ.cumsum(-1)
     # exp(G_i - G_j) is a decay (<= 1) only for i >= j; above the diagonal it can overflow, so
     # mask to -inf before exp rather than zeroing after (inf * 0 would give NaN in values/grads)
-    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    log_decay_NBHCC = G_NBHC[..., :, None] - G_NBHC[..., None, :]
-    decay_NBHCC = log_decay_NBHCC.masked_fill(~causal_CC, -math.inf).exp()
-    A_NBHCC = (k_NBHCK @ k_NBHCK.transpose(-1, -2)) * decay_NBHCC * beta_NBHC[..., None]
+    causal_QQ = torch.ones(Q, Q, dtype=torch.bool, device=q.device).tril()
+    log_decay_JBHQQ = G_JBHQ[..., :, None] - G_JBHQ[..., None, :]
+    decay_JBHQQ = log_decay_JBHQQ.masked_fill(~causal_QQ, -math.inf).exp()
+    A_JBHQQ = (k_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ * beta_JBHQ[..., None]
     # (I + A)^-1 by a triangular solve (backward stable; a Neumann series would cancel badly).
     # unitriangular: the diagonal is taken as 1 and only the strict lower part of A is read.
-    eye_CC = torch.eye(C, dtype=dtype, device=q.device)
-    T_NBHCC = torch.linalg.solve_triangular(A_NBHCC, eye_CC.expand_as(A_NBHCC), upper=False,
+    eye_QQ = torch.eye(Q, dtype=dtype, device=q.device)
+    T_JBHQQ = torch.linalg.solve_triangular(A_JBHQQ, eye_QQ.expand_as(A_JBHQQ), upper=False,
                                             unitriangular=True)
-    W_NBHCV = T_NBHCC @ (v_NBHCV * beta_NBHC[..., None])
-    KC_NBHCK = T_NBHCC @ (k_NBHCK * (beta_NBHC * G_NBHC.exp())[..., None])
+    W_JBHQV = T_JBHQQ @ (v_JBHQV * beta_JBHQ[..., None])
+    KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * G_JBHQ.exp())[..., None])
     # all decays below are exp of non-positive numbers: nothing can overflow
-    P_NBHCC = (q_NBHCK @ k_NBHCK.transpose(-1, -2)) * decay_NBHCC
-    q_dec_NBHCK = q_NBHCK * G_NBHC.exp()[..., None]
-    k_dec_NBHKC = (k_NBHCK * (G_NBHC[..., -1:] - G_NBHC).exp()[..., None]).transpose(-1, -2)
-    gamma_NBH11 = G_NBHC[..., -1, None, None].exp()
+    P_JBHQQ = (q_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ
+    q_dec_JBHQK = q_JBHQK * G_JBHQ.exp()[..., None]
+    k_dec_JBHKQ = (k_JBHQK * (G_JBHQ[..., -1:] - G_JBHQ).exp()[..., None]).transpose(-1, -2)
+    gamma_JBH11 = G_JBHQ[..., -1, None, None].exp()
 
     if initial_state is None:
         initial_state = q.new_zeros(n_seqs, H, K, V)
     init = initial_state.to(dtype)
     init_per_seq = [init.flatten(0, 1)] if cu_seqlens is None else list(init)
     # unbind, not indexing: each index's backward would fill a full-size zero gradient
-    per_chunk = [x.flatten(1, 2).unbind(0) for x in (W_NBHCV, KC_NBHCK, P_NBHCC, q_dec_NBHCK,
-                                                     k_dec_NBHKC, gamma_NBH11)]
-    o_chunks, final_states, c = [], [], 0
+    per_chunk = [x.flatten(1, 2).unbind(0) for x in (W_JBHQV, KC_JBHQK, P_JBHQQ, q_dec_JBHQK,
+                                                     k_dec_JBHKQ, gamma_JBH11)]
+    o_chunks, final_states, chunk = [], [], 0
     for S_bKV, n in zip(init_per_seq, seq_chunks):  # S_bKV: [B*H, K, V]
         for _ in range(n):
-            W_bCV, KC_bCK, P_bCC, q_dec_bCK, k_dec_bKC, gamma_b11 = (x[c] for x in per_chunk)
-            v_new_bCV = torch.baddbmm(W_bCV, KC_bCK, S_bKV, alpha=-1)
-            o_bCV = torch.baddbmm(P_bCC @ v_new_bCV, q_dec_bCK, S_bKV)
-            o_chunks.append(o_bCV.unflatten(0, (B, H)).transpose(1, 2))
-            S_bKV = torch.baddbmm(S_bKV * gamma_b11, k_dec_bKC, v_new_bCV)
-            c += 1
+            W_bQV, KC_bQK, P_bQQ, q_dec_bQK, k_dec_bKQ, gamma_b11 = (x[chunk] for x in per_chunk)
+            v_new_bQV = torch.baddbmm(W_bQV, KC_bQK, S_bKV, alpha=-1)
+            o_bQV = torch.baddbmm(P_bQQ @ v_new_bQV, q_dec_bQK, S_bKV)
+            o_chunks.append(o_bQV.unflatten(0, (B, H)).transpose(1, 2))
+            S_bKV = torch.baddbmm(S_bKV * gamma_b11, k_dec_bKQ, v_new_bQV)
+            chunk += 1
         final_states.append(S_bKV)
 
     o_BTHV = torch.stack(o_chunks, 1).flatten(1, 2)

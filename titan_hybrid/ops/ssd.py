@@ -12,13 +12,12 @@ Per head (state ``[p, n]``)::
     S_t   = exp(dt_t * A) * S_{t-1} + dt_t * outer(x_t, B_t)
     y_t   = S_t @ C_t + D * x_t ;   y = y * silu(z)   # if z is given
 
-Shape legend (names carry it as a suffix, e.g. ``x_BLHP``):
-    b batch, l sequence length, h heads, p head dim, g B/C groups,
-    r heads per group (h = g * r; head hh uses group hh // r),
-    n state size, c chunks, k chunk length (chunk_size); ``K`` doubles as the
-    source position inside a chunk when two positions appear (``_BCGRKK``).
+Shape suffixes follow the package legend (README, "Shape suffixes"), e.g. ``x_BTHP``;
+lower-case letters are the sizes: b batch, t time, h heads, p head dim, g B/C groups,
+r heads per group (h = g * r; head hh uses group hh // r), n state size, j chunks,
+q positions in a chunk (chunk_size); ``QQ`` is (position, source position) in a chunk.
 
-Packed documents (``seq_idx [b, l]``): the state is zeroed wherever seq_idx
+Packed documents (``seq_idx [b, t]``): the state is zeroed wherever seq_idx
 differs from the previous position. As in mamba_ssm, the position before the
 sequence counts as seq_idx 0, so ``initial_states`` feeds only the leading
 positions and only when they have seq_idx 0 (documents are normally numbered
@@ -56,43 +55,43 @@ def _skip(y, x, D, z):
     return y
 
 
-def _doc_ids(seq_idx_BL):
+def _doc_ids(seq_idx_BT):
     """Document counter that increments at every seq_idx change (the position before
     the sequence counts as seq_idx 0). Counting changes, rather than comparing raw
     ids, keeps a document separate even if a later one reuses its id."""
-    prev = F.pad(seq_idx_BL, (1, 0))[:, :-1]
-    return (seq_idx_BL != prev).cumsum(-1)
+    prev = F.pad(seq_idx_BT, (1, 0))[:, :-1]
+    return (seq_idx_BT != prev).cumsum(-1)
 
 
 class _IntraChunk(torch.autograd.Function):
     """y = (exp(segsum(Acum)) * CB) @ xdt within each chunk, masked to causal / same-document.
 
-    Written out by hand because the [b, c, g, r, k, k] decay matrix is the largest tensor of
+    Written out by hand because the [b, j, g, r, q, q] decay matrix is the largest tensor of
     the scan and, left to autograd, every elementwise step on it (fill, exp, product with CB
     and each of their backwards) is a full pass over memory. Here the forward keeps only the
     masked decay E; the backward rebuilds E * CB once and reuses one buffer for dL.
     """
 
     @staticmethod
-    def forward(ctx, Acum_BCGRK, CB_BCGKK, xdt_BCGRKP, mask):
+    def forward(ctx, Acum_BJGRQ, CB_BJGQQ, xdt_BJGRQP, mask):
         # Masked entries become -inf before exp, so they are exact zeros and never overflow.
-        E_BCGRKK = (Acum_BCGRK[..., :, None] - Acum_BCGRK[..., None, :])
-        E_BCGRKK.masked_fill_(~mask, float("-inf")).exp_()
-        ctx.save_for_backward(E_BCGRKK, CB_BCGKK, xdt_BCGRKP)
-        return (E_BCGRKK * CB_BCGKK[:, :, :, None]) @ xdt_BCGRKP
+        E_BJGRQQ = (Acum_BJGRQ[..., :, None] - Acum_BJGRQ[..., None, :])
+        E_BJGRQQ.masked_fill_(~mask, float("-inf")).exp_()
+        ctx.save_for_backward(E_BJGRQQ, CB_BJGQQ, xdt_BJGRQP)
+        return (E_BJGRQQ * CB_BJGQQ[:, :, :, None]) @ xdt_BJGRQP
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy_BCGRKP):
-        E_BCGRKK, CB_BCGKK, xdt_BCGRKP = ctx.saved_tensors
-        dxdt_BCGRKP = (E_BCGRKK * CB_BCGKK[:, :, :, None]).transpose(-1, -2) @ dy_BCGRKP
-        dM_BCGRKK = dy_BCGRKP @ xdt_BCGRKP.transpose(-1, -2)
-        dM_BCGRKK.mul_(E_BCGRKK)
-        dCB_BCGKK = dM_BCGRKK.sum(3)
-        dL_BCGRKK = dM_BCGRKK.mul_(CB_BCGKK[:, :, :, None])  # d(exp) = exp: dL = dM * E * CB
+    def backward(ctx, dy_BJGRQP):
+        E_BJGRQQ, CB_BJGQQ, xdt_BJGRQP = ctx.saved_tensors
+        dxdt_BJGRQP = (E_BJGRQQ * CB_BJGQQ[:, :, :, None]).transpose(-1, -2) @ dy_BJGRQP
+        dM_BJGRQQ = dy_BJGRQP @ xdt_BJGRQP.transpose(-1, -2)
+        dM_BJGRQQ.mul_(E_BJGRQQ)
+        dCB_BJGQQ = dM_BJGRQQ.sum(3)
+        dL_BJGRQQ = dM_BJGRQQ.mul_(CB_BJGQQ[:, :, :, None])  # d(exp) = exp: dL = dM * E * CB
         # L_ij = Acum_i - Acum_j: row sums enter with +, column sums with -.
-        dAcum_BCGRK = dL_BCGRKK.sum(-1) - dL_BCGRKK.sum(-2)
-        return dAcum_BCGRK, dCB_BCGKK, dxdt_BCGRKP, None
+        dAcum_BJGRQ = dL_BJGRQQ.sum(-1) - dL_BJGRQQ.sum(-2)
+        return dAcum_BJGRQ, dCB_BJGQQ, dxdt_BJGRQP, None
 
 
 def ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -100,7 +99,7 @@ def ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                       dt_limit=_NO_LIMIT, return_final_states=False):
     """Torch path of :func:`mamba_chunk_scan_combined` (same signature).
 
-    Returns ``y [b, l, h, p]`` in ``x.dtype``, or ``(y, final_states [b, h, p, n])``
+    Returns ``y [b, t, h, p]`` in ``x.dtype``, or ``(y, final_states [b, h, p, n])``
     with ``final_states`` in the compute dtype (float32 / float64).
     """
     # Autocast would silently run the einsums/matmuls in bf16; keep the documented precision.
@@ -111,88 +110,88 @@ def ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
 def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                  dt_softplus, dt_limit, return_final_states):
-    b, l, h, p = x.shape
+    b, t, h, p = x.shape
     g, n = B.shape[-2:]
     if h % g != 0:
         raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
-    r, k = h // g, chunk_size
-    c = -(-l // k)
-    pad = c * k - l
+    r, q = h // g, chunk_size
+    j = -(-t // q)
+    pad = j * q - t
     f = torch.promote_types(x.dtype, torch.float32)
 
     # Padding comes after softplus/clamp: dt = 0 there, so decay is exp(0) = 1 and
     # the padded input adds nothing, leaving the final state untouched.
-    dt_BLH = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit, f)
-    x_BLHP = x.to(f)
+    dt_BTH = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit, f)
+    x_BTHP = x.to(f)
 
-    def split(t):  # [b, l, ...] -> [b, c, k, ...], zero-padded at the end
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(b, c, k, *t.shape[2:])
+    def split(tensor):  # [b, t, ...] -> [b, j, q, ...], zero-padded at the end
+        tensor = F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, pad))
+        return tensor.reshape(b, j, q, *tensor.shape[2:])
 
     # Contiguous once here rather than copied inside each matmul (forward and backward) below.
-    xdt_BCGRKP = (split(x_BLHP * dt_BLH[..., None]).reshape(b, c, k, g, r, p)
+    xdt_BJGRQP = (split(x_BTHP * dt_BTH[..., None]).reshape(b, j, q, g, r, p)
                   .permute(0, 1, 3, 4, 2, 5).contiguous())
-    B_BCKGN = split(B.to(f))
-    C_BCKGN = split(C.to(f))
-    dA_BCKH = split(dt_BLH * A.to(f))
+    B_BJQGN = split(B.to(f))
+    C_BJQGN = split(C.to(f))
+    dA_BJQH = split(dt_BTH * A.to(f))
     # Decays come from differences of the cumulative log-decay in the compute dtype;
     # masked (non-causal / cross-document) entries are set to -inf before exp so they
     # become exact zeros and never overflow.
-    Acum_BCGRK = dA_BCKH.reshape(b, c, k, g, r).permute(0, 1, 3, 4, 2).cumsum(-1)
-    Alast_BCGR = Acum_BCGRK[..., -1]
+    Acum_BJGRQ = dA_BJQH.reshape(b, j, q, g, r).permute(0, 1, 3, 4, 2).cumsum(-1)
+    Alast_BJGR = Acum_BJGRQ[..., -1]
 
-    causal_KK = torch.ones(k, k, dtype=torch.bool, device=x.device).tril()
+    causal_QQ = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
     if seq_idx is None:
-        intra_mask = causal_KK
+        intra_mask = causal_QQ
         end_mask = start_mask = carry_mask = None
     else:
-        doc_BL = _doc_ids(seq_idx)
-        doc_BL = torch.cat([doc_BL, doc_BL[:, -1:].expand(b, pad)], dim=1)  # padding joins the last doc
-        doc_BCK = doc_BL.reshape(b, c, k)
-        last_BC = doc_BCK[:, :, -1]
-        prev_BC = F.pad(last_BC, (1, 0))[:, :-1]  # doc id carried into each chunk
-        same_BCKK = doc_BCK[:, :, :, None] == doc_BCK[:, :, None, :]
-        intra_mask = (causal_KK & same_BCKK)[:, :, None, None]
-        end_mask = (doc_BCK == last_BC[..., None])[:, :, None, None]
-        start_mask = (doc_BCK == prev_BC[..., None])[:, :, None, None]
-        carry_mask = (last_BC == prev_BC)[:, :, None, None]
+        doc_BT = _doc_ids(seq_idx)
+        doc_BT = torch.cat([doc_BT, doc_BT[:, -1:].expand(b, pad)], dim=1)  # padding joins the last doc
+        doc_BJQ = doc_BT.reshape(b, j, q)
+        last_BJ = doc_BJQ[:, :, -1]
+        prev_BJ = F.pad(last_BJ, (1, 0))[:, :-1]  # doc id carried into each chunk
+        same_BJQQ = doc_BJQ[:, :, :, None] == doc_BJQ[:, :, None, :]
+        intra_mask = (causal_QQ & same_BJQQ)[:, :, None, None]
+        end_mask = (doc_BJQ == last_BJ[..., None])[:, :, None, None]
+        start_mask = (doc_BJQ == prev_BJ[..., None])[:, :, None, None]
+        carry_mask = (last_BJ == prev_BJ)[:, :, None, None]
 
     def decay(log_decay, mask):
         return log_decay.exp() if mask is None else log_decay.masked_fill(~mask, float("-inf")).exp()
 
     # 1) Intra-chunk (quadratic) term.
-    CB_BCGKK = torch.einsum("bcign,bcjgn->bcgij", C_BCKGN, B_BCKGN)  # shared by the group's heads
-    y_BCGRKP = _IntraChunk.apply(Acum_BCGRK, CB_BCGKK, xdt_BCGRKP, intra_mask)
+    CB_BJGQQ = torch.einsum("bjqgn,bjsgn->bjgqs", C_BJQGN, B_BJQGN)  # shared by the group's heads
+    y_BJGRQP = _IntraChunk.apply(Acum_BJGRQ, CB_BJGQQ, xdt_BJGRQP, intra_mask)
 
     # 2) State each chunk adds by its end, from its own inputs only.
-    w_end_BCGRK = decay(Alast_BCGR[..., None] - Acum_BCGRK, end_mask)
-    states_BCGRPN = torch.einsum("bcgrkp,bckgn->bcgrpn", xdt_BCGRKP * w_end_BCGRK[..., None], B_BCKGN)
+    w_end_BJGRQ = decay(Alast_BJGR[..., None] - Acum_BJGRQ, end_mask)
+    states_BJGRPN = torch.einsum("bjgrqp,bjqgn->bjgrpn", xdt_BJGRQP * w_end_BJGRQ[..., None], B_BJQGN)
 
-    # 3) Inter-chunk recurrence: sequential over c (cheap: c steps on [b, h, p, n]),
-    #    which avoids a [b, c, c, h, p, n]-sized segment sum for long sequences.
-    carry_BCGR = decay(Alast_BCGR, carry_mask)
+    # 3) Inter-chunk recurrence: sequential over j (cheap: j steps on [b, h, p, n]),
+    #    which avoids a [b, j, j, h, p, n]-sized segment sum for long sequences.
+    carry_BJGR = decay(Alast_BJGR, carry_mask)
     if initial_states is None:
-        state_BGRPN = x_BLHP.new_zeros(b, g, r, p, n)
+        state_BGRPN = x_BTHP.new_zeros(b, g, r, p, n)
     else:
         state_BGRPN = initial_states.to(f).reshape(b, g, r, p, n)
     entering = []
     # unbind, not indexing: the backward of `t[:, ci]` writes a full-size zero gradient per
     # chunk, which makes the backward quadratic in the number of chunks.
-    for carry_BGR, chunk_state_BGRPN in zip(carry_BCGR.unbind(1), states_BCGRPN.unbind(1)):
+    for carry_BGR, chunk_state_BGRPN in zip(carry_BJGR.unbind(1), states_BJGRPN.unbind(1)):
         entering.append(state_BGRPN)
         state_BGRPN = state_BGRPN * carry_BGR[..., None, None] + chunk_state_BGRPN
-    prev_BCGRPN = torch.stack(entering, dim=1)
+    prev_BJGRPN = torch.stack(entering, dim=1)
 
     # 4) Contribution of the state entering each chunk, decayed to each position.
-    w_start_BCGRK = decay(Acum_BCGRK, start_mask)
-    y_off_BCGRKP = torch.einsum("bckgn,bcgrpn->bcgrkp", C_BCKGN, prev_BCGRPN)
-    y_BCGRKP = y_BCGRKP + y_off_BCGRKP * w_start_BCGRK[..., None]
+    w_start_BJGRQ = decay(Acum_BJGRQ, start_mask)
+    y_off_BJGRQP = torch.einsum("bjqgn,bjgrpn->bjgrqp", C_BJQGN, prev_BJGRPN)
+    y_BJGRQP = y_BJGRQP + y_off_BJGRQP * w_start_BJGRQ[..., None]
 
-    y_BLHP = y_BCGRKP.permute(0, 1, 4, 2, 3, 5).reshape(b, c * k, h, p)[:, :l]
-    y_BLHP = _skip(y_BLHP, x_BLHP, D, z).to(x.dtype)
+    y_BTHP = y_BJGRQP.permute(0, 1, 4, 2, 3, 5).reshape(b, j * q, h, p)[:, :t]
+    y_BTHP = _skip(y_BTHP, x_BTHP, D, z).to(x.dtype)
     if return_final_states:
-        return y_BLHP, state_BGRPN.reshape(b, h, p, n)
-    return y_BLHP
+        return y_BTHP, state_BGRPN.reshape(b, h, p, n)
+    return y_BTHP
 
 
 def _mamba_ssm_kernel():
@@ -223,33 +222,33 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 def ssd_recurrent_reference(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
                             seq_idx=None, dt_softplus=False, dt_limit=_NO_LIMIT):
-    """Step-by-step recurrence, in the dtype it is given (test oracle; O(l) Python steps).
+    """Step-by-step recurrence, in the dtype it is given (test oracle; O(t) Python steps).
 
-    Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
+    Returns ``(y [b, t, h, p], final_states [b, h, p, n])``.
     """
-    b, l, h, p = x.shape
+    b, length, h, p = x.shape
     g, n = B.shape[-2:]
     dt = dt if dt_bias is None else dt + dt_bias
     if dt_softplus:
         dt = F.softplus(dt)
     if tuple(dt_limit) != _NO_LIMIT:
         dt = dt.clamp(dt_limit[0], dt_limit[1])
-    B_BLHN = B.repeat_interleave(h // g, dim=2)
-    C_BLHN = C.repeat_interleave(h // g, dim=2)
+    B_BTHN = B.repeat_interleave(h // g, dim=2)
+    C_BTHN = C.repeat_interleave(h // g, dim=2)
     if initial_states is None:
         state = x.new_zeros(b, h, p, n)
     else:
         state = initial_states.to(x.dtype)
     prev_seq = None if seq_idx is None else torch.zeros_like(seq_idx[:, 0])
     ys = []
-    for t in range(l):
+    for t in range(length):
         if seq_idx is not None:
             keep = (seq_idx[:, t] == prev_seq).to(x.dtype)
             state = state * keep[:, None, None, None]
             prev_seq = seq_idx[:, t]
         dt_t = dt[:, t]  # [b, h]
         state = (state * torch.exp(dt_t * A)[..., None, None]
-                 + (dt_t[..., None] * x[:, t])[..., None] * B_BLHN[:, t, :, None, :])
-        ys.append((state * C_BLHN[:, t, :, None, :]).sum(-1))
+                 + (dt_t[..., None] * x[:, t])[..., None] * B_BTHN[:, t, :, None, :])
+        ys.append((state * C_BTHN[:, t, :, None, :]).sum(-1))
     y = _skip(torch.stack(ys, dim=1), x, D, z)
     return y, state

@@ -52,13 +52,13 @@ def _exchange_counts(tokens_per_expert: list[int], group) -> torch.Tensor:
     return received.view(ep, -1)
 
 
-def _group_by_local_expert(received_RE: torch.Tensor) -> torch.Tensor:
+def _group_by_local_expert(received_counts: torch.Tensor) -> torch.Tensor:
     """Indices that reorder slots received as (source rank, local expert) blocks into
     (local expert, source rank) blocks, so each local expert's slots are contiguous."""
-    starts = (received_RE.flatten().cumsum(0) - received_RE.flatten()).view_as(received_RE)
+    starts = (received_counts.flatten().cumsum(0) - received_counts.flatten()).view_as(received_counts)
     blocks = [torch.arange(start, start + count)
-              for expert in range(received_RE.shape[1])
-              for start, count in zip(starts[:, expert].tolist(), received_RE[:, expert].tolist())]
+              for expert in range(received_counts.shape[1])
+              for start, count in zip(starts[:, expert].tolist(), received_counts[:, expert].tolist())]
     return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
 
 
@@ -73,14 +73,14 @@ class ExpertDispatcher:
     def dispatch(self, module: nn.Module, args):
         x_sorted, tokens_per_expert = args
         ep = self.group.size()
-        received_RE = _exchange_counts(tokens_per_expert, self.group)
+        received_counts = _exchange_counts(tokens_per_expert, self.group)
         send_splits = torch.tensor(tokens_per_expert).view(ep, -1).sum(1).tolist()
-        recv_splits = received_RE.sum(1).tolist()
+        recv_splits = received_counts.sum(1).tolist()
         received = all_to_all(x_sorted, send_splits=send_splits, recv_splits=recv_splits,
                               group=self.group, overlap=self.overlap)
-        by_expert = _group_by_local_expert(received_RE).to(x_sorted.device)
+        by_expert = _group_by_local_expert(received_counts).to(x_sorted.device)
         self.pending.append(_Routing(send_splits, recv_splits, by_expert))
-        return received[by_expert], received_RE.sum(0).tolist()
+        return received[by_expert], received_counts.sum(0).tolist()
 
     def combine(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         routing = self.pending.pop()

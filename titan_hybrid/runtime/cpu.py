@@ -38,6 +38,9 @@ from pathlib import Path
 
 import torch
 
+from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
+from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
+
 _applied = False
 
 
@@ -139,9 +142,6 @@ def apply() -> bool:
     if accelerator_available():
         return False
     import torchtitan.tools.utils as tt_utils
-
-    from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
-    from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
 
     point_device_globals_at_cpu(_cpu_device_module())
     force_sum_reduction_on_cpu()
