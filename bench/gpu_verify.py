@@ -324,7 +324,7 @@ def conv_inputs(*, batch: int, seq_len: int, channels: int, width: int, dtype, d
     gen = torch.Generator(device=device).manual_seed(seed)
     seq_idx = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
     seq_idx[:, seq_len // 3:] = 1
-    return {"x_BLC": torch.randn(batch, seq_len, channels, generator=gen, device=device).to(dtype),
+    return {"x_BTC": torch.randn(batch, seq_len, channels, generator=gen, device=device).to(dtype),
             "weight_CW": 0.5 * torch.randn(channels, width, generator=gen, device=device).to(dtype),
             "bias_C": torch.randn(channels, generator=gen, device=device).to(dtype),
             "seq_idx": seq_idx}
@@ -426,8 +426,8 @@ def kernel_cases(device, *, ssd_kernel, gdn_kernel, conv_kernel, small: bool = F
 
 def causal_conv1d_channels_last(causal_conv1d_fn):
     """causal-conv1d's function with our op's signature ([b, l, c] in and out)."""
-    def conv(x_BLC, weight_CW, bias_C=None, *, seq_idx=None, activation=None):
-        out = causal_conv1d_fn(x_BLC.contiguous().transpose(1, 2), weight_CW, bias_C,
+    def conv(x_BTC, weight_CW, bias_C=None, *, seq_idx=None, activation=None):
+        out = causal_conv1d_fn(x_BTC.contiguous().transpose(1, 2), weight_CW, bias_C,
                                seq_idx=seq_idx, activation=activation)
         return out.transpose(1, 2)
     return conv

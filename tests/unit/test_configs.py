@@ -44,3 +44,21 @@ def test_cli_pattern_overrides_the_flavor():
     args = copy.deepcopy(hybrid_flavors[job.model.flavor])
     args.update_from_config(job)
     assert args.pattern == "M[M*]-"
+
+
+def test_a_plain_torchtitan_job_gets_titan_hybrids_fields_at_their_defaults():
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from titan_hybrid.job_config import JobConfig, hybrid_job
+
+    plain = ConfigManager().parse_args(["--training.steps", "7",
+                                        "--parallelism.tensor_parallel_degree", "2"])
+    assert type(plain) is TitanJobConfig
+    extended = hybrid_job(plain)
+    assert isinstance(extended, JobConfig) and hybrid_job(extended) is extended
+    assert extended.training is plain.training and extended.training.steps == 7
+    assert extended.parallelism.tensor_parallel_degree == 2
+    assert extended.parallelism.data_parallel_sharding_strategy == "optim_grads_params"
+    assert extended.hybrid.pattern == "" and not extended.hybrid.document_masking
+    # torchtitan's own default survives for a torchtitan job (titan_hybrid's is False).
+    assert extended.checkpoint.last_save_model_only is plain.checkpoint.last_save_model_only
