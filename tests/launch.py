@@ -1,15 +1,34 @@
-"""Run titan_hybrid's trainer in real processes (torchrun + gloo) and read its exact loss curve."""
+"""Run titan_hybrid's trainer in real processes (torchrun + gloo) and read its exact loss curve.
+
+Every launch is a real process tree: a launcher process and its workers, with their own exit
+status and output. To save each launch the seconds a fresh interpreter spends importing torch,
+torchtitan and titan_hybrid, the launcher process is forked from a per-session fork server that
+imported them once (tests/zygote.py), and the trainer's launcher forks its workers in turn
+(titan_hybrid.launch does that on CPU-only hosts); worker scripts are forked by the same
+server under torchrun's environment contract. A launch whose environment differs from the one
+the fork server imported with runs as a fresh subprocess instead, as does everything when
+TITAN_HYBRID_TEST_FORK=0.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Variables that may differ between a launch and the fork server without changing what the
+# launch imports: pytest's per-test marker, and output buffering (the server's children write
+# unbuffered, as run_training asks for).
+_ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"}
 
 
 @dataclass
@@ -22,6 +41,144 @@ class TrainResult:
     def check(self) -> "TrainResult":
         assert self.returncode == 0, self.output[-6000:]
         return self
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launch and every process under it (forked workers run in sessions of their
+    own, so its process group is not enough)."""
+    for victim in [pid, *_descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _ForkServer:
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        request_r, request_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", str(request_r), str(reply_w)],
+            cwd=REPO_ROOT, env=env, pass_fds=(request_r, reply_w), stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=self.log)
+        os.close(request_r)
+        os.close(reply_w)
+        self.requests = os.fdopen(request_w, "w", buffering=1)
+        self.reply_fd = reply_r
+        self.buffer = b""
+        try:
+            self._read(timeout=300)  # {"ready": pid} once the imports are done
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def _read(self, timeout: float | None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.reply_fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.reply_fd, 65536)
+            if not chunk:
+                self.log.seek(0)
+                raise RuntimeError("the tests' fork server stopped:\n"
+                                   + self.log.read().decode(errors="replace")[-4000:])
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def accepts(self, env: dict[str, str]) -> bool:
+        def key(e):
+            return {k: v for k, v in e.items() if k not in _ENV_IGNORED}
+        return self.proc.poll() is None and key(env) == key(self.env)
+
+    def run(self, request: dict, timeout: float) -> int:
+        self.requests.write(json.dumps(request) + "\n")
+        pid = self._read(timeout=60)["pid"]
+        try:
+            return self._read(timeout)["status"]
+        except BaseException:  # a timeout or an interrupt: stop the whole launch
+            _kill_tree(pid)
+            self._read(timeout=60)
+            raise
+
+    def close(self) -> None:
+        self.requests.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+_server: _ForkServer | None = None
+_server_failed = False
+
+
+def _fork_server(env: dict[str, str]) -> _ForkServer | None:
+    """The session's fork server if it can run a launch with ENV, else None (subprocess)."""
+    global _server, _server_failed
+    if _server_failed or os.environ.get("TITAN_HYBRID_TEST_FORK", "1") == "0":
+        return None
+    if _server is None:
+        server_env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+        try:
+            _server = _ForkServer({**server_env, "PYTHONUNBUFFERED": "1"})
+        except (RuntimeError, TimeoutError) as error:
+            # e.g. a library that does not import: every launch then shows that itself.
+            print(f"tests/launch.py: no fork server, launching subprocesses ({error})",
+                  file=sys.stderr)
+            _server_failed = True
+            return None
+        atexit.register(_server.close)
+    return _server if _server.accepts(env) else None
+
+
+def _run(python_args: list[str], env: dict[str, str], timeout: float,
+         call: tuple[str, list[str]] | None = None) -> subprocess.CompletedProcess:
+    """`python PYTHON_ARGS` (`-m MODULE ARGS` or a script) with ENV in REPO_ROOT, forked from
+    the fork server where it can be: CALL = (pkg.mod:function, args) is how the server runs
+    it then (default: the module of `-m`)."""
+    server = _fork_server(env)
+    if server is None:
+        return subprocess.run([sys.executable, *python_args], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="titan_hybrid_launch_") as folder:
+        request = {"cwd": str(REPO_ROOT), "env": env, "stdout": f"{folder}/stdout",
+                   "stderr": f"{folder}/stderr"}
+        if call is None:
+            assert python_args[0] == "-m", python_args
+            request.update(module=python_args[1], args=python_args[2:])
+        else:
+            request.update(call=call[0], args=call[1])
+        try:
+            status = server.run(request, timeout)
+        except TimeoutError:
+            status = None
+        stdout, stderr = (Path(folder, name).read_text(errors="replace")
+                          for name in ("stdout", "stderr"))
+    if status is None:
+        raise subprocess.TimeoutExpired([sys.executable, *python_args], timeout, stdout, stderr)
+    return subprocess.CompletedProcess([sys.executable, *python_args], status, stdout, stderr)
 
 
 def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybrid.toml",
@@ -37,10 +194,10 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
     if given:
         curve = tmp_path / "outputs" / args[args.index("--hybrid.loss_curve_file") + 1]
     if module == "titan_hybrid.train":
-        launcher = [sys.executable, "-m", "titan_hybrid.launch", "--nproc", str(nproc),
+        launcher = ["-m", "titan_hybrid.launch", "--nproc", str(nproc),
                     "--log-rank", ",".join(str(rank) for rank in range(nproc))]
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        launcher = ["-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", "-m", module]
     command = [
         *launcher,
@@ -52,8 +209,7 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
     if not given and (module == "titan_hybrid.train" or "--job.custom_config_module" in args):
         command += ["--hybrid.loss_curve_file", str(curve)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = _run(command, env, timeout)
     records = ([json.loads(line) for line in curve.read_text().splitlines()]
                if curve.exists() else [])
     return TrainResult(proc.returncode, proc.stdout + proc.stderr,
@@ -61,12 +217,19 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
                        [r["validation_loss"] for r in records if "validation_loss" in r])
 
 
+def launch_workers(script: Path, *args: str, nproc: int = 2,
+                   timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS`: NPROC worker processes under
+    torchrun's environment contract (forked by the fork server where it can be)."""
+    command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *args]
+    return _run(command, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout,
+                call=("tests.zygote:fork_workers", [str(script), str(nproc), *args]))
+
+
 def run_worker(script: Path, *args: str, nproc: int = 2) -> dict:
     """torchrun a worker script; returns the JSON of its last `RESULT {json}` line."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(script), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch_workers(script, *args, nproc=nproc)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])

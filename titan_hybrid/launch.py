@@ -2,14 +2,21 @@
 
 What `run_train.sh` runs. The job is parsed and checked here, in the launching process, so a
 user error costs a second or two and prints one line (`error: <field>=<value> <rule>`), with
-exit status 2, before torchrun starts any worker. A good job is handed to torchrun (its
-`torch.distributed.run.run`, the same code as the `torchrun` command) with workers running
-`titan_hybrid.train`; a one-process job runs its worker in the launcher's own process. A
-worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
-or on divergence reports its message through a file (titan_hybrid.errors);
-the launcher prints it once in place of torchrun's failure banner and exits with the worker's
-status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
-failed.
+exit status 2, before torchrun starts any worker. A good job is handed to torchrun's elastic
+agent (`torch.distributed.run`, the same code as the `torchrun` command: rendezvous, per-rank
+environment, `--local-ranks-filter` / `--tee` output, stopping every rank when one fails) with
+workers running `titan_hybrid.train`. A one-process job runs its worker in the launcher's own
+process. On a host without an accelerator the workers are forked from the launcher (torchrun's
+`--start-method fork` with a function entrypoint), so they inherit its imports of torch,
+torchtitan and the trainer instead of paying seconds each to import them again; each forked
+worker starts a session of its own, as torchrun's worker processes do, and takes
+`OMP_NUM_THREADS` (1 unless set) as its thread count. With an accelerator (CUDA is not
+fork-safe) every worker is a fresh `python -m titan_hybrid.train` process.
+
+A worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
+or on divergence reports its message through a file (titan_hybrid.errors); the launcher prints
+it once in place of torchrun's failure banner and exits with the worker's status. A worker that
+crashes on a bug keeps its traceback, and the launcher says which rank failed.
 
 Options before the job's own arguments: `--nproc N` (processes, default $NGPU or 1) and
 `--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0).
@@ -39,22 +46,80 @@ def preflight(job_args: list[str], world_size: int):
     return None
 
 
+def fork_worker(job_args: list[str]) -> None:
+    """A forked worker (torchrun's function entrypoint): `titan_hybrid.train` without a fresh
+    interpreter. Returns on success (torchrun collects the return value; the process then
+    leaves through `os._exit`, skipping the teardown that can abort in gloo, see
+    titan_hybrid.train); a reported error leaves with its status (titan_hybrid.errors), and
+    a bug prints its traceback to this rank's stderr and leaves with status 1, as an uncaught
+    exception ends a worker process."""
+    import signal
+    import traceback
+
+    import torch
+
+    from titan_hybrid import train
+    from titan_hybrid.runtime import cpu
+
+    # As a torchrun worker process: a session of its own (a Ctrl-C reaches the launcher, which
+    # stops the workers) and default signal handling (not the launcher's handlers, inherited).
+    os.setsid()
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    # The OpenMP runtime read OMP_NUM_THREADS when the launcher imported torch, before torchrun
+    # set it; apply it to this process explicitly.
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    code = 1
+    try:
+        cpu.apply()
+        train.run(job_args)
+        code = 0
+    except SystemExit as error:  # what the interpreter makes of it at the end of a process
+        code = error.code if isinstance(error.code, int) else int(error.code is not None)
+        if not isinstance(error.code, (int, type(None))):
+            print(error.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0:
+        os._exit(code)
+
+
 def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
+    import uuid
+
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
-    # torchrun's agent logs each worker failure at ERROR level before its banner; the launcher
-    # says what failed instead (below).
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+    from titan_hybrid.runtime import cpu
+
+    # torchrun's agent logs each worker failure at ERROR level before its banner, and the
+    # stopping of the other workers; the launcher says what failed instead (below).
+    for name in ["torch.multiprocessing.spawn", *logging.root.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    fork = not cpu.accelerator_available()
+    if fork:  # what every worker imports, once, before the fork
+        import titan_hybrid.train  # noqa: F401
+        import titan_hybrid.trainer  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="titan_hybrid_errors_") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
+        # `--standalone`, spelled out: torchrun.run() applies it, config_from_args() does not.
         args = torchrun.parse_args([
-            "--standalone", f"--nproc_per_node={nproc}", "--local-ranks-filter", log_ranks,
-            "--role", "rank", "--tee", "3", "-m", "titan_hybrid.train", *job_args])
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+            "--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}",
+            "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
+            *(["--start-method", "fork"] if fork else []),
+            "-m", "titan_hybrid.train", *job_args])
+        config, command, command_args = torchrun.config_from_args(args)
         try:
-            torchrun.run(args)
+            if fork:
+                elastic_launch(config=config, entrypoint=fork_worker)(job_args)
+            else:
+                elastic_launch(config=config, entrypoint=command)(*command_args)
         except ChildFailedError as failure:
             reported = first_reported_error(Path(error_dir))
             if reported is not None:

@@ -26,18 +26,29 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    return run_training(tmp, "--training.steps", "4", *STEPS).check().losses
+def uninterrupted(reference_run):
+    return reference_run("--training.steps", "4", *STEPS).losses
 
 
-def save_then_resume(tmp_path, saved_under: str, resumed_under: str):
+@pytest.fixture(scope="module")
+def saved_in_one_process(tmp_path_factory):
+    """The 4-step job with checkpoints at steps 2 and 4, in one process: the saving run of
+    more than one test here (each works on its own copy of the outputs)."""
+    tmp = tmp_path_factory.mktemp("saved_in_one_process")
+    run_training(tmp, "--training.steps", "4", *STEPS, *CHECKPOINT).check()
+    return tmp / "outputs"
+
+
+def save_then_resume(tmp_path, saved_under: str, resumed_under: str, saved_in_one_process):
     save_args, save_nproc = LAYOUTS[saved_under]
     load_args, load_nproc = LAYOUTS[resumed_under]
     # The same 4-step job (the LR schedule depends on it), interrupted after step 2: its
     # step-4 checkpoint is removed so the resumed job starts from step 2.
-    run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *save_args,
-                 nproc=save_nproc).check()
+    if saved_under == "1":
+        shutil.copytree(saved_in_one_process, tmp_path / "outputs")
+    else:
+        run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *save_args,
+                     nproc=save_nproc).check()
     shutil.rmtree(tmp_path / "outputs" / "ck" / "step-4")
     metadata = dcp.FileSystemReader(str(tmp_path / "outputs" / "ck" / "step-2")).read_metadata()
     resumed = run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *load_args,
@@ -58,8 +69,12 @@ def check_resumed(losses, uninterrupted):
     pytest.param("zero1_2", "tp2", marks=pytest.mark.slow),
     pytest.param("tp2", "1", marks=pytest.mark.slow),
     pytest.param("no_shard2", "fsdp2", marks=pytest.mark.slow)])
-def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resumed_under):
-    metadata, losses = save_then_resume(tmp_path, saved_under, resumed_under)
+def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resumed_under,
+                                     request):
+    # The one-process save is a fixture only where it is used (it would run for nothing in a
+    # selection without a "1" save).
+    saved = request.getfixturevalue("saved_in_one_process") if saved_under == "1" else None
+    metadata, losses = save_then_resume(tmp_path, saved_under, resumed_under, saved)
     keys = metadata.state_dict_metadata
     # Components in global coordinates, never the (layout-dependent) fused tensor.
     assert "layers.0.mamba.in_proj.weight" not in keys
@@ -72,7 +87,7 @@ def test_resume_under_another_layout(tmp_path, uninterrupted, saved_under, resum
 
 @pytest.mark.slow
 def test_four_process_fsdp_x_tp_checkpoint_loads_in_one_process(tmp_path, uninterrupted):
-    _, losses = save_then_resume(tmp_path, "fsdp2_tp2", "1")
+    _, losses = save_then_resume(tmp_path, "fsdp2_tp2", "1", None)
     check_resumed(losses, uninterrupted)
 
 
@@ -107,8 +122,8 @@ def test_mismatched_checkpoint_fails_before_training_naming_keys(tmp_path, patte
     assert "Training starts at step" not in result.output
 
 
-def test_unfinished_save_is_not_taken_as_the_latest(tmp_path):
-    run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT).check()
+def test_unfinished_save_is_not_taken_as_the_latest(tmp_path, saved_in_one_process):
+    shutil.copytree(saved_in_one_process, tmp_path / "outputs")  # a finished 4-step run
     folder = tmp_path / "outputs" / "ck"
     # A save killed mid-way: data files written, DCP's .metadata (written last) missing.
     shutil.copytree(folder / "step-4", folder / "step-6")

@@ -36,11 +36,11 @@ def _assert_same_curve(single, parallel):
         assert a == pytest.approx(b, rel=1e-6)
 
 
-def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path):
+def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path, reference_run):
     """The real trainer on packed pydoc rows (document masking): CP=2 with FSDP over the CP
     ranks gives the loss curve of one process."""
     args = ("--training.steps", "4", "--hybrid.document_masking")
-    single = run_training(tmp_path, *args).check()
+    single = reference_run(*args)
     cp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
                       nproc=2).check()
     assert "Applied context parallel over 2 ranks" in cp.output
@@ -49,27 +49,27 @@ def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_cp2_x_tp2_matches_one_process(tmp_path):
+def test_trainer_cp2_x_tp2_matches_one_process(tmp_path, reference_run):
     args = ("--training.steps", "4", "--hybrid.document_masking")
-    single = run_training(tmp_path, *args).check()
+    single = reference_run(*args)
     cp_tp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
                          "--parallelism.tensor_parallel_degree", "2", nproc=4).check()
     _assert_same_curve(single, cp_tp)
 
 
 @pytest.mark.slow
-def test_trainer_cp2_plain_rows_matches_one_process(tmp_path):
+def test_trainer_cp2_plain_rows_matches_one_process(tmp_path, reference_run):
     args = ("--training.steps", "4")
-    single = run_training(tmp_path, *args).check()
+    single = reference_run(*args)
     _assert_same_curve(single, run_training(
         tmp_path, *args, "--parallelism.context_parallel_degree", "2", nproc=2).check())
 
 
 @pytest.mark.slow
-def test_trainer_pp2_x_cp2_matches_one_process(tmp_path):
+def test_trainer_pp2_x_cp2_matches_one_process(tmp_path, reference_run):
     """positions / seq_idx travel as extra_kwargs, which torch's schedule hands every stage."""
     args = ("--training.steps", "4", "--hybrid.document_masking")
-    single = run_training(tmp_path, *args).check()
+    single = reference_run(*args)
     _assert_same_curve(single, run_training(
         tmp_path, *args, "--parallelism.context_parallel_degree", "2",
         "--parallelism.pipeline_parallel_degree", "2",

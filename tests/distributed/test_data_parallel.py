@@ -9,9 +9,11 @@ to float32 rounding (measured: at most 7.4e-8 relative over 6 steps); the first 
 before any update, is still bitwise equal.
 """
 
+from pathlib import Path
+
 import pytest
 
-from tests.launch import run_training
+from tests.launch import run_training, run_worker
 
 STEPS = ("--training.steps", "4", "--training.local_batch_size", "8")
 
@@ -58,8 +60,18 @@ def test_hsdp_two_by_two_matches_single_process(tmp_path, single_process_curve):
         assert a == pytest.approx(b, rel=1e-5)
 
 
+def _run_strategy(flavor: str, strategy: str, nproc: int) -> list[dict]:
+    # bench.data_parallel_scaling._run_strategy's command (its default sizes, one thread per
+    # rank), launched by tests/launch.py.
+    from bench import data_parallel_scaling
+
+    return run_worker(Path(data_parallel_scaling.__file__), "--worker", "--flavor", flavor,
+                      "--strategy", strategy, "--batch", "2", "--seq-len", "128", "--steps", "0",
+                      nproc=nproc)
+
+
 def test_zero_stages_shard_what_they_promise():
-    from bench.data_parallel_scaling import _run_strategy, measure
+    from bench.data_parallel_scaling import measure
 
     single = measure("debug", None)
     zero1 = _run_strategy("debug", "optim", 2)

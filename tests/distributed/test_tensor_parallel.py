@@ -47,9 +47,9 @@ def test_fsdp2_x_tp2_matches_single_device(flavor):
     check_against_single_device(run_worker(WORKER, "--flavor", flavor, "--dp", "2", nproc=4))
 
 
-def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path):
+def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path, reference_run):
     args = ("--training.steps", "4")
-    single = run_training(tmp_path, *args).check()
+    single = reference_run(*args)
     tp = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
                       nproc=2).check()
     assert "Applied tensor parallel (sequence parallel: True)" in tp.output
@@ -58,9 +58,9 @@ def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_loss_curve_fsdp2_x_tp2_matches_single_process(tmp_path):
+def test_trainer_loss_curve_fsdp2_x_tp2_matches_single_process(tmp_path, reference_run):
     args = ("--training.steps", "4", "--training.local_batch_size", "4")
-    single = run_training(tmp_path, *args, "--training.global_batch_size", "8").check()
+    single = reference_run(*args, "--training.global_batch_size", "8")
     mixed = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
                          "--parallelism.data_parallel_shard_degree", "2", nproc=4).check()
     for a, b in zip(single.losses, mixed.losses, strict=True):
