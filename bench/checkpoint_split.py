@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import Optimizer as OptimizerConfig
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.checkpoint import integrity
@@ -31,8 +33,6 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
-from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.config import Optimizer as OptimizerConfig
 
 
 def build(flavor: str, dim: int):

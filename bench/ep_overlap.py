@@ -119,8 +119,8 @@ def worker(options) -> None:
     if dist.get_rank() == 0:
         print(f"EP=2 x ZeRO-3, 2 gloo processes, {options.microbatches} microbatches of "
               f"{options.rows}x{options.seq} tokens per rank; median of {options.repeats} steps")
-        print(f"| config | a2a share of plain step | plain step (s) | overlap step (s) "
-              f"| overlap / plain |")
+        print("| config | a2a share of plain step | plain step (s) | overlap step (s) "
+              "| overlap / plain |")
         print("| --- | --- | --- | --- | --- |")
         for r in results:
             print(f"| {r['config']} | {r['a2a_share']:.0%} | {r['off_s']:.3f} | {r['on_s']:.3f} "

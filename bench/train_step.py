@@ -27,12 +27,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.runtime.cpu import matmul_flops
-from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
 
 def _non_embedding_params(model: torch.nn.Module) -> int:

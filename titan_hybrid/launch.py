@@ -27,18 +27,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import socket
 import sys
 import tempfile
+import traceback
+import uuid
 from pathlib import Path
 
+import torch
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+
+from titan_hybrid import torchtitan_plugin, train
 from titan_hybrid.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
+from titan_hybrid.job_checks import check_job
 from titan_hybrid.job_config import parse_job
+from titan_hybrid.runtime import cpu
 
 
 def preflight(job_args: list[str], world_size: int):
     """Parse and check the job in this process; None when it is fine, else the message."""
-    from titan_hybrid.job_checks import check_job
-
     try:
         check_job(parse_job(job_args), world_size)
     except ValueError as error:
@@ -53,14 +63,6 @@ def fork_worker(job_args: list[str]) -> None:
     titan_hybrid.train); a reported error leaves with its status (titan_hybrid.errors), and
     a bug prints its traceback to this rank's stderr and leaves with status 1, as an uncaught
     exception ends a worker process."""
-    import signal
-    import traceback
-
-    import torch
-
-    from titan_hybrid import train
-    from titan_hybrid.runtime import cpu
-
     # As a torchrun worker process: a session of its own (a Ctrl-C reaches the launcher, which
     # stops the workers) and default signal handling (not the launcher's handlers, inherited).
     os.setsid()
@@ -72,7 +74,7 @@ def fork_worker(job_args: list[str]) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     code = 1
     try:
-        cpu.apply()
+        torchtitan_plugin.activate()
         train.run(job_args)
         code = 0
     except SystemExit as error:  # what the interpreter makes of it at the end of a process
@@ -88,23 +90,14 @@ def fork_worker(job_args: list[str]) -> None:
 
 
 def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
-    import uuid
-
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    from titan_hybrid.runtime import cpu
-
     # torchrun's agent logs each worker failure at ERROR level before its banner, and the
     # stopping of the other workers; the launcher says what failed instead (below).
     for name in ["torch.multiprocessing.spawn", *logging.root.manager.loggerDict]:
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # Forked workers inherit this process's imports (torch, torchtitan, the trainer: imported
+    # at the top of this module, once, before the fork).
     fork = not cpu.accelerator_available()
-    if fork:  # what every worker imports, once, before the fork
-        import titan_hybrid.train  # noqa: F401
-        import titan_hybrid.trainer  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="titan_hybrid_errors_") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         # `--standalone`, spelled out: torchrun.run() applies it, config_from_args() does not.
@@ -137,10 +130,6 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
 def run_here(job_args: list[str]) -> None:
     """One process: the worker runs in this process under torchrun's environment contract,
     which saves a second interpreter start and import of torch and torchtitan (seconds)."""
-    import socket
-
-    from titan_hybrid import train
-
     with socket.socket() as probe:  # a free port for the one-member process group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -16,7 +16,6 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import JobConfig
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims

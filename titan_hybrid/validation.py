@@ -28,7 +28,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator
 from torchtitan.config import JobConfig

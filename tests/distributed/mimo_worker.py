@@ -85,7 +85,7 @@ def run_case(mesh, *, use_cp: bool, use_tp: bool, seq: int, batch: int, docs=Non
               "label_positions": labels[0].tolist()}
     if docs is not None:
         # Local real-token count of each document: kept positions before its padding.
-        local_real, local_padded, start = [0], [0], 0
+        local_real, local_padded = [0], [0]
         for (doc_start, length), real_length in zip(docs, real):
             kept = expected_positions([(doc_start, length)], cp, cp_rank)
             local_real.append(local_real[-1] + sum(p < doc_start + real_length for p in kept))

@@ -10,14 +10,13 @@ import json
 import pytest
 import tokenizers
 import torch
+import transformers  # noqa: E402  (the test extra installs it)
 from safetensors.torch import load_file
 
 from tests.launch import run_training
 from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
 from titan_hybrid.data.corpus import TOKENIZER_DIR as TOKENIZER
 from titan_hybrid.model.args import hybrid_flavors
-
-import transformers  # noqa: E402  (the test extra installs it)
 
 RUN = ("--model.flavor", "debug_nemotron_h", "--training.steps", "1", "--optimizer.lr", "0",
        "--training.local_batch_size", "2", "--training.global_batch_size", "4",

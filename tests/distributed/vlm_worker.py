@@ -9,7 +9,6 @@ Prints one line `RESULT {json}` on rank 0.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchtitan.config import ConfigManager
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from torchtitan.config import ConfigManager
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))
 

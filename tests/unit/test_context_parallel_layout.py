@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchtitan.config import ConfigManager
 
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.parallel.context_parallel import heads_of_rank
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
-from torchtitan.config import ConfigManager
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
 DEBUG = hybrid_flavors["debug"]  # Mamba 16 heads / 2 groups, GDN 4 value / 2 key heads

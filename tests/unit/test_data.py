@@ -5,13 +5,13 @@ import pickle
 
 import pytest
 import torch
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.data.build_tokenizer import write_tokenizer
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_documents
 from titan_hybrid.data.loader import GlobalBatchTextLoader
 from titan_hybrid.tokenizer import resolve_assets_path
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,9 @@ def test_bad_state_is_a_clear_error(tokenizer):
 
 
 def test_torchtitan_hf_dataset_by_name_and_path(tmp_path, tokenizer):
-    from titan_hybrid.data.loader import build_global_batch_dataloader
     from torchtitan.config import ConfigManager
+
+    from titan_hybrid.data.loader import build_global_batch_dataloader
 
     texts = [f"Document number {i} talks about layers, experts and state spaces." * 3
              for i in range(40)]
@@ -158,12 +159,13 @@ def _stream(loader, passes_over: int):
 
 
 def test_training_stream_never_contains_held_out_documents(tokenizer):
+    from torchtitan.config import ConfigManager
+
     from titan_hybrid.data.corpus import pydoc_split
     from titan_hybrid.data.loader import (
         build_global_batch_dataloader,
         build_validation_dataloader,
     )
-    from torchtitan.config import ConfigManager
 
     job = ConfigManager().parse_args([
         "--training.dataset", "pydoc", "--training.seq_len", "255",

@@ -4,7 +4,11 @@ refuses a pairing that would deadlock (instead of hanging the job)."""
 import pytest
 from torch.distributed.pipelining.schedules import (
     FORWARD as F,
+)
+from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD as B,
+)
+from torch.distributed.pipelining.schedules import (
     OVERLAP_F_B,
     _Action,
 )

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchtitan.config import ConfigManager
 
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.parallel.expert_parallel import _group_by_local_expert
 from titan_hybrid.parallel.validate import validate_layout
-from torchtitan.config import ConfigManager
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid_moe.toml"
 MOE = dataclasses.replace(hybrid_flavors["debug_moe"])

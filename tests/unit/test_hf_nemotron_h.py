@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers  # noqa: E402  (the test extra installs it)
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from titan_hybrid.checkpoint.hf_nemotron_h import (
@@ -27,8 +28,6 @@ from titan_hybrid.checkpoint.state import SplitModelWrapper
 from titan_hybrid.model.args import AttentionArgs, MambaArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
-
-import transformers  # noqa: E402  (the test extra installs it)
 
 VOCAB, SEQ = 96, 20  # SEQ is not a multiple of the chunk size: both pad the last chunk
 

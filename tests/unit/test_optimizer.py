@@ -3,12 +3,12 @@
 import copy
 
 import torch
+from torchtitan.config import Optimizer as OptimizerConfig
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
-from torchtitan.config import Optimizer as OptimizerConfig
 
 
 def build_model():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torchtitan.config import ConfigManager
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.loss import hybrid_loss
@@ -16,7 +17,6 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
 from titan_hybrid.parallel.validate import validate_layout
-from torchtitan.config import ConfigManager
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid_moe.toml"
 

@@ -9,7 +9,6 @@ from torch import nn
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.parallel import tensor_parallel as tp_plan
 from titan_hybrid.parallel.tensor_parallel import (
     TPLayout,
     classify_parameter,
@@ -113,8 +112,9 @@ def test_tp_divisibility_errors_name_the_field(field, change, message):
 
 
 def test_layout_validation_names_field_value_and_rule():
-    from titan_hybrid.parallel.validate import validate_layout
     from torchtitan.config import ConfigManager
+
+    from titan_hybrid.parallel.validate import validate_layout
 
     def job(*args):
         return ConfigManager().parse_args(["--job.custom_config_module", "titan_hybrid.job_config",

@@ -7,6 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_split
@@ -20,9 +23,6 @@ from titan_hybrid.validation import (
     next_token_loss_sum,
     validate_validation_config,
 )
-from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.config import ConfigManager
-from torchtitan.distributed import ParallelDims
 
 VOCAB, DIM = 2048, 8
 

@@ -29,7 +29,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, TRAIN_STATE
 from torchtitan.tools.logging import logger

@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.config.job_config import Validation
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets import text_datasets
+from torchtitan.hf_datasets import DatasetConfig, text_datasets
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.data.corpus import pydoc_split

@@ -19,7 +19,6 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torchtitan.protocols.model import ModelProtocol
 
 from titan_hybrid.model.args import HybridModelArgs

@@ -24,7 +24,6 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleInterleaved1F1B,
 )
-
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.compat import pipelining

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from torch import nn
-
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
