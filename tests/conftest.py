@@ -1,10 +1,24 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures and hooks shared by the test modules."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.launch import TrainResult, run_training
+from tests.launch import REPO_ROOT, TrainResult, run_training, start_fork_server
+
+DISTRIBUTED = REPO_ROOT / "tests" / "distributed"
+
+
+def pytest_sessionstart(session):
+    """A session that may run distributed tests starts their fork server (tests/launch.py)
+    before collecting, so its imports overlap with pytest's own."""
+    paths = [Path(session.config.invocation_params.dir, arg.split("::")[0]).resolve()
+             for arg in session.config.args]
+    if any(path == DISTRIBUTED or DISTRIBUTED in path.parents or path in DISTRIBUTED.parents
+           for path in paths):
+        start_fork_server()
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def _kill_tree(pid: int) -> None:
 
 
 class _ForkServer:
+    """tests/zygote.py in a process of its own, started with ENV; ready once it has imported."""
+
     def __init__(self, env: dict[str, str]):
         self.env = env
         request_r, request_w = os.pipe()
@@ -85,12 +88,9 @@ class _ForkServer:
         self.requests = os.fdopen(request_w, "w", buffering=1)
         self.reply_fd = reply_r
         self.buffer = b""
-        try:
-            self._read(timeout=300)  # {"ready": pid} once the imports are done
-        except BaseException:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        self.ready = False
+        self.set_by_imports: dict[str, str] = {}
+        self.refused: set[tuple[str, ...]] = set()
 
     def _read(self, timeout: float | None) -> dict:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -107,10 +107,33 @@ class _ForkServer:
         line, self.buffer = self.buffer.split(b"\n", 1)
         return json.loads(line)
 
+    def wait_ready(self) -> None:
+        if not self.ready:
+            try:
+                ready = self._read(timeout=300)  # once the imports are done
+            except BaseException:
+                self.close()
+                raise
+            self.set_by_imports = ready["set_by_imports"]
+            self.ready = True
+
     def accepts(self, env: dict[str, str]) -> bool:
-        def key(e):
-            return {k: v for k, v in e.items() if k not in _ENV_IGNORED}
-        return self.proc.poll() is None and key(env) == key(self.env)
+        """Whether a launch with ENV may be forked from here: ENV is the environment this
+        server imported in, give or take what its imports set (a fresh process's imports set
+        those too) and the variables that change nothing at import."""
+        if self.proc.poll() is not None:
+            return False
+        imported_in = {**self.env, **self.set_by_imports}
+        differ = tuple(sorted(
+            key for key in (set(env) | set(imported_in)) - _ENV_IGNORED
+            if env.get(key) != imported_in.get(key)
+            and not (key in self.set_by_imports and key not in env)))
+        if differ and differ not in self.refused:
+            # Not an error (the launch runs as a subprocess), but seconds lost each time.
+            warnings.warn(f"tests/launch.py: environment differs from the fork server's in "
+                          f"{', '.join(differ)}: launching a subprocess", stacklevel=2)
+            self.refused.add(differ)
+        return not differ
 
     def run(self, request: dict, timeout: float) -> int:
         self.requests.write(json.dumps(request) + "\n")
@@ -128,28 +151,43 @@ class _ForkServer:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
 
 
 _server: _ForkServer | None = None
 _server_failed = False
 
 
+def _launch_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def start_fork_server() -> None:
+    """Start the session's fork server now, without waiting for its imports (tests/conftest.py
+    does this at the start of a session that runs distributed tests: the server then imports
+    while pytest collects)."""
+    global _server
+    if _server is None and os.environ.get("TITAN_HYBRID_TEST_FORK", "1") != "0":
+        env = _launch_env(PYTHONUNBUFFERED="1")
+        env.pop("PYTEST_CURRENT_TEST", None)
+        _server = _ForkServer(env)
+        atexit.register(_server.close)
+
+
 def _fork_server(env: dict[str, str]) -> _ForkServer | None:
     """The session's fork server if it can run a launch with ENV, else None (subprocess)."""
-    global _server, _server_failed
+    global _server_failed
     if _server_failed or os.environ.get("TITAN_HYBRID_TEST_FORK", "1") == "0":
         return None
-    if _server is None:
-        server_env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-        try:
-            _server = _ForkServer({**server_env, "PYTHONUNBUFFERED": "1"})
-        except (RuntimeError, TimeoutError) as error:
-            # e.g. a library that does not import: every launch then shows that itself.
-            print(f"tests/launch.py: no fork server, launching subprocesses ({error})",
-                  file=sys.stderr)
-            _server_failed = True
-            return None
-        atexit.register(_server.close)
+    start_fork_server()
+    try:
+        _server.wait_ready()
+    except (RuntimeError, TimeoutError) as error:
+        # e.g. a library that does not import: every launch then shows that itself.
+        print(f"tests/launch.py: no fork server, launching subprocesses ({error})",
+              file=sys.stderr)
+        _server_failed = True
+        return None
     return _server if _server.accepts(env) else None
 
 
@@ -208,8 +246,7 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
     ]
     if not given and (module == "titan_hybrid.train" or "--job.custom_config_module" in args):
         command += ["--hybrid.loss_curve_file", str(curve)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = _run(command, env, timeout)
+    proc = _run(command, _launch_env(PYTHONUNBUFFERED="1"), timeout)
     records = ([json.loads(line) for line in curve.read_text().splitlines()]
                if curve.exists() else [])
     return TrainResult(proc.returncode, proc.stdout + proc.stderr,
@@ -223,7 +260,7 @@ def launch_workers(script: Path, *args: str, nproc: int = 2,
     torchrun's environment contract (forked by the fork server where it can be)."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(script), *args]
-    return _run(command, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout,
+    return _run(command, _launch_env(), timeout,
                 call=("tests.zygote:fork_workers", [str(script), str(nproc), *args]))
 
 

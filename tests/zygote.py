@@ -9,9 +9,11 @@ its exit status is sent back. tests/launch.py starts one per test session and fa
 plain subprocess whenever a launch needs an environment other than the one this process
 imported with.
 
-Requests and replies are JSON lines. Request: {"cwd", "env", "stdout", "stderr", and "module"
-+ "args" or "call": "pkg.mod:function" + "args"}. Replies: {"pid": P} once the child exists,
-then {"status": S} (an exit code, or minus the signal that ended it).
+Requests and replies are JSON lines. First reply, once the imports are done: {"ready": PID,
+"set_by_imports": {the environment variables the imports set}}. Request: {"cwd", "env",
+"stdout", "stderr", and "module" + "args" or "call": "pkg.mod:function" + "args"}. Replies:
+{"pid": P} once the child exists, then {"status": S} (an exit code, or minus the signal that
+ended it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import json
 import os
 import sys
 
-PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train", "titan_hybrid.launch",
-           "titan_hybrid.train", "titan_hybrid.trainer")
+# Library modules only: importing them changes nothing in torch or torchtitan (the entry points,
+# titan_hybrid.train / launch / torchtitan_plugin, are imported by each child as a fresh process
+# would), so a child starts in the state of a fresh interpreter that imported these.
+PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train", "titan_hybrid.trainer",
+           "titan_hybrid.job_config", "titan_hybrid.job_checks")
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -35,8 +40,10 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
-def _run_child(request: dict) -> None:
-    """In the forked child: become the requested process, then leave with its status."""
+def _run_child(request: dict, set_by_imports: dict[str, str]) -> None:
+    """In the forked child: become the requested process, then leave with its status.
+    SET_BY_IMPORTS: the variables the preloaded imports set (a fresh process that imports them
+    sets them too), kept unless the request sets them itself."""
     import importlib
     import runpy
     import traceback
@@ -56,7 +63,7 @@ def _run_child(request: dict) -> None:
             os.close(target)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update({**set_by_imports, **request["env"]})
         if "module" in request:
             sys.argv = [request["module"], *request["args"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -135,15 +142,18 @@ def fork_workers(script: str, nproc: str, *args: str) -> int:
 def main(request_fd: int, reply_fd: int) -> None:
     import importlib
 
+    started_with = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
-    # Warm the job parser's caches (tyro reads every config class's source once): pure Python.
-    from titan_hybrid.launch import parse_job
+    # Warm the job parser's caches (tyro reads the source of every config class): pure Python.
+    from titan_hybrid.job_config import parse_job
 
     parse_job(["--job.config_file", "train_configs/hybrid.toml"])
     requests = os.fdopen(request_fd, "r")
     replies = os.fdopen(reply_fd, "w", buffering=1)
-    replies.write(json.dumps({"ready": os.getpid()}) + "\n")
+    # e.g. TORCHINDUCTOR_CACHE_DIR, which importing torch's inductor sets.
+    set_by_imports = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
+    replies.write(json.dumps({"ready": os.getpid(), "set_by_imports": set_by_imports}) + "\n")
     for line in requests:
         request = json.loads(line)
         sys.stdout.flush()
@@ -152,7 +162,7 @@ def main(request_fd: int, reply_fd: int) -> None:
         if pid == 0:
             requests.close()
             replies.close()
-            _run_child(request)
+            _run_child(request, set_by_imports)
         replies.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"status": os.waitstatus_to_exitcode(status)}) + "\n")

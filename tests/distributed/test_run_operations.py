@@ -217,7 +217,10 @@ def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uni
         time.sleep(rng.uniform(2.0, 12.0))
     _kill_everything_of(tmp_path, launcher)
     assert launcher.returncode == -signal.SIGKILL
-    restarted = _launch(tmp_path, STEPS)
-    assert restarted.wait(timeout=600) == 0
+    # The same command again (through run_training: a fresh process tree, forked rather than
+    # started from a new interpreter; the killed run above was a real `python -m` process).
+    restarted = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT,
+                             "--hybrid.loss_curve_file", "curve.jsonl")
+    assert restarted.returncode == 0, restarted.output[-6000:]
     assert _curve(tmp_path) == uninterrupted
     assert not any(p.name.endswith(".partial") for p in ck.iterdir())
