@@ -14,6 +14,9 @@ DISTRIBUTED = REPO_ROOT / "tests" / "distributed"
 def pytest_sessionstart(session):
     """A session that may run distributed tests starts their fork server (tests/launch.py)
     before collecting, so its imports overlap with pytest's own."""
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(
+            session.config, "workerinput"):
+        return  # a pytest-xdist controller: its workers run the tests
     paths = [Path(session.config.invocation_params.dir, arg.split("::")[0]).resolve()
              for arg in session.config.args]
     if any(path == DISTRIBUTED or DISTRIBUTED in path.parents or path in DISTRIBUTED.parents
