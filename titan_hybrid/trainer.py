@@ -5,7 +5,8 @@
 - divergence: after each step's last microbatch, a non-finite loss or gradient norm on any rank
   stops the run before the optimizer applies it (divergence.py);
 - inputs: packed-document layout (`hybrid.document_masking`) and this CP rank's zigzag shard;
-- EP-overlap at PP = 1: each microbatch's forward runs with the previous one's backward.
+- EP-overlap at PP = 1: each microbatch's forward runs with the previous one's backward;
+- the end: all ranks meet at a barrier instead of rank 0 sleeping 2 s (compat.torchtitan).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.train import Trainer
 
 from titan_hybrid.batch import prepare_batch
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
+from titan_hybrid.compat.torchtitan import without_final_sleep
 from titan_hybrid.divergence import DivergenceGuard
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
@@ -41,6 +44,12 @@ class HybridTrainer(Trainer):
         if job_config.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
             self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
                                                self.gradient_accumulation_steps)
+
+    def train(self) -> None:
+        with without_final_sleep():
+            super().train()
+        if dist.is_initialized():
+            dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
 
     def _hybrid_checkpointer(self, built: CheckpointManager) -> HybridCheckpointManager:
         """Ours, with the same inputs as the one torchtitan's constructor just built."""

@@ -217,3 +217,20 @@ def test_cpu_runtime_leaves_unneeded_functions_alone():
     assert torch.histc is torch._C._VariableFunctions.histc
     # torchtitan's MoE token permute, unwrapped: titan_hybrid does not run torchtitan's MoE.
     assert not hasattr(moe_utils.generate_permute_indices, "__wrapped__")
+
+
+def test_final_sleep_is_skipped_only_inside_the_context():
+    import time
+
+    import torchtitan.train as tt_train
+
+    from titan_hybrid.compat.torchtitan import without_final_sleep
+
+    # the wait this stands in for is still where it was checked
+    assert "time.sleep(2)" in inspect.getsource(tt_train.Trainer.train)
+    with without_final_sleep():
+        start = time.perf_counter()
+        tt_train.time.sleep(2)
+        assert time.perf_counter() - start < 0.5
+        assert tt_train.time.perf_counter() > start  # the rest of `time` is untouched
+    assert tt_train.time is time

@@ -51,9 +51,27 @@ def test_peak_flops_is_measured_here():
 
 def test_peak_flops_keeps_the_best_measurement_of_this_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_HYBRID_CACHE", str(tmp_path))
-    for measured, expected in ((4e10, 4e10), (1e11, 1e11), (3e10, 1e11)):  # a busy moment
+    monkeypatch.setattr(cpu, "MEASUREMENTS_PER_MACHINE", 4)
+    # a busy moment, then a measurement beyond the limit that is never taken
+    for measured, expected in ((4e10, 4e10), (1e11, 1e11), (3e10, 1e11), (5e10, 1e11),
+                               (2e11, 1e11)):
         monkeypatch.setattr(cpu, "matmul_flops", lambda: measured)
         cpu.measured_peak_flops.cache_clear()
         assert cpu.measured_peak_flops() == expected
     cpu.measured_peak_flops.cache_clear()
-    assert list(json.loads((tmp_path / "cpu_peak_flops.json").read_text()).values()) == [1e11]
+    cached = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
+    assert list(cached.values()) == [{"best": 1e11, "measurements": 4}]
+
+
+def test_peak_flops_reads_a_bare_figure_from_an_older_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_HYBRID_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "matmul_flops", lambda: 3e10)
+    cpu.measured_peak_flops.cache_clear()
+    cpu.measured_peak_flops()
+    key = next(iter(json.loads((tmp_path / "cpu_peak_flops.json").read_text())))
+    (tmp_path / "cpu_peak_flops.json").write_text(json.dumps({key: 9e10}))
+    cpu.measured_peak_flops.cache_clear()
+    assert cpu.measured_peak_flops() == 9e10
+    cpu.measured_peak_flops.cache_clear()  # later tests measure for real again
+    cached = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
+    assert cached == {key: {"best": 9e10, "measurements": 2}}

@@ -105,15 +105,21 @@ def peak_flops_cache() -> Path:
                 ) / "cpu_peak_flops.json"
 
 
+# After this many measurements at one key the best of them is used without measuring again:
+# each measurement costs a second of every process's start-up, and a higher one is rarely seen
+# after the first few on a machine.
+MEASUREMENTS_PER_MACHINE = 8
+
+
 @functools.cache
 def measured_peak_flops() -> float:
-    """The MFU denominator on CPU: the best fp32 matmul rate ever measured on this machine at
-    this thread count and torch version.
+    """The MFU denominator on CPU: the best fp32 matmul rate measured on this machine at this
+    thread count and torch version.
 
     One measurement varies about 3x on a shared machine (3.6e10-1.1e11 FLOP/s seen on the same
-    2-core VM), and a low one makes MFU exceed 100%. Each run measures once more and keeps the
-    best in a small per-machine cache (`$TITAN_HYBRID_CACHE`, default ~/.cache/titan_hybrid),
-    so the figure only rises towards the machine's real peak.
+    2-core VM), and a low one makes MFU exceed 100%. The first `MEASUREMENTS_PER_MACHINE` runs
+    each measure once and keep the best in a small per-machine cache (`$TITAN_HYBRID_CACHE`,
+    default ~/.cache/titan_hybrid); later runs read the best from it.
     """
     key = (f"{platform.processor() or platform.machine()} | {os.cpu_count()} cpus | "
            f"{torch.get_num_threads()} threads | torch {torch.__version__}")
@@ -122,16 +128,21 @@ def measured_peak_flops() -> float:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    best = max(matmul_flops(), float(known.get(key, 0.0)))
-    if best > float(known.get(key, 0.0)):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({**known, key: best}, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home only costs the cache
-    return best
+    entry = known.get(key)
+    if not isinstance(entry, dict):  # absent, or a bare figure from an older cache
+        entry = {"best": float(entry or 0.0), "measurements": int(entry is not None)}
+    if entry["measurements"] >= MEASUREMENTS_PER_MACHINE:
+        return float(entry["best"])
+    entry = {"best": max(matmul_flops(), float(entry["best"])),
+             "measurements": entry["measurements"] + 1}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**known, key: entry}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the cache
+    return entry["best"]
 
 
 def apply() -> bool:
