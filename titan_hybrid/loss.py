@@ -46,4 +46,7 @@ def hybrid_loss(pred, labels: torch.Tensor, *, mtp_loss_coeff: float = 0.1) -> t
 
 
 def build_hybrid_loss(job_config: JobConfig, **kwargs):
-    return partial(hybrid_loss, mtp_loss_coeff=resolve_model_args(job_config).mtp_loss_coeff)
+    loss_fn = partial(hybrid_loss, mtp_loss_coeff=resolve_model_args(job_config).mtp_loss_coeff)
+    if job_config.compile.enable and "loss" in job_config.compile.components:
+        loss_fn = torch.compile(loss_fn, backend=job_config.compile.backend)
+    return loss_fn

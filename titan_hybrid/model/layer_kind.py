@@ -69,6 +69,10 @@ class LayerKind:
     tensor_parallel_sizes: Callable[[Any, int], list[tuple[str, int]]] = _nothing_to_split
     context_parallel: ContextParallelRule | None = None  # None: token-wise, nothing to do
     hf_names: dict[str, HFNames] = field(default_factory=dict)  # by HF format
+    # Under torch.compile a layer is one graph, unless its kind names the mixer's submodules
+    # to compile on their own instead (the rest then runs eagerly): for layers whose shapes
+    # depend on the data, such as MoE's tokens per expert.
+    compiled_parts: tuple[str, ...] | None = None
 
     def __deepcopy__(self, memo) -> "LayerKind":
         return self  # a registry entry: copies of a model share it

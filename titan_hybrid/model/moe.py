@@ -147,4 +147,6 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
     has_aux_loss=True, closes_group=True, validate=_validate,
     tensor_parallel_sizes=_tensor_parallel_sizes,
+    # The experts' token counts are data (`.tolist()` for the split): they run eagerly.
+    compiled_parts=("router", "shared_expert"),
 )

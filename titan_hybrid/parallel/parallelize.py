@@ -10,6 +10,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.job_config import JobConfig, hybrid_job
+from titan_hybrid.parallel.compile import apply_compile
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
@@ -64,9 +65,13 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
         apply_expert_parallel(model, ep_mesh)
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint,
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  base_folder=job_config.job.dump_folder)
+    if compile_model:
+        apply_compile(model, job_config.compile)
+        logger.info(f"Compiled each layer / bracket group (backend {job_config.compile.backend})")
     if parallel_dims.dp_cp_enabled:
         strategy, dp_mesh = data_parallel_plan(
             parallel_dims, job_config.parallelism.data_parallel_sharding_strategy)

@@ -218,7 +218,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
 
     sequence = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence,
+                                          use_local_output=False),
         "output": ColwiseParallel(input_layouts=sequence,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
@@ -226,3 +227,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     # A pipeline stage may hold neither.
     parallelize_module(model, tp_mesh, {name: style for name, style in plan.items()
                                         if getattr(model, name) is not None})
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_local_copy)
+
+
+def _local_copy(module, args, output: DTensor) -> torch.Tensor:
+    """The embedding's output as a local tensor that is not a view of the DTensor's.
+
+    torch 2.13 / 2.14: when a torch.compile'd (AOTAutograd) layer takes the local view of an
+    embedding's RowwiseParallel output as input, its backward hands a plain tensor to
+    DTensor's Redistribute backward, which fails with "'Tensor' object has no attribute
+    '_local_tensor'" (reproduced with one nn.Embedding and one compiled module; eager and
+    dynamo-only backends are fine). The copy costs one [B, T, D] activation per step."""
+    return output.to_local().clone()

@@ -198,6 +198,4 @@ def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_si
         validate_pipeline(job_config, model_args)
     if p.context_parallel_degree > 1:
         validate_context_parallel(job_config, model_args)
-    if job_config.compile.enable:
-        raise ValueError("compile.enable=true is not supported for the hybrid model yet")
     return p.data_parallel_replicate_degree * shard

@@ -1,0 +1,63 @@
+"""torch.compile for HybridModel, at torchtitan's granularity: one graph per top-level layer or
+bracket group (the units that FSDP shards and activation checkpointing wraps), so that layers
+of the same kind reuse compiled code and FSDP's hooks stay between graphs.
+
+Each unit's `forward` is compiled in place: parameter names, checkpoint keys and the module
+tree stay what they are without compile, and the hooks that parallel code registers on the unit
+itself (FSDP's all-gathers, EP-overlap's hand-over between threads) run eagerly around the
+graph, as with torchtitan's compiled blocks. Hooks on modules inside the unit (tensor
+parallelism's regions and local parameter views) are traced into it.
+
+A unit is one full graph (`fullgraph=True`: an unexpected graph break is an error, not a silent
+slowdown) unless it holds a layer whose kind names `compiled_parts` (layer_kind.py): then each
+of its layers is compiled on its own, and such a layer compiles its norm and the named parts
+of its mixer while the rest (MoE's data-dependent expert dispatch) runs eagerly, as torchtitan
+does for its MoE blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchtitan.config.job_config import Compile
+
+from titan_hybrid.model.model import HybridLayer
+
+
+def _compile(module: nn.Module, config: Compile) -> None:
+    module.forward = torch.compile(module.forward, backend=config.backend, fullgraph=True)
+
+
+def _compile_layer(layer: HybridLayer, config: Compile) -> None:
+    parts = layer.kind.compiled_parts
+    if parts is None:
+        _compile(layer, config)
+        return
+    _compile(layer.norm, config)
+    for name in parts:
+        part = getattr(layer.mixer, name)
+        if part is not None:  # e.g. no shared expert
+            _compile(part, config)
+
+
+def _compile_unit(unit: nn.Module, config: Compile) -> None:
+    layers = [module for module in unit.modules() if isinstance(module, HybridLayer)]
+    if all(layer.kind.compiled_parts is None for layer in layers):
+        _compile(unit, config)
+        return
+    for layer in layers:
+        _compile_layer(layer, config)
+
+
+def compile_units(model: nn.Module) -> list[nn.Module]:
+    """The top-level units: every entry of `layers` and every MTP depth's layers (a pipeline
+    stage holds only its own)."""
+    units = list(model.layers.values())
+    for depth in getattr(model, "mtp", []):
+        units.extend(depth.block.layers.values())
+    return units
+
+
+def apply_compile(model: nn.Module, config: Compile) -> None:
+    for unit in compile_units(model):
+        _compile_unit(unit, config)
