@@ -1,6 +1,7 @@
 """Every Mamba / attention / MLP / MoE / GDN layer and every bracket group is its own FSDP unit."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -64,3 +65,61 @@ def test_unknown_strategy_is_rejected(mesh):
         apply_data_parallel(model, mesh, strategy="zero3", param_dtype=torch.float32,
                             reduce_dtype=torch.float32)
     assert "optim" in SHARDING_STRATEGIES
+
+
+def _record_core_inputs(model) -> dict[str, set]:
+    """dtypes of the parameters the Mamba2 / GDN cores receive, and of the projections'
+    weights, as seen during forward."""
+    seen: dict[str, set] = {"ssm": set(), "projections": set(), "activations": set()}
+    for layer in model.modules():
+        if not isinstance(layer, HybridLayer) or not layer.kind.full_precision_params:
+            continue
+        core = getattr(layer.mixer, layer.kind.context_parallel.core)
+        # ConvAndScan(xbc, dt, conv_w, conv_b, A_log, D, dt_bias, layout);
+        # ConvAndDeltaRule(qkv, alpha, beta, conv_w, A_log, dt_bias, layout)
+        ssm_args = slice(4, 7) if layer.symbol == "M" else slice(4, 6)
+
+        def record(module, args, ssm_args=ssm_args) -> None:
+            seen["ssm"].update(a.dtype for a in args[ssm_args])
+            seen["activations"].add(args[0].dtype)
+
+        core.register_forward_pre_hook(record)
+        layer.mixer.out_proj.register_forward_pre_hook(
+            lambda module, args: seen["projections"].add(module.weight.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_bf16_policy_keeps_ssm_parameters_in_fp32(mesh, strategy):
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M*G-", dim=64)
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.bfloat16,
+                        reduce_dtype=torch.float32)
+    seen = _record_core_inputs(model)
+    out = model(torch.randint(0, args.vocab_size, (2, 32)))
+    out.float().square().mean().backward()
+    assert seen == {"ssm": {torch.float32}, "projections": {torch.bfloat16},
+                    "activations": {torch.bfloat16}}
+    assert out.dtype == torch.bfloat16
+    # Each Mamba2 / GDN layer: its projections' unit in bf16, the layer's own unit in fp32.
+    for layer in model.layers.values():
+        if layer.kind.full_precision_params:
+            assert isinstance(layer.mixer.in_proj, FSDPModule)
+            assert layer.mixer.in_proj._get_fsdp_state() is (
+                layer.mixer.out_proj._get_fsdp_state())
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_autocast_path_keeps_ssm_parameters_in_fp32():
+    """One device: torchtitan runs forward under autocast with fp32 parameters."""
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M*G-", dim=64)
+    model = HybridModel(args)
+    model.init_weights()
+    seen = _record_core_inputs(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randint(0, args.vocab_size, (2, 32)))
+    assert seen == {"ssm": {torch.float32}, "projections": {torch.float32},
+                    "activations": {torch.bfloat16}}
+    assert out.dtype == torch.bfloat16

@@ -153,6 +153,8 @@ KIND = LayerKind(
     symbol="G", name="gdn", title="gated DeltaNet", args_type=GDNArgs,
     build=lambda args, dim, norm_eps: GatedDeltaNet(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    full_precision_params=("A_log", "dt_bias"),
+    compiles_with_documents=False,  # the delta rule's varlen path loops over cu_seqlens
     tensor_parallel_sizes=lambda args, dim: [("gdn.n_key_heads", args.n_key_heads),
                                              ("gdn.n_value_heads", args.n_value_heads)],
     context_parallel=ContextParallelRule(

@@ -73,6 +73,15 @@ class LayerKind:
     # to compile on their own instead (the rest then runs eagerly): for layers whose shapes
     # depend on the data, such as MoE's tokens per expert.
     compiled_parts: tuple[str, ...] | None = None
+    # False: with packed documents (hybrid.document_masking) the layer's torch path splits
+    # the batch by the documents' lengths, data that torch.compile cannot trace; the job is
+    # refused rather than compiled with a break in the middle of every such layer.
+    compiles_with_documents: bool = True
+    # Mixer parameters kept in fp32 when data parallelism computes in a lower precision
+    # (`training.mixed_precision_param`): the SSM decay / skip parameters, as in mamba_ssm.
+    # The layer's nn.Linear weights then form a low-precision unit of their own
+    # (parallel/data_parallel.py); everything else in the layer stays fp32.
+    full_precision_params: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo) -> "LayerKind":
         return self  # a registry entry: copies of a model share it

@@ -158,6 +158,7 @@ KIND = LayerKind(
     symbol="M", name="mamba", title="Mamba2", args_type=MambaArgs,
     build=lambda args, dim, norm_eps: Mamba2Mixer(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    full_precision_params=("A_log", "D", "dt_bias"),
     tensor_parallel_sizes=lambda args, dim: [("mamba.nheads", args.n_heads(dim)),
                                              ("mamba.n_groups", args.n_groups)],
     context_parallel=ContextParallelRule(

@@ -44,6 +44,10 @@ def causal_depthwise_conv1d(
 
 def causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C=None, *, seq_idx=None,
                                   activation=None):
+    # The weights may be fp32 while x is bf16 (a mixer whose SSM parameters data parallelism
+    # keeps in fp32 keeps its conv there too); compute in x's dtype, as a bf16 layer does.
+    weight_CW = weight_CW.to(x_BTC.dtype)
+    bias_C = None if bias_C is None else bias_C.to(x_BTC.dtype)
     width = weight_CW.shape[-1]
     if seq_idx is None:
         out = F.conv1d(x_BTC.transpose(1, 2), weight_CW.unsqueeze(1), bias_C,

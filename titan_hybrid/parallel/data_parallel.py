@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_hybrid.compat.fsdp import replicate
+from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.moe import MoE
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -44,6 +45,13 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [module.experts for module in model.modules() if isinstance(module, MoE)]
 
 
+def full_precision_layers(unit: nn.Module | list[nn.Module]) -> list[HybridLayer]:
+    """The layers in a unit whose kind keeps some mixer parameters in fp32."""
+    modules = unit if isinstance(unit, list) else [unit]
+    return [layer for module in modules for layer in module.modules()
+            if isinstance(layer, HybridLayer) and layer.kind.full_precision_params]
+
+
 def apply_data_parallel(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -55,31 +63,50 @@ def apply_data_parallel(
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """`expert_mesh`: under expert parallelism, the ranks that hold the same experts (torchtitan's
-    "efsdp"); each MoE layer's experts become their own unit sharded over it."""
+    "efsdp"); each MoE layer's experts become their own unit sharded over it.
+
+    With a `param_dtype` below fp32, a layer whose kind names `full_precision_params` (Mamba2's
+    A_log, D, dt_bias; GDN's A_log, dt_bias) is split in two units: its nn.Linear modules
+    (the projections: nearly all of its weights and FLOPs) in `param_dtype`, and the layer
+    itself, holding the rest, in fp32. FSDP's policy is per unit, and a unit's parameters are
+    gathered when one of its modules runs forward: the projections are called as modules,
+    while the fp32 parameters are read by the mixer directly."""
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
                          f"of {SHARDING_STRATEGIES}")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    split_precision = param_dtype != torch.float32
     units = sharding_units(model)
     if strategy in ("no_shard", "optim"):
-        for unit in units:
-            replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
-        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        def wrap(unit, policy, reshard=None):
+            replicate(unit, mesh=dp_mesh, mp_policy=policy)
     else:
-        config = {"mesh": dp_mesh, "mp_policy": mp_policy}
+        config = {"mesh": dp_mesh}
         if cpu_offload:
             config["offload_policy"] = CPUOffloadPolicy()
-        reshard = strategy == "optim_grads_params"
+
+        def wrap(unit, policy, reshard=None):  # None: FSDP's default (the root's is off)
+            fully_shard(unit, **config, mp_policy=policy, reshard_after_forward=reshard)
+
         if expert_mesh is not None:
             for experts in expert_modules(model):
-                fully_shard(experts, **{**config, "mesh": expert_mesh},
-                            reshard_after_forward=reshard)
-        for index, unit in enumerate(units):
-            # The LM head runs right after the last layer and first in backward: resharding
-            # it in between would only add an all-gather.
-            is_head = index == len(units) - 1 and isinstance(unit, list)
-            fully_shard(unit, **config, reshard_after_forward=reshard and not is_head)
-        fully_shard(model, **config)
+                fully_shard(experts, **{**config, "mesh": expert_mesh}, mp_policy=mp_policy,
+                            reshard_after_forward=strategy == "optim_grads_params")
+    reshard = strategy == "optim_grads_params"
+    for index, unit in enumerate(units):
+        # The LM head runs right after the last layer and first in backward: resharding
+        # it in between would only add an all-gather.
+        is_head = index == len(units) - 1 and isinstance(unit, list)
+        policy = mp_policy
+        for layer in full_precision_layers(unit) if split_precision else []:
+            wrap([m for m in layer.modules() if isinstance(m, nn.Linear)], mp_policy, reshard)
+            if layer is unit:
+                policy = fp32_policy
+            else:
+                wrap(layer, fp32_policy, reshard)
+        wrap(unit, policy, reshard and not is_head)
+    wrap(model, mp_policy)
     # The trainer divides the summed loss by the global token count itself.
     for module in model.modules():
         if isinstance(module, FSDPModule):

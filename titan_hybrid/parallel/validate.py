@@ -34,6 +34,21 @@ def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: i
         _require_divisible(field, value, name, tp)
 
 
+def validate_compile(job_config: JobConfig, model_args: HybridModelArgs) -> None:
+    unknown = set(job_config.compile.components) - {"model", "loss"}
+    if unknown:
+        raise ValueError(f"compile.components {sorted(unknown)}: the hybrid model compiles "
+                         "'model' and 'loss'")
+    if not job_config.hybrid.document_masking:
+        return
+    for kind in model_args.kinds():
+        if not kind.compiles_with_documents:
+            raise ValueError(
+                f"compile.enable with hybrid.document_masking: {kind.title} ({kind.symbol}) "
+                "layers split packed documents by their lengths, which torch.compile cannot "
+                "trace yet; disable one of the two")
+
+
 def validate_pipeline(job_config: JobConfig, model_args: HybridModelArgs) -> None:
     p = job_config.parallelism
     virtual_stages = stages_per_rank(job_config, model_args)
@@ -198,4 +213,6 @@ def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_si
         validate_pipeline(job_config, model_args)
     if p.context_parallel_degree > 1:
         validate_context_parallel(job_config, model_args)
+    if job_config.compile.enable:
+        validate_compile(job_config, model_args)
     return p.data_parallel_replicate_degree * shard
