@@ -32,6 +32,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"}
 
 
+# A few steps of a small job with every sequence-mixing kind (Mamba2, attention, GDN, MLP):
+# the reference for checks whose runs are costly per step (compile, mixed precision).
+SMALL_JOB = ("--training.steps", "3", "--training.seq_len", "64",
+             "--training.local_batch_size", "2", "--hybrid.pattern", "M*G-")
+
+
 @dataclass
 class TrainResult:
     returncode: int
