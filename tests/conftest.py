@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ def pytest_sessionstart(session):
     if any(path == DISTRIBUTED or DISTRIBUTED in path.parents or path in DISTRIBUTED.parents
            for path in paths):
         start_fork_server()
+    _triton_interpreter_without_cuda()
+
+
+def _triton_interpreter_without_cuda():
+    """Without CUDA, the triton_interpreter tests run the GPU kernels in Triton's interpreter,
+    which Triton reads when it is imported: set it before collection imports triton (through
+    torchtitan). Nothing else on CPU launches a Triton kernel (tests/triton_kernels.py)."""
+    import torch  # here, not at the top: the fork server above starts without waiting for it
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,158 @@
+"""Run the GPU kernels behind our ops in tests: on CUDA when there is a GPU, else on CPU tensors in
+Triton's interpreter (TRITON_INTERPRET=1: each Triton program runs as Python over numpy arrays).
+
+    with kernels_on():          # our public ops call mamba_ssm / fla kernels in here
+        y = mamba_chunk_scan_combined(...)   # on DEVICE tensors
+
+Tests that use it carry the `triton_interpreter` marker (`./run_tests.sh -m triton_interpreter`).
+
+Triton decides whether a kernel is interpreted when its `@triton.jit` decorator runs: for
+triton.language's own jit functions (tl.cumsum, ...) that is when triton is imported, which the
+model modules do through torchtitan. So tests/conftest.py sets TRITON_INTERPRET=1 for the whole
+test process on machines without CUDA, before anything imports triton. It changes nothing else
+there: no other CPU code path launches a Triton kernel (without the interpreter, one would fail
+for want of a GPU driver). `kernels_on` checks the kernels it uses are interpreted ones.
+
+Interpreter-only shims, active only inside `kernels_on()` on CPU (none of them on CUDA, none in
+the library):
+- Triton 3.7's interpreter rewrites every `x = value` in a kernel to wrap the value as an
+  interpreter tensor, but not the target of a `for` loop, so a `range` / `tl.range` induction
+  variable stays a Python int. Compiled Triton makes it an int32 scalar tensor, and fla's kernels
+  call methods on it (`i_t.to(tl.int64)` in chunk_delta_h.py: "'int' object has no attribute
+  'to'"). `_LoopIndexAsTensor` adds the same wrapping at the top of such loops' bodies.
+  `tl.static_range` loops are left alone: their index is a compile-time constant.
+- Triton's autotuner times each config with the GPU driver (there is none): every config is
+  scored equal, so the first is used.
+- The launchers' host code wraps launches in `torch.cuda.device(t.device.index)`, which fails for
+  a CPU tensor (index None), and sizes backward grids from the GPU's SM count: a no-op context
+  and a device with 4 SMs (few programs, so several rows per program are exercised).
+- mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here: see
+  scripts/bootstrap.sh); its Triton modules are imported through a bare package module instead.
+The interpreter has no bfloat16 arithmetic (bf16 values are held as their uint16 bit patterns
+and only converted at loads, stores and casts: a bf16 `tl.dot` multiplies bit patterns), so
+kernels whose dots take bf16 operands are checked in float32 there, and in bf16 only on CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import sys
+import types
+import warnings
+from unittest import mock
+
+import torch
+
+from titan_hybrid.ops.kernels import force_kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+KERNEL_MODULES = ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated",
+                  "fla.ops.gated_delta_rule.chunk")
+# Dtypes whose kernels compute correctly where the tests run (see the module docstring).
+LOW_PRECISION = (torch.bfloat16,) if not INTERPRETED else ()
+
+
+class _LoopIndexAsTensor(ast.NodeTransformer):
+    """Adds `i = interpreter_semantic.to_tensor(i, False)` (what the interpreter already does for
+    assignments) as the first statement of every `for i in range(...)` / `tl.range(...)`."""
+
+    def __init__(self, base: ast.NodeTransformer) -> None:
+        self.base = base
+
+    def visit(self, node):
+        node = self.base.visit(node)
+        for loop in ast.walk(node):
+            if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) \
+                    and _called_name(loop.iter) == "range":
+                name = loop.target.id
+                wrap = ast.parse(f"{name} = interpreter_semantic.to_tensor({name}, False)").body[0]
+                for part in ast.walk(wrap):  # tracebacks point at the loop
+                    ast.copy_location(part, loop)
+                loop.body.insert(0, wrap)
+        return node
+
+
+def _called_name(node) -> str | None:
+    if isinstance(node, ast.Call):
+        func = node.func
+        return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    return None
+
+
+def _import_mamba_ssm_triton_modules() -> None:
+    """A bare `mamba_ssm` package module, so that `mamba_ssm.ops.triton.*` import without the
+    package __init__ (which needs the compiled selective-scan extension)."""
+    if "mamba_ssm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None:
+        raise ImportError("mamba_ssm is not installed (scripts/bootstrap.sh installs it)")
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["mamba_ssm"] = package
+
+
+def _check_interpreted(module) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    for value in vars(module).values():
+        for _ in range(4):  # through autotune / heuristics wrappers
+            if isinstance(value, (JITFunction, InterpretedFunction)) or not hasattr(value, "fn"):
+                break
+            value = value.fn
+        if isinstance(value, JITFunction):
+            raise RuntimeError(f"{module.__name__} was imported while TRITON_INTERPRET was "
+                               "unset: its kernels are compiled ones")
+
+
+@contextlib.contextmanager
+def _interpreter():
+    import triton
+    import triton.runtime.autotuner
+    import triton.runtime.interpreter as interpreter
+
+    rewriter = interpreter.FunctionRewriter
+    device = types.SimpleNamespace(name="Triton interpreter", multi_processor_count=4)
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (on a "
+                           "machine without CUDA tests/conftest.py does it)")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(
+            rewriter, "ast_transformer", _LoopIndexAsTensor(rewriter.ast_transformer)))
+        # Its int32 overflow checks (a debugging aid, several extra ops per integer op) triple
+        # the run time; our shapes are far from 2**31.
+        stack.enter_context(mock.patch.object(
+            interpreter.interpreter_builder, "options",
+            dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=False)))
+        stack.enter_context(mock.patch.object(
+            triton.runtime.autotuner.Autotuner, "_bench",
+            lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]))
+        stack.enter_context(mock.patch.object(
+            torch.cuda, "device", lambda index: contextlib.nullcontext()))
+        stack.enter_context(mock.patch.object(
+            torch.cuda, "get_device_properties", lambda *args, **kwargs: device))
+        _import_mamba_ssm_triton_modules()
+        with warnings.catch_warnings():
+            # fla: "Triton is not supported on current platform, roll back to CPU."
+            warnings.simplefilter("ignore", UserWarning)
+            for name in KERNEL_MODULES:
+                _check_interpreted(importlib.import_module(name))
+        yield
+
+
+@contextlib.contextmanager
+def kernels_on():
+    """Our ops call the GPU kernels inside: on CUDA directly, on CPU in Triton's interpreter."""
+    with _interpreter() if INTERPRETED else contextlib.nullcontext(), force_kernels():
+        yield
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius-norm relative error of `a` against the reference `b`, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
