@@ -156,3 +156,51 @@ def kernels_on():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Frobenius-norm relative error of `a` against the reference `b`, in float64."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def outputs_and_grads(fn, inputs: dict, **kwargs):
+    """`fn(**inputs, **kwargs)`'s tensor outputs and the gradients of a fixed random projection
+    of them with respect to every floating-point input: ([outputs], {name: grad})."""
+    leaves = {name: value.detach().clone().requires_grad_(value.is_floating_point())
+              if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+    result = fn(**leaves, **kwargs)
+    outputs = [out for out in (result if isinstance(result, tuple) else (result,))
+               if out is not None]
+    gen = torch.Generator().manual_seed(1234)
+    loss = sum((out * torch.randn(out.shape, generator=gen).to(out)).sum() for out in outputs)
+    names = [name for name, leaf in leaves.items()
+             if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    grads = torch.autograd.grad(loss, [leaves[name] for name in names])
+    return outputs, dict(zip(names, grads))  # outputs keep their grad_fn: see ran_custom_op
+
+
+def assert_close_rel(got, want, tol: float, what: str) -> float:
+    """Relative error of each output and gradient below `tol` (and every reference gradient
+    non-zero, so no comparison is vacuous); returns the largest error."""
+    (outs, grads), (ref_outs, ref_grads) = got, want
+    assert len(outs) == len(ref_outs) and grads.keys() == ref_grads.keys()
+    pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs, ref_outs))]
+    pairs += [(f"grad {name}", grads[name], ref_grads[name]) for name in ref_grads]
+    worst = 0.0
+    for name, a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape, a.dtype)
+        assert b.abs().max() > 0, f"{what}: reference {name} is zero"
+        err = rel_err(a.detach(), b.detach())
+        assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol:.0e}"
+        worst = max(worst, err)
+    return worst
+
+
+def ran_custom_op(tensor: torch.Tensor, op_name: str) -> bool:
+    """Whether `tensor`'s autograd graph contains the custom op `op_name` (titan_hybrid::...):
+    the proof that our dispatch took the kernel path."""
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if op_name in type(node).__name__:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False

@@ -235,33 +235,34 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              use_qk_l2norm: bool) -> list[torch.Tensor]:
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-    empty = q.new_empty(0)
-    q_rstd = k_rstd = empty
+    def empty():  # a custom op's outputs may not alias each other
+        return q.new_empty(0)
+
+    residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
     if use_qk_l2norm:
         q, q_rstd = l2norm_fwd(q)
         k, k_rstd = l2norm_fwd(k)
+        residuals = [q, k, q_rstd, k_rstd]
     g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
-    normed = (q, k) if use_qk_l2norm else (empty, empty)  # else q, k are the inputs themselves
-    return [o, empty if final_state is None else final_state, *normed, q_rstd, k_rstd, g_cum, A]
+    return [o, empty() if final_state is None else final_state, *residuals, g_cum, A]
 
 
 @_gdn_fwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
     B, T, H, K = q.shape
     n_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    empty = q.new_empty(0)
-    final_state = (q.new_empty(n_seqs, H, K, v.shape[-1], dtype=torch.float32)
-                   if output_final_state else empty)
+    final_state = q.new_empty((n_seqs, H, K, v.shape[-1]) if output_final_state else (0,),
+                              dtype=torch.float32 if output_final_state else q.dtype)
     if use_qk_l2norm:
         rstd = q.new_empty(B, T, H, dtype=torch.float32)
-        normed = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
+        residuals = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
     else:
-        normed = [empty] * 4
-    return [torch.empty_like(v), final_state, *normed, torch.empty_like(g, dtype=torch.float32),
-            q.new_empty(B, T, H, CHUNK_SIZE)]
+        residuals = [q.new_empty(0) for _ in range(4)]
+    return [torch.empty_like(v), final_state, *residuals,
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE)]
 
 
 @torch.library.custom_op("titan_hybrid::fla_gated_delta_bwd", mutates_args=())
@@ -291,14 +292,17 @@ def _(do, dfinal_state, q, k, v, beta, g, initial_state, *_):
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, ctx.scale, initial_state, _, cu_seqlens, ctx.use_qk_l2norm) = inputs
+    (q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, cu_seqlens,
+     ctx.use_qk_l2norm) = inputs
     _, _, q_normed, k_normed, q_rstd, k_rstd, g_cum, A = output
     ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed,
                           q_rstd, k_rstd, g_cum, A)
 
 
 def _gdn_backward(ctx, output_grads):
-    do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are None
+    do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are unused
+    if not ctx.output_final_state:  # autograd passes zeros of the empty placeholder's shape
+        dfinal_state = None
     (q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed, q_rstd, k_rstd, g_cum,
      A) = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, dh0 = _gdn_bwd(
