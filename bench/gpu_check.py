@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda")
     print(f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # -s: each kernel test prints its largest relative error against the torch path
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                             "-m", "triton_interpreter", *KERNEL_TESTS], cwd=REPO_ROOT)
     peak = matmul_flops(device)
     print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")

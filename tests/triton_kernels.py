@@ -171,7 +171,7 @@ def outputs_and_grads(fn, inputs: dict, **kwargs):
     names = [name for name, leaf in leaves.items()
              if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
     grads = torch.autograd.grad(loss, [leaves[name] for name in names])
-    return outputs, dict(zip(names, grads))  # outputs keep their grad_fn: see ran_custom_op
+    return outputs, dict(zip(names, grads))
 
 
 def assert_close_rel(got, want, tol: float, what: str) -> float:
@@ -188,19 +188,16 @@ def assert_close_rel(got, want, tol: float, what: str) -> float:
         err = rel_err(a.detach(), b.detach())
         assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol:.0e}"
         worst = max(worst, err)
+    print(f"\n{what}: largest relative error {worst:.1e} (tolerance {tol:.0e})")
     return worst
 
 
-def ran_custom_op(tensor: torch.Tensor, op_name: str) -> bool:
-    """Whether `tensor`'s autograd graph contains the custom op `op_name` (titan_hybrid::...):
-    the proof that our dispatch took the kernel path."""
-    seen, stack = set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if op_name in type(node).__name__:
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+@contextlib.contextmanager
+def expect_custom_ops(*names: str):
+    """Asserts that the custom ops `names` (titan_hybrid::..., the kernel calls' forward and
+    backward) ran inside the block: the proof that our dispatch took the kernel path."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield
+    seen = {event.name for event in profile.events()}
+    missing = [name for name in names if f"titan_hybrid::{name}" not in seen]
+    assert not missing, f"custom ops {missing} did not run"
