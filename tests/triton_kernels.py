@@ -26,8 +26,13 @@ the library):
 - The launchers' host code wraps launches in `torch.cuda.device(t.device.index)`, which fails for
   a CPU tensor (index None), and sizes backward grids from the GPU's SM count: a no-op context
   and a device with 4 SMs (few programs, so several rows per program are exercised).
-- mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here: see
-  scripts/bootstrap.sh); its Triton modules are imported through a bare package module instead.
+- scripts/bootstrap.sh installs mamba_ssm's and fla's sources outside site-packages, in
+  KERNEL_SITE: importable only inside `kernels_on()`, and hidden again after it (the packages'
+  top-level modules leave sys.modules), because transformers switches its own torch paths
+  (Qwen3-Next's gated delta rule, NemotronH's SSD, which other tests and bench/ compare against)
+  to these packages whenever they import, on any device.
+- mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here); its
+  Triton modules are imported through a bare package module instead.
 The interpreter has no bfloat16 arithmetic (bf16 values are held as their uint16 bit patterns
 and only converted at loads, stores and casts: a bf16 `tl.dot` multiplies bit patterns), so
 kernels whose dots take bf16 operands are checked in float32 there, and in bf16 only on CUDA.
@@ -43,6 +48,7 @@ import importlib.util
 import sys
 import types
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -84,18 +90,33 @@ def _called_name(node) -> str | None:
     return None
 
 
-def _import_mamba_ssm_triton_modules() -> None:
-    """A bare `mamba_ssm` package module, so that `mamba_ssm.ops.triton.*` import without the
-    package __init__ (which needs the compiled selective-scan extension)."""
-    if "mamba_ssm" in sys.modules:
-        return
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None:
-        raise ImportError("mamba_ssm is not installed (scripts/bootstrap.sh installs it)")
-    package = types.ModuleType("mamba_ssm")
-    package.__path__ = list(spec.submodule_search_locations)
-    package.__spec__ = spec
-    sys.modules["mamba_ssm"] = package
+# Where scripts/bootstrap.sh installs the kernel packages on machines without CUDA.
+KERNEL_SITE = Path(sys.prefix) / "triton-interpreter-kernels"
+_hidden: dict[str, types.ModuleType] = {}  # their top-level modules, between kernels_on blocks
+
+
+@contextlib.contextmanager
+def _kernel_packages_importable():
+    if not KERNEL_SITE.is_dir():
+        raise RuntimeError(f"{KERNEL_SITE} is missing: scripts/bootstrap.sh installs the kernel "
+                           "packages there (./run_tests.sh runs it)")
+    sys.path.insert(0, str(KERNEL_SITE))
+    sys.modules.update(_hidden)
+    try:
+        if "mamba_ssm" not in sys.modules:
+            # A bare package: mamba_ssm.ops.triton.* import without the package __init__
+            # (which needs the compiled selective-scan extension).
+            spec = importlib.util.find_spec("mamba_ssm")
+            package = types.ModuleType("mamba_ssm")
+            package.__path__ = list(spec.submodule_search_locations)
+            package.__spec__ = spec
+            sys.modules["mamba_ssm"] = package
+        yield
+    finally:
+        sys.path.remove(str(KERNEL_SITE))
+        for name in ("mamba_ssm", "fla"):
+            if name in sys.modules:
+                _hidden[name] = sys.modules.pop(name)
 
 
 def _check_interpreted(module) -> None:
@@ -137,7 +158,7 @@ def _interpreter():
             torch.cuda, "device", lambda index: contextlib.nullcontext()))
         stack.enter_context(mock.patch.object(
             torch.cuda, "get_device_properties", lambda *args, **kwargs: device))
-        _import_mamba_ssm_triton_modules()
+        stack.enter_context(_kernel_packages_importable())
         with warnings.catch_warnings():
             # fla: "Triton is not supported on current platform, roll back to CPU."
             warnings.simplefilter("ignore", UserWarning)

@@ -3,6 +3,16 @@
 Tolerances: float64 chunked vs float64 recurrence, forward and every gradient, atol = rtol =
 1e-9 (observed errors ~1e-14). float32 chunked vs float64 recurrence: relative Frobenius error
 below 1e-5 for outputs, final states and gradients (observed <= 1.2e-6).
+
+fla's kernel (marker triton_interpreter, tests/triton_kernels.py) vs
+chunk_gated_delta_rule_torch on the same inputs, relative Frobenius error of o, the final states
+and every input gradient:
+- float32 in Triton's interpreter: < 2e-5. Both compute in float32 (numpy float32 dots), but the
+  kernel inverts (I + A) by blocked forward substitution and keeps decays in base 2, the torch
+  path uses a triangular solve; observed <= 3.1e-6.
+- float32 on CUDA: < 5e-3 (tf32 dots, 2**-11 relative per product). Not measured here (no GPU).
+- bfloat16 on CUDA only (the interpreter has no bf16 arithmetic): < 5e-2 (bf16 rounding of
+  inputs to every dot and of the outputs, 2**-8 each). Not measured here.
 """
 
 import sys
@@ -279,26 +289,15 @@ def test_fla_kernel_matches_torch_path_packed_documents(dtype):
 
 
 @pytest.mark.triton_interpreter
-def test_fla_kernel_matches_torch_path_batch_without_states():
-    """Batch of 2 without cu_seqlens, no initial state, no final state, keys pre-normalised."""
-    inputs, kwargs = _kernel_inputs(2, [100], torch.float32, l2norm=False, seed=12)
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
-        got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
-    assert len(got[0]) == 1  # the final state is None when not asked for
-    want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
-    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "fla batch")
-
-
-@pytest.mark.triton_interpreter
 def test_fla_kernel_under_torch_compile_fullgraph():
     """fla's entry point is torch.compiler.disable'd; through our custom ops dynamo and
-    AOTAutograd trace the kernel path whole (fullgraph)."""
-    inputs, kwargs = _kernel_inputs(1, [37, 27], torch.float32, l2norm=True, seed=13)
-    inputs["initial_state"] = torch.randn(2, 2, 16, 16, device=DEVICE)
-    kwargs["output_final_state"] = True
+    AOTAutograd trace the kernel path whole (fullgraph). Also the other case: a batch of 2
+    without cu_seqlens, no initial or final state, keys pre-normalised."""
+    inputs, kwargs = _kernel_inputs(2, [100], torch.float32, l2norm=False, seed=12)
     compiled = torch.compile(chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
     with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
         got = outputs_and_grads(compiled, inputs, **kwargs)
+    assert len(got[0]) == 1  # the final state is None when not asked for
     assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
-    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled fla")
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled fla batch")

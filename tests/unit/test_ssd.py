@@ -1,8 +1,19 @@
-"""Tests for titan_hybrid.ops.ssd: chunked SSD scan vs the step-by-step recurrence.
+"""Tests for titan_hybrid.ops.ssd: chunked SSD scan vs the step-by-step recurrence, and mamba_ssm's
+Triton kernel (through our op) vs the chunked torch path.
 
 Tolerances: float64 chunked vs float64 recurrence, forward and gradients:
 atol=rtol=1e-10. float32 chunked vs float64 recurrence: relative L2 error < 1e-5
 (observed ~2e-7). bfloat16 inputs: relative L2 error < 3e-2.
+
+Kernel (marker triton_interpreter, tests/triton_kernels.py) vs ssd_chunked_torch on the same
+inputs, relative L2 error of y, the final states and every input gradient:
+- float32 in Triton's interpreter: < 2e-5. Both compute in float32 (the interpreter's dots are
+  numpy float32 matmuls), differing in chunking and summation order only; observed <= 1.1e-6.
+- float32 on CUDA: < 5e-3. Triton runs float32 dots in tf32 (10-bit mantissa, 2**-11 = 4.9e-4
+  relative per product), the torch path in full float32. Not measured here (no GPU).
+- bfloat16 on CUDA only (the interpreter has no bf16 arithmetic): < 5e-2. Outputs and gradients
+  round to bf16 (2**-8 = 3.9e-3), and the kernel keeps chunk states in the input dtype between
+  its kernels. Not measured here.
 """
 
 import pytest
@@ -293,22 +304,25 @@ KERNEL_CASES = {  # name: (make_inputs arguments, op arguments)
     "length 72 (not a multiple of 32), D [h, p], no z, dt_limit": (
         dict(b=2, l=72, h=2, p=8, g=1, n=16, D_shape="hp", z=False, init=True, seed=2),
         dict(chunk_size=32, dt_limit=(0.05, 0.5))),
-    "the mixer's call: D [h], dt_bias, no z, no initial state": (
+    "the mixer's call: D [h], dt_bias, no z, no initial or final state": (
         dict(b=1, l=64, h=2, p=16, g=2, n=8, z=False, seed=3),
-        dict(chunk_size=16)),
+        dict(chunk_size=16, return_final_states=False)),
 }
 
 
+# The last case runs under torch.compile below (one interpreter run per case keeps the marker
+# near a minute).
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("case", list(KERNEL_CASES)[:2])
 def test_mamba_ssm_kernel_matches_torch_path(case, dtype):
     inp, options = _kernel_inputs(case, DEVICE, dtype)
-    kwargs = dict(dt_softplus=True, return_final_states=True, **options)
+    kwargs = dict(dt_softplus=True, return_final_states=True) | options
     with kernels_on(), expect_custom_ops("mamba_ssd_fwd", "mamba_ssd_bwd"):
         got = outputs_and_grads(mamba_chunk_scan_combined, inp, **kwargs)
     want = outputs_and_grads(ssd_chunked_torch, inp, **kwargs)
-    assert got[0][1].dtype == torch.float32  # final states, as on the torch path
+    assert len(got[0]) == 1 + kwargs["return_final_states"]
+    assert got[0][-1].dtype == (torch.float32 if kwargs["return_final_states"] else dtype)
     assert_close_rel(got, want, KERNEL_TOL[dtype], case)
 
 
@@ -316,9 +330,9 @@ def test_mamba_ssm_kernel_matches_torch_path(case, dtype):
 def test_mamba_ssm_kernel_under_torch_compile_fullgraph():
     """The kernel path is one opaque custom op for forward and one for backward: dynamo and
     AOTAutograd trace it whole (fullgraph), with the ops' fake implementations."""
-    case = "the mixer's call: D [h], dt_bias, no z, no initial state"
+    case = list(KERNEL_CASES)[2]
     inp, options = _kernel_inputs(case, DEVICE, torch.float32)
-    kwargs = dict(dt_softplus=True, return_final_states=True, **options)
+    kwargs = dict(dt_softplus=True) | options
     compiled = torch.compile(mamba_chunk_scan_combined, backend="aot_eager", fullgraph=True)
     with kernels_on(), expect_custom_ops("mamba_ssd_fwd", "mamba_ssd_bwd"):
         got = outputs_and_grads(compiled, inp, **kwargs)

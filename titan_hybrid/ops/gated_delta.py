@@ -262,7 +262,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, us
     else:
         residuals = [q.new_empty(0) for _ in range(4)]
     return [torch.empty_like(v), final_state, *residuals,
-            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, H, CHUNK_SIZE)]
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, v.shape[2], CHUNK_SIZE)]
 
 
 @torch.library.custom_op("titan_hybrid::fla_gated_delta_bwd", mutates_args=())

@@ -210,7 +210,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
             # mamba_ssm's own modules pass int32 document ids
             None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
-            dt_softplus, float(dt_limit[0]), float(dt_limit[1]))
+            dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_final_states)
         return (y, final_states) if return_final_states else y
     return ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                              initial_states=initial_states, seq_idx=seq_idx,
@@ -231,8 +231,8 @@ _KERNEL_MODULE = "mamba_ssm.ops.triton.ssd_combined"
 def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
-             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float,
-             dt_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float, dt_max: float,
+             final_states_used: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
     y, y_before_gate, _, _, _, final_states = _mamba_chunk_scan_combined_fwd(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
@@ -242,10 +242,10 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
 @_ssd_fwd.register_fake
 def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
-      dt_max):
+      dt_max, final_states_used):
     b, _, h, p = x.shape
     final_states = x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
-    return torch.empty_like(x), final_states, x.new_empty(0) if z is None else torch.empty_like(x)
+    return x.new_empty(x.shape), final_states, x.new_empty(0 if z is None else x.shape)
 
 
 @torch.library.custom_op("titan_hybrid::mamba_ssd_bwd", mutates_args=())
@@ -260,7 +260,8 @@ def _ssd_bwd(dy: torch.Tensor, dfinal_states: torch.Tensor | None, y_before_gate
         dy, x, dt, A, B, C, y_before_gate, chunk_size, D=D, z=z, dt_bias=dt_bias,
         initial_states=initial_states, dfinal_states=dfinal_states, seq_idx=seq_idx,
         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
-    return [x.new_empty(0) if grad is None else grad for grad in grads]
+    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(0) if grad is None else grad.to(t.dtype) for grad, t in zip(grads, like)]
 
 
 @_ssd_bwd.register_fake
@@ -273,7 +274,7 @@ def _(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z, dt_bia
 
 def _ssd_setup_context(ctx, inputs, output):
     (x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, initial_states, seq_idx, ctx.dt_softplus,
-     ctx.dt_min, ctx.dt_max) = inputs
+     ctx.dt_min, ctx.dt_max, ctx.final_states_used) = inputs
     y, _, y_before_gate = output
     ctx.save_for_backward(y if z is None else y_before_gate, x, dt, A, B, C, D, z, dt_bias,
                           initial_states, seq_idx)
@@ -281,12 +282,14 @@ def _ssd_setup_context(ctx, inputs, output):
 
 def _ssd_backward(ctx, dy, dfinal_states, _):
     y_before_gate, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+    if not ctx.final_states_used:  # autograd passes zeros: skip the kernel's work on them
+        dfinal_states = None
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states = _ssd_bwd(
         dy, dfinal_states, y_before_gate, x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias,
         initial_states, seq_idx, ctx.dt_softplus, ctx.dt_min, ctx.dt_max)
     absent = (lambda tensor, grad: None if tensor is None else grad)
     return (dx, ddt, dA, dB, dC, None, absent(D, dD), absent(z, dz), absent(dt_bias, ddt_bias),
-            absent(initial_states, dinitial_states), None, None, None, None)
+            absent(initial_states, dinitial_states), None, None, None, None, None)
 
 
 _ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
