@@ -8,7 +8,7 @@ atol=rtol=1e-10. float32 chunked vs float64 recurrence: relative L2 error < 1e-5
 Kernel (marker triton_interpreter, tests/triton_kernels.py) vs ssd_chunked_torch on the same
 inputs, relative L2 error of y, the final states and every input gradient:
 - float32 in Triton's interpreter: < 2e-5. Both compute in float32 (the interpreter's dots are
-  numpy float32 matmuls), differing in chunking and summation order only; observed <= 1.1e-6.
+  numpy float32 matmuls), differing in chunking and summation order only; observed <= 2.4e-6.
 - float32 on CUDA: < 5e-3. Triton runs float32 dots in tf32 (10-bit mantissa, 2**-11 = 4.9e-4
   relative per product), the torch path in full float32. Not measured here (no GPU).
 - bfloat16 on CUDA only (the interpreter has no bf16 arithmetic): < 5e-2. Outputs and gradients
@@ -298,11 +298,12 @@ def _kernel_inputs(case, device, dtype):
 
 
 KERNEL_CASES = {  # name: (make_inputs arguments, op arguments)
+    # documents [0, 20) [20, 32) [32, 64): a boundary inside a chunk and one on a chunk's start
     "seq_idx, initial_states, D [h], z, dt_bias": (
-        dict(b=1, l=96, h=4, p=8, g=2, n=16, init=True, seed=1),
-        dict(chunk_size=32, seq_bounds=[(20, 64)])),
-    "length 72 (not a multiple of 32), D [h, p], no z, dt_limit": (
-        dict(b=2, l=72, h=2, p=8, g=1, n=16, D_shape="hp", z=False, init=True, seed=2),
+        dict(b=1, l=64, h=4, p=8, g=2, n=16, init=True, seed=1),
+        dict(chunk_size=32, seq_bounds=[(20, 32)])),
+    "length 40 (not a multiple of 32), D [h, p], no z, dt_limit": (
+        dict(b=2, l=40, h=2, p=8, g=1, n=16, D_shape="hp", z=False, init=True, seed=2),
         dict(chunk_size=32, dt_limit=(0.05, 0.5))),
     "the mixer's call: D [h], dt_bias, no z, no initial or final state": (
         dict(b=1, l=64, h=2, p=16, g=2, n=8, z=False, seed=3),
