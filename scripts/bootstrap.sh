@@ -15,13 +15,30 @@ fi
 # about each one. Keep the rest of pip's output.
 quiet_pip() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; }
 
-if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ] \
+        || [ "$REPO_ROOT/scripts/bootstrap.sh" -nt "$STAMP" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         quiet_pip install --quiet "torch==2.13.*" "triton==3.7.1"
+        quiet_pip install --quiet -e "$REPO_ROOT[test]"
+        # GPU hosts install the real kernels themselves: README, "GPU path".
     else
         quiet_pip install --quiet "torch==2.13.0" "triton==3.7.1"
+        quiet_pip install --quiet -e "$REPO_ROOT[test]"
+        # The GPU kernels' Python + Triton sources, which the triton_interpreter tests run in
+        # Triton's interpreter (tests/triton_kernels.py), at the versions they were checked on.
+        # Outside site-packages (--target): transformers switches its own torch paths to these
+        # packages whenever they import, so only those tests put them on sys.path.
+        # --no-deps: their declared dependencies would pull other torch builds and GPU-only
+        # packages (mamba-ssm: tilelang, quack-kernels; fla-core's cpu extra: torch); what they
+        # import (einops, packaging) is already here. mamba-ssm is an sdist whose setup.py
+        # imports torch (hence --no-build-isolation, and wheel for its bdist_wheel); the two
+        # variables are its own: compile no CUDA extension, fetch no prebuilt wheel.
+        KERNELS="$VENV/triton-interpreter-kernels"
+        quiet_pip install --quiet wheel
+        rm -rf "$KERNELS"
+        MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE quiet_pip install --quiet --no-deps \
+            --no-build-isolation --target "$KERNELS" "mamba-ssm==2.3.2.post1" "fla-core==0.6.0"
     fi
-    quiet_pip install --quiet -e "$REPO_ROOT[test]"
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ DISTRIBUTED = REPO_ROOT / "tests" / "distributed"
 def pytest_sessionstart(session):
     """A session that may run distributed tests starts their fork server (tests/launch.py)
     before collecting, so its imports overlap with pytest's own."""
+    _triton_interpreter_without_cuda()
     if getattr(session.config.option, "numprocesses", None) and not hasattr(
             session.config, "workerinput"):
         return  # a pytest-xdist controller: its workers run the tests
@@ -22,6 +24,16 @@ def pytest_sessionstart(session):
     if any(path == DISTRIBUTED or DISTRIBUTED in path.parents or path in DISTRIBUTED.parents
            for path in paths):
         start_fork_server()
+
+
+def _triton_interpreter_without_cuda():
+    """Without CUDA, the triton_interpreter tests run the GPU kernels in Triton's interpreter,
+    which Triton reads when it is imported: set it before collection imports triton (through
+    torchtitan), and before the fork server starts (its environment must match the tests').
+    Nothing else on CPU launches a Triton kernel (tests/triton_kernels.py)."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,34 @@
-"""Tests for titan_hybrid.ops.ssd: chunked SSD scan vs the step-by-step recurrence.
+"""Tests for titan_hybrid.ops.ssd: chunked SSD scan vs the step-by-step recurrence, and mamba_ssm's
+Triton kernel (through our op) vs the chunked torch path.
 
 Tolerances: float64 chunked vs float64 recurrence, forward and gradients:
 atol=rtol=1e-10. float32 chunked vs float64 recurrence: relative L2 error < 1e-5
 (observed ~2e-7). bfloat16 inputs: relative L2 error < 3e-2.
+
+Kernel (marker triton_interpreter, tests/triton_kernels.py) vs ssd_chunked_torch on the same
+inputs, relative L2 error of y, the final states and every input gradient:
+- float32 in Triton's interpreter: < 2e-5. Both compute in float32 (the interpreter's dots are
+  numpy float32 matmuls), differing in chunking and summation order only; observed <= 2.4e-6.
+- float32 on CUDA: < 5e-3. Triton runs float32 dots in tf32 (10-bit mantissa, 2**-11 = 4.9e-4
+  relative per product), the torch path in full float32. Not measured here (no GPU).
+- bfloat16 on CUDA only (the interpreter has no bf16 arithmetic): < 5e-2. Outputs and gradients
+  round to bf16 (2**-8 = 3.9e-3), and the kernel keeps chunk states in the input dtype between
+  its kernels. Not measured here.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.triton_kernels import (
+    DEVICE,
+    INTERPRETED,
+    LOW_PRECISION,
+    assert_close_rel,
+    expect_custom_ops,
+    kernels_on,
+    outputs_and_grads,
+)
 from titan_hybrid.ops.ssd import (
     mamba_chunk_scan_combined,
     ssd_chunked_torch,
@@ -16,6 +36,9 @@ from titan_hybrid.ops.ssd import (
 )
 
 TIGHT = dict(atol=1e-10, rtol=1e-10)
+# mamba_ssm's kernel vs ssd_chunked_torch on the same inputs (relative Frobenius error of every
+# output and gradient), see the module docstring.
+KERNEL_TOL = {torch.float32: 2e-5 if INTERPRETED else 5e-3, torch.bfloat16: 5e-2}
 
 
 def make_inputs(b=2, l=37, h=4, p=8, g=2, n=16, dtype=torch.float64, D_shape="h", z=True,
@@ -255,16 +278,68 @@ def test_seq_idx_initial_state_needs_doc_zero():
 
 # ---------------------------------------------------------------------------- GPU kernel parity
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mamba_ssm_kernel_matches_torch_path():
-    pytest.importorskip("mamba_ssm")
-    inp = {k: v.float().cuda() for k, v in make_inputs(l=200, h=8, p=64, g=2, n=64, init=True).items()}
-    seq = _seq_idx(2, [(50, 128), (64, 70)], 200).cuda()
-    kw = dict(chunk_size=64, dt_softplus=True, seq_idx=seq, return_final_states=True)
-    y_k, s_k = mamba_chunk_scan_combined(**kw, **inp)
-    y_t, s_t = ssd_chunked_torch(**kw, **inp)
-    assert rel_err(y_k, y_t) < 1e-3 and rel_err(s_k, s_t) < 1e-3
+def _kernel_inputs(case, device, dtype):
+    """Inputs for one kernel case; x, B and C are views into one fused tensor, as the mixer
+    passes them (non-contiguous, unit last stride)."""
+    make, options = KERNEL_CASES[case]
+    inp = make_inputs(**make)
+    b, l, h, p = inp["x"].shape
+    g, n = inp["B"].shape[-2:]
+    fused = torch.cat([inp["x"].flatten(2), inp["B"].flatten(2), inp["C"].flatten(2)], -1)
+    fused = fused.to(device, dtype)
+    x, B, C = fused.split([h * p, g * n, g * n], -1)
+    inp = {k: v.to(device, dtype if k in ("x", "z", "B", "C") else torch.float32)
+           for k, v in inp.items()}
+    inp.update(x=x.unflatten(-1, (h, p)), B=B.unflatten(-1, (g, n)), C=C.unflatten(-1, (g, n)))
+    options = dict(options)
+    if "seq_bounds" in options:  # int64 ids: the op converts them to the kernel's int32
+        options["seq_idx"] = _seq_idx(b, options.pop("seq_bounds"), l).long().to(device)
+    return inp, options
+
+
+KERNEL_CASES = {  # name: (make_inputs arguments, op arguments)
+    # documents [0, 20) [20, 32) [32, 64): a boundary inside a chunk and one on a chunk's start
+    "seq_idx, initial_states, D [h], z, dt_bias": (
+        dict(b=1, l=64, h=4, p=8, g=2, n=16, init=True, seed=1),
+        dict(chunk_size=32, seq_bounds=[(20, 32)])),
+    "length 40 (not a multiple of 32), D [h, p], no z, dt_limit": (
+        dict(b=2, l=40, h=2, p=8, g=1, n=16, D_shape="hp", z=False, init=True, seed=2),
+        dict(chunk_size=32, dt_limit=(0.05, 0.5))),
+    "the mixer's call: D [h], dt_bias, no z, no initial or final state": (
+        dict(b=1, l=64, h=2, p=16, g=2, n=8, z=False, seed=3),
+        dict(chunk_size=16, return_final_states=False)),
+}
+
+
+# The last case runs under torch.compile below (one interpreter run per case keeps the marker
+# near a minute).
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("case", list(KERNEL_CASES)[:2])
+def test_mamba_ssm_kernel_matches_torch_path(case, dtype):
+    inp, options = _kernel_inputs(case, DEVICE, dtype)
+    kwargs = dict(dt_softplus=True, return_final_states=True) | options
+    with kernels_on(), expect_custom_ops("mamba_ssd_fwd", "mamba_ssd_bwd"):
+        got = outputs_and_grads(mamba_chunk_scan_combined, inp, **kwargs)
+    want = outputs_and_grads(ssd_chunked_torch, inp, **kwargs)
+    assert len(got[0]) == 1 + kwargs["return_final_states"]
+    assert got[0][-1].dtype == (torch.float32 if kwargs["return_final_states"] else dtype)
+    assert_close_rel(got, want, KERNEL_TOL[dtype], case)
+
+
+@pytest.mark.triton_interpreter
+def test_mamba_ssm_kernel_under_torch_compile_fullgraph():
+    """The kernel path is one opaque custom op for forward and one for backward: dynamo and
+    AOTAutograd trace it whole (fullgraph), with the ops' fake implementations."""
+    case = list(KERNEL_CASES)[2]
+    inp, options = _kernel_inputs(case, DEVICE, torch.float32)
+    kwargs = dict(dt_softplus=True) | options
+    compiled = torch.compile(mamba_chunk_scan_combined, backend="aot_eager", fullgraph=True)
+    with kernels_on(), expect_custom_ops("mamba_ssd_fwd", "mamba_ssd_bwd"):
+        got = outputs_and_grads(compiled, inp, **kwargs)
+    assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
+    want = outputs_and_grads(ssd_chunked_torch, inp, **kwargs)
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled " + case)
 
 
 def test_autocast_does_not_lower_precision():

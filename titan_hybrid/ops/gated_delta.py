@@ -11,8 +11,9 @@ Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
     S   = S + outer(k_t, v')
     o_t = S^T (scale * q_t)
 
-`chunk_gated_delta_rule` calls fla's Triton kernel for CUDA tensors when `fla` is installed and
-`chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of Q tokens. Within a
+`chunk_gated_delta_rule` calls fla's Triton kernel for CUDA tensors when `fla` is installed (also
+for CPU tensors inside `titan_hybrid.ops.kernels.force_kernels()`, as the interpreter tests do)
+and `chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of Q tokens. Within a
 chunk, with G the inclusive cumulative log-decay and S0 the state entering the chunk, the
 corrected values v' (rows of U) solve a unit lower-triangular system (WY / UT representation):
 
@@ -32,6 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from titan_hybrid.ops.kernels import use_kernel
 
 CHUNK_SIZE = 64
 
@@ -58,21 +61,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            use_qk_l2norm_in_kernel=False):
     """fla-compatible entry point: q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H].
 
-    Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None). fla's kernel for CUDA
-    tensors when it is importable, else `chunk_gated_delta_rule_torch`.
+    Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None). fla's Triton kernel when
+    `titan_hybrid.ops.kernels.use_kernel` says so (CUDA tensors, or inside `force_kernels()`),
+    else `chunk_gated_delta_rule_torch`.
     """
     _num_seqs(q, cu_seqlens, initial_state)
-    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    # fla's kernels take bf16 / fp16 only (they assert against fp32).
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-        except ImportError:
-            fla_chunk = None
-        if fla_chunk is not None:
-            return fla_chunk(q, k, v, g, beta, **kwargs)
-    return chunk_gated_delta_rule_torch(q, k, v, g, beta, **kwargs)
+    if use_kernel(v, _KERNEL_MODULE):
+        # fla's dots need one dtype for q, k and v (a no-op for our mixer); cu_seqlens are int64
+        # in fla's API. Its entry point made inputs contiguous; the launchers below do not.
+        q, k = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous()
+        o, final_state, *_ = _gdn_fwd(
+            q, k, v.contiguous(), g.contiguous(), beta.contiguous(),
+            q.shape[-1] ** -0.5 if scale is None else float(scale),
+            None if initial_state is None else initial_state.contiguous(), output_final_state,
+            None if cu_seqlens is None else cu_seqlens.to(torch.int64).contiguous(),
+            use_qk_l2norm_in_kernel)
+        return o, (final_state if output_final_state else None)
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=scale,
+                                        initial_state=initial_state,
+                                        output_final_state=output_final_state,
+                                        cu_seqlens=cu_seqlens,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=None,
@@ -202,3 +211,105 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
         outs.append(torch.einsum("bhkv,bhk->bhv", S_BHKV, q[:, t] * scale))
     o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
     return o.to(v.dtype), (S_BHKV if output_final_state else None)
+
+
+# ---- fla's kernel as torch.library custom ops (opaque to torch.compile; fla's own entry point is
+# marked torch.compiler.disable). The forward and backward are fla 0.6.0's
+# chunk_gated_delta_rule_fwd / _bwd and l2norm_fwd / _bwd, called as its
+# ChunkGatedDeltaRuleFunction calls them; the residuals it saves (l2-normalised q and k with
+# their reciprocal norms, the chunk-local cumulative decay, the WY matrix A) are extra outputs
+# of the forward op. Absent tensors travel as empty ones (a custom op cannot return None).
+
+_KERNEL_MODULE = "fla.ops.gated_delta_rule.chunk"
+
+
+def _chunk_indices(cu_seqlens):
+    from fla.ops.utils.index import prepare_chunk_indices
+    return None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
+
+
+@torch.library.custom_op("titan_hybrid::fla_gated_delta_fwd", mutates_args=())
+def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+             output_final_state: bool, cu_seqlens: torch.Tensor | None,
+             use_qk_l2norm: bool) -> list[torch.Tensor]:
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    def empty():  # a custom op's outputs may not alias each other
+        return q.new_empty(0)
+
+    residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
+    if use_qk_l2norm:
+        q, q_rstd = l2norm_fwd(q)
+        k, k_rstd = l2norm_fwd(k)
+        residuals = [q, k, q_rstd, k_rstd]
+    g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+    return [o, empty() if final_state is None else final_state, *residuals, g_cum, A]
+
+
+@_gdn_fwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    B, T, H, K = q.shape
+    n_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_state = q.new_empty((n_seqs, H, K, v.shape[-1]) if output_final_state else (0,),
+                              dtype=torch.float32 if output_final_state else q.dtype)
+    if use_qk_l2norm:
+        rstd = q.new_empty(B, T, H, dtype=torch.float32)
+        residuals = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
+    else:
+        residuals = [q.new_empty(0) for _ in range(4)]
+    return [torch.empty_like(v), final_state, *residuals,
+            torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, v.shape[2], CHUNK_SIZE)]
+
+
+@torch.library.custom_op("titan_hybrid::fla_gated_delta_bwd", mutates_args=())
+def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+             initial_state: torch.Tensor | None, q_normed: torch.Tensor, k_normed: torch.Tensor,
+             q_rstd: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor, A: torch.Tensor,
+             scale: float, cu_seqlens: torch.Tensor | None,
+             use_qk_l2norm: bool) -> list[torch.Tensor]:
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    q_used, k_used = (q_normed, k_normed) if use_qk_l2norm else (q, k)
+    dq, dk, dv, dbeta, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+        q=q_used, k=k_used, v=v, g=g_cum, beta=beta, A=A, scale=scale,
+        initial_state=initial_state, do=do.contiguous(), dht=dfinal_state,
+        cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+    if use_qk_l2norm:
+        dq, dk = l2norm_bwd(q_used, q_rstd, dq), l2norm_bwd(k_used, k_rstd, dk)
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
+    return grads + [q.new_empty(0) if dh0 is None else dh0.to(initial_state.dtype)]
+
+
+@_gdn_bwd.register_fake
+def _(do, dfinal_state, q, k, v, beta, g, initial_state, *_):
+    dh0 = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return [torch.empty_like(t) for t in (q, k, v, g, beta)] + [dh0]
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, cu_seqlens,
+     ctx.use_qk_l2norm) = inputs
+    _, _, q_normed, k_normed, q_rstd, k_rstd, g_cum, A = output
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed,
+                          q_rstd, k_rstd, g_cum, A)
+
+
+def _gdn_backward(ctx, output_grads):
+    do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are unused
+    if not ctx.output_final_state:  # autograd passes zeros of the empty placeholder's shape
+        dfinal_state = None
+    (q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed, q_rstd, k_rstd, g_cum,
+     A) = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dh0 = _gdn_bwd(
+        do, dfinal_state, q, k, v, beta, g, initial_state, q_normed, k_normed, q_rstd, k_rstd,
+        g_cum, A, ctx.scale, cu_seqlens, ctx.use_qk_l2norm)
+    return (dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None,
+            None)
+
+
+_gdn_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)

@@ -1,9 +1,10 @@
 """Chunked SSD (Mamba2 state-space duality) scan in plain PyTorch.
 
 ``mamba_chunk_scan_combined`` takes the same arguments as
-``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``. On CUDA, when
-``mamba_ssm`` imports, it forwards to that Triton kernel; everywhere else it runs
-``ssd_chunked_torch``. ``ssd_recurrent_reference`` is a step-by-step loop, used
+``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``. For CUDA tensors, when
+``mamba_ssm`` imports, it runs that Triton kernel (also for CPU tensors inside
+``titan_hybrid.ops.kernels.force_kernels()``, as the interpreter tests do); everywhere else it
+runs ``ssd_chunked_torch``. ``ssd_recurrent_reference`` is a step-by-step loop, used
 only as a test oracle.
 
 Per head (state ``[p, n]``)::
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from titan_hybrid.ops.kernels import use_kernel
 
 _NO_LIMIT = (0.0, float("inf"))
 
@@ -194,30 +197,102 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
     return y_BTHP
 
 
-def _mamba_ssm_kernel():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as fn
-    except ImportError:
-        return None
-    return fn
-
-
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, dt_softplus=False,
                               dt_limit=_NO_LIMIT, return_final_states=False):
     """Chunked SSD scan with mamba_ssm's API (see module docstring for shapes/semantics).
 
-    Uses mamba_ssm's Triton kernel for CUDA tensors when available, else
-    :func:`ssd_chunked_torch`.
+    mamba_ssm's Triton kernel when ``titan_hybrid.ops.kernels.use_kernel`` says so (CUDA
+    tensors, or inside ``force_kernels()``), else :func:`ssd_chunked_torch`.
     """
-    kwargs = dict(D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
-                  dt_softplus=dt_softplus, dt_limit=dt_limit,
-                  return_final_states=return_final_states)
-    if x.is_cuda:
-        kernel = _mamba_ssm_kernel()
-        if kernel is not None:
-            return kernel(x, dt, A, B, C, chunk_size, **kwargs)
-    return ssd_chunked_torch(x, dt, A, B, C, chunk_size, **kwargs)
+    if use_kernel(x, _KERNEL_MODULE):
+        y, final_states, _ = _ssd_fwd(
+            x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
+            # mamba_ssm's own modules pass int32 document ids
+            None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
+            dt_softplus, float(dt_limit[0]), float(dt_limit[1]), return_final_states)
+        return (y, final_states) if return_final_states else y
+    return ssd_chunked_torch(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                             initial_states=initial_states, seq_idx=seq_idx,
+                             dt_softplus=dt_softplus, dt_limit=dt_limit,
+                             return_final_states=return_final_states)
+
+
+# ---- mamba_ssm's kernel as torch.library custom ops (opaque to torch.compile). Its forward and
+# backward launchers (mamba_ssm 2.3.2's _mamba_chunk_scan_combined_fwd / _bwd, what its own
+# MambaChunkScanCombinedFn calls) are used directly: the backward needs only the inputs and the
+# output before the z gate, so nothing is recomputed. Absent gradients travel as empty tensors
+# (a custom op cannot return None).
+
+_KERNEL_MODULE = "mamba_ssm.ops.triton.ssd_combined"
+
+
+@torch.library.custom_op("titan_hybrid::mamba_ssd_fwd", mutates_args=())
+def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
+             dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
+             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float, dt_max: float,
+             final_states_used: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
+    y, y_before_gate, _, _, _, final_states = _mamba_chunk_scan_combined_fwd(
+        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+        seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+    return y, final_states, (x.new_empty(0) if z is None else y_before_gate)
+
+
+@_ssd_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
+      dt_max, final_states_used):
+    b, _, h, p = x.shape
+    final_states = x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape), final_states, x.new_empty(0 if z is None else x.shape)
+
+
+@torch.library.custom_op("titan_hybrid::mamba_ssd_bwd", mutates_args=())
+def _ssd_bwd(dy: torch.Tensor, dfinal_states: torch.Tensor | None, y_before_gate: torch.Tensor,
+             x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
+             dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
+             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float,
+             dt_max: float) -> list[torch.Tensor]:
+    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd
+    grads = _mamba_chunk_scan_combined_bwd(
+        dy, x, dt, A, B, C, y_before_gate, chunk_size, D=D, z=z, dt_bias=dt_bias,
+        initial_states=initial_states, dfinal_states=dfinal_states, seq_idx=seq_idx,
+        dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(0) if grad is None else grad.to(t.dtype) for grad, t in zip(grads, like)]
+
+
+@_ssd_bwd.register_fake
+def _(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z, dt_bias,
+      initial_states, seq_idx, dt_softplus, dt_min, dt_max):
+    # dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states
+    like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [x.new_empty(0) if t is None else torch.empty_like(t) for t in like]
+
+
+def _ssd_setup_context(ctx, inputs, output):
+    (x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, initial_states, seq_idx, ctx.dt_softplus,
+     ctx.dt_min, ctx.dt_max, ctx.final_states_used) = inputs
+    y, _, y_before_gate = output
+    ctx.save_for_backward(y if z is None else y_before_gate, x, dt, A, B, C, D, z, dt_bias,
+                          initial_states, seq_idx)
+
+
+def _ssd_backward(ctx, dy, dfinal_states, _):
+    y_before_gate, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+    if not ctx.final_states_used:  # autograd passes zeros: skip the kernel's work on them
+        dfinal_states = None
+    dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states = _ssd_bwd(
+        dy, dfinal_states, y_before_gate, x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias,
+        initial_states, seq_idx, ctx.dt_softplus, ctx.dt_min, ctx.dt_max)
+    absent = (lambda tensor, grad: None if tensor is None else grad)
+    return (dx, ddt, dA, dB, dC, None, absent(D, dD), absent(z, dz), absent(dt_bias, ddt_bias),
+            absent(initial_states, dinitial_states), None, None, None, None, None)
+
+
+_ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup_context)
 
 
 def ssd_recurrent_reference(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,

@@ -1,0 +1,224 @@
+"""Run the GPU kernels behind our ops in tests: on CUDA when there is a GPU, else on CPU tensors in
+Triton's interpreter (TRITON_INTERPRET=1: each Triton program runs as Python over numpy arrays).
+
+    with kernels_on():          # our public ops call mamba_ssm / fla kernels in here
+        y = mamba_chunk_scan_combined(...)   # on DEVICE tensors
+
+Tests that use it carry the `triton_interpreter` marker (`./run_tests.sh -m triton_interpreter`).
+
+Triton decides whether a kernel is interpreted when its `@triton.jit` decorator runs: for
+triton.language's own jit functions (tl.cumsum, ...) that is when triton is imported, which the
+model modules do through torchtitan. So tests/conftest.py sets TRITON_INTERPRET=1 for the whole
+test process on machines without CUDA, before anything imports triton. It changes nothing else
+there: no other CPU code path launches a Triton kernel (without the interpreter, one would fail
+for want of a GPU driver). `kernels_on` checks the kernels it uses are interpreted ones.
+
+Interpreter-only shims, active only inside `kernels_on()` on CPU (none of them on CUDA, none in
+the library):
+- Triton 3.7's interpreter rewrites every `x = value` in a kernel to wrap the value as an
+  interpreter tensor, but not the target of a `for` loop, so a `range` / `tl.range` induction
+  variable stays a Python int. Compiled Triton makes it an int32 scalar tensor, and fla's kernels
+  call methods on it (`i_t.to(tl.int64)` in chunk_delta_h.py: "'int' object has no attribute
+  'to'"). `_LoopIndexAsTensor` adds the same wrapping at the top of such loops' bodies.
+  `tl.static_range` loops are left alone: their index is a compile-time constant.
+- Triton's autotuner times each config with the GPU driver (there is none): every config is
+  scored equal, so the first is used.
+- The launchers' host code wraps launches in `torch.cuda.device(t.device.index)`, which fails for
+  a CPU tensor (index None), and sizes backward grids from the GPU's SM count: a no-op context
+  and a device with 4 SMs (few programs, so several rows per program are exercised).
+- scripts/bootstrap.sh installs mamba_ssm's and fla's sources outside site-packages, in
+  KERNEL_SITE: importable only inside `kernels_on()`, and hidden again after it (the packages'
+  top-level modules leave sys.modules), because transformers switches its own torch paths
+  (Qwen3-Next's gated delta rule, NemotronH's SSD, which other tests and bench/ compare against)
+  to these packages whenever they import, on any device.
+- mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here); its
+  Triton modules are imported through a bare package module instead.
+The interpreter has no bfloat16 arithmetic (bf16 values are held as their uint16 bit patterns
+and only converted at loads, stores and casts: a bf16 `tl.dot` multiplies bit patterns), so
+kernels whose dots take bf16 operands are checked in float32 there, and in bf16 only on CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import sys
+import types
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from titan_hybrid.ops.kernels import force_kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+KERNEL_MODULES = ("mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.layernorm_gated",
+                  "fla.ops.gated_delta_rule.chunk")
+# Dtypes whose kernels compute correctly where the tests run (see the module docstring).
+LOW_PRECISION = (torch.bfloat16,) if not INTERPRETED else ()
+
+
+class _LoopIndexAsTensor(ast.NodeTransformer):
+    """Adds `i = interpreter_semantic.to_tensor(i, False)` (what the interpreter already does for
+    assignments) as the first statement of every `for i in range(...)` / `tl.range(...)`."""
+
+    def __init__(self, base: ast.NodeTransformer) -> None:
+        self.base = base
+
+    def visit(self, node):
+        node = self.base.visit(node)
+        for loop in ast.walk(node):
+            if isinstance(loop, ast.For) and isinstance(loop.target, ast.Name) \
+                    and _called_name(loop.iter) == "range":
+                name = loop.target.id
+                wrap = ast.parse(f"{name} = interpreter_semantic.to_tensor({name}, False)").body[0]
+                for part in ast.walk(wrap):  # tracebacks point at the loop
+                    ast.copy_location(part, loop)
+                loop.body.insert(0, wrap)
+        return node
+
+
+def _called_name(node) -> str | None:
+    if isinstance(node, ast.Call):
+        func = node.func
+        return func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    return None
+
+
+# Where scripts/bootstrap.sh installs the kernel packages on machines without CUDA.
+KERNEL_SITE = Path(sys.prefix) / "triton-interpreter-kernels"
+_hidden: dict[str, types.ModuleType] = {}  # their top-level modules, between kernels_on blocks
+
+
+@contextlib.contextmanager
+def _kernel_packages_importable():
+    if not KERNEL_SITE.is_dir():
+        raise RuntimeError(f"{KERNEL_SITE} is missing: scripts/bootstrap.sh installs the kernel "
+                           "packages there (./run_tests.sh runs it)")
+    sys.path.insert(0, str(KERNEL_SITE))
+    sys.modules.update(_hidden)
+    try:
+        if "mamba_ssm" not in sys.modules:
+            # A bare package: mamba_ssm.ops.triton.* import without the package __init__
+            # (which needs the compiled selective-scan extension).
+            spec = importlib.util.find_spec("mamba_ssm")
+            package = types.ModuleType("mamba_ssm")
+            package.__path__ = list(spec.submodule_search_locations)
+            package.__spec__ = spec
+            sys.modules["mamba_ssm"] = package
+        yield
+    finally:
+        sys.path.remove(str(KERNEL_SITE))
+        for name in ("mamba_ssm", "fla"):
+            if name in sys.modules:
+                _hidden[name] = sys.modules.pop(name)
+
+
+def _check_interpreted(module) -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    for value in vars(module).values():
+        for _ in range(4):  # through autotune / heuristics wrappers
+            if isinstance(value, (JITFunction, InterpretedFunction)) or not hasattr(value, "fn"):
+                break
+            value = value.fn
+        if isinstance(value, JITFunction):
+            raise RuntimeError(f"{module.__name__} was imported while TRITON_INTERPRET was "
+                               "unset: its kernels are compiled ones")
+
+
+@contextlib.contextmanager
+def _interpreter():
+    import triton
+    import triton.runtime.autotuner
+    import triton.runtime.interpreter as interpreter
+
+    rewriter = interpreter.FunctionRewriter
+    device = types.SimpleNamespace(name="Triton interpreter", multi_processor_count=4)
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (on a "
+                           "machine without CUDA tests/conftest.py does it)")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(
+            rewriter, "ast_transformer", _LoopIndexAsTensor(rewriter.ast_transformer)))
+        # Its int32 overflow checks (a debugging aid, several extra ops per integer op) triple
+        # the run time; our shapes are far from 2**31.
+        stack.enter_context(mock.patch.object(
+            interpreter.interpreter_builder, "options",
+            dataclasses.replace(interpreter.interpreter_builder.options, sanitize_overflow=False)))
+        stack.enter_context(mock.patch.object(
+            triton.runtime.autotuner.Autotuner, "_bench",
+            lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]))
+        stack.enter_context(mock.patch.object(
+            torch.cuda, "device", lambda index: contextlib.nullcontext()))
+        stack.enter_context(mock.patch.object(
+            torch.cuda, "get_device_properties", lambda *args, **kwargs: device))
+        stack.enter_context(_kernel_packages_importable())
+        with warnings.catch_warnings():
+            # fla: "Triton is not supported on current platform, roll back to CPU."
+            warnings.simplefilter("ignore", UserWarning)
+            for name in KERNEL_MODULES:
+                _check_interpreted(importlib.import_module(name))
+        yield
+
+
+@contextlib.contextmanager
+def kernels_on():
+    """Our ops call the GPU kernels inside: on CUDA directly, on CPU in Triton's interpreter."""
+    with _interpreter() if INTERPRETED else contextlib.nullcontext(), force_kernels():
+        yield
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius-norm relative error of `a` against the reference `b`, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def outputs_and_grads(fn, inputs: dict, **kwargs):
+    """`fn(**inputs, **kwargs)`'s tensor outputs and the gradients of a fixed random projection
+    of them with respect to every floating-point input: ([outputs], {name: grad})."""
+    leaves = {name: value.detach().clone().requires_grad_(value.is_floating_point())
+              if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+    result = fn(**leaves, **kwargs)
+    outputs = [out for out in (result if isinstance(result, tuple) else (result,))
+               if out is not None]
+    gen = torch.Generator().manual_seed(1234)
+    loss = sum((out * torch.randn(out.shape, generator=gen).to(out)).sum() for out in outputs)
+    names = [name for name, leaf in leaves.items()
+             if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    grads = torch.autograd.grad(loss, [leaves[name] for name in names])
+    return outputs, dict(zip(names, grads))
+
+
+def assert_close_rel(got, want, tol: float, what: str) -> float:
+    """Relative error of each output and gradient below `tol` (and every reference gradient
+    non-zero, so no comparison is vacuous); returns the largest error."""
+    (outs, grads), (ref_outs, ref_grads) = got, want
+    assert len(outs) == len(ref_outs) and grads.keys() == ref_grads.keys()
+    pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs, ref_outs))]
+    pairs += [(f"grad {name}", grads[name], ref_grads[name]) for name in ref_grads]
+    worst = 0.0
+    for name, a, b in pairs:
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, name, a.shape, b.shape, a.dtype)
+        assert b.abs().max() > 0, f"{what}: reference {name} is zero"
+        err = rel_err(a.detach(), b.detach())
+        assert err < tol, f"{what}: {name} relative error {err:.2e} >= {tol:.0e}"
+        worst = max(worst, err)
+    print(f"\n{what}: largest relative error {worst:.1e} (tolerance {tol:.0e})")
+    return worst
+
+
+@contextlib.contextmanager
+def expect_custom_ops(*names: str):
+    """Asserts that the custom ops `names` (titan_hybrid::..., the kernel calls' forward and
+    backward) ran inside the block: the proof that our dispatch took the kernel path."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        yield
+    seen = {event.name for event in profile.events()}
+    missing = [name for name in names if f"titan_hybrid::{name}" not in seen]
+    assert not missing, f"custom ops {missing} did not run"
