@@ -36,6 +36,7 @@ _ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"}
 # the reference for checks whose runs are costly per step (compile, mixed precision).
 SMALL_JOB = ("--training.steps", "3", "--training.seq_len", "64",
              "--training.local_batch_size", "2", "--hybrid.pattern", "M*G-")
+BF16 = ("--training.mixed_precision_param", "bfloat16")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import SMALL_JOB, run_training, run_worker
+from tests.launch import BF16, SMALL_JOB, run_training, run_worker
 
 STEPS = ("--training.steps", "4", "--training.local_batch_size", "8")
 
@@ -103,7 +103,6 @@ def test_bf16_curve_stays_near_fp32(tmp_path, reference_run, nproc):
     the SSM parameters and their math in fp32: the loss curve stays within 1e-3 relative of
     fp32 over a few steps (observed: 1e-4). Both curves start from the same weights."""
     fp32 = reference_run(*SMALL_JOB, nproc=nproc)
-    bf16 = run_training(tmp_path, *SMALL_JOB, "--training.mixed_precision_param", "bfloat16",
-                        nproc=nproc).check()
+    bf16 = reference_run(*SMALL_JOB, *BF16, nproc=nproc)
     assert bf16.losses == pytest.approx(fp32.losses, rel=1e-3)
     assert bf16.losses != fp32.losses  # the run did compute in bf16

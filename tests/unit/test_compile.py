@@ -70,6 +70,29 @@ def test_compiled_units_match_eager_bitwise(pattern):
             assert torch.equal(compiled_grads[name], grad), name
 
 
+def test_split_precision_compiles_mamba_and_gdn_in_parts():
+    """Under bf16 data parallelism their projections are FSDP units inside the layer: the layer
+    norm, the sequence core and the gated norm are compiled instead of the whole layer."""
+    eager = tiny_model("M*G-")
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(compiled, AOT, split_precision=True)
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(3))
+    loss, grads = loss_and_grads(eager, tokens)
+    compiled_loss, compiled_grads = loss_and_grads(compiled, tokens)
+    # M: layer norm, core, gated norm; *; G: its core and gated norm (its layer norm reuses
+    # M's graph: same code and shapes, the weight is an input); -
+    assert counters["stats"]["unique_graphs"] == 3 + 1 + 2 + 1
+    assert not counters["graph_break"]
+    assert torch.equal(compiled_loss, loss)
+    # The residual stream now feeds compiled and eager parts, whose gradients autograd may sum
+    # in another order: float32 rounding, not bitwise.
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5,
+                                   atol=1e-5 * grad.abs().max().item())
+
+
 def test_packed_documents_compile_for_mamba_attention_mlp():
     eager = tiny_model("M*-")
     compiled = copy.deepcopy(eager)

@@ -9,10 +9,16 @@ graph, as with torchtitan's compiled blocks. Hooks on modules inside the unit (t
 parallelism's regions and local parameter views) are traced into it.
 
 A unit is one full graph (`fullgraph=True`: an unexpected graph break is an error, not a silent
-slowdown) unless it holds a layer whose kind names `compiled_parts` (layer_kind.py): then each
-of its layers is compiled on its own, and such a layer compiles its norm and the named parts
-of its mixer while the rest (MoE's data-dependent expert dispatch) runs eagerly, as torchtitan
-does for its MoE blocks.
+slowdown) unless it holds a layer that compiles in parts: then each of its layers is compiled
+on its own, and such a layer compiles its norm and some parts of its mixer while the rest runs
+eagerly, as torchtitan does for its MoE blocks. In parts are compiled
+- a layer whose kind names `compiled_parts` (layer_kind.py): MoE's router and shared expert,
+  while its data-dependent expert dispatch runs eagerly;
+- with `split_precision` (data parallelism computing in bf16, parallel/data_parallel.py), a
+  layer whose kind keeps `full_precision_params`: its projections are then an FSDP unit of their
+  own inside the layer, and FSDP's hooks cannot run inside a graph, so the mixer's own
+  submodules (its sequence core and its gated norm) are compiled, and its projections run
+  between them.
 """
 
 from __future__ import annotations
@@ -28,8 +34,19 @@ def _compile(module: nn.Module, config: Compile) -> None:
     module.forward = torch.compile(module.forward, backend=config.backend, fullgraph=True)
 
 
-def _compile_layer(layer: HybridLayer, config: Compile) -> None:
-    parts = layer.kind.compiled_parts
+def _compiled_parts(layer: HybridLayer, split_precision: bool) -> tuple[str, ...] | None:
+    """The mixer's submodules that the layer compiles instead of itself (None: itself)."""
+    if layer.kind.compiled_parts is not None:
+        return layer.kind.compiled_parts
+    if split_precision and layer.kind.full_precision_params:
+        # titan_hybrid's own modules; torch's Linear / Conv1d are one op each, or not called
+        return tuple(name for name, child in layer.mixer.named_children()
+                     if type(child).__module__.startswith("titan_hybrid."))
+    return None
+
+
+def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool) -> None:
+    parts = _compiled_parts(layer, split_precision)
     if parts is None:
         _compile(layer, config)
         return
@@ -40,13 +57,13 @@ def _compile_layer(layer: HybridLayer, config: Compile) -> None:
             _compile(part, config)
 
 
-def _compile_unit(unit: nn.Module, config: Compile) -> None:
+def _compile_unit(unit: nn.Module, config: Compile, split_precision: bool) -> None:
     layers = [module for module in unit.modules() if isinstance(module, HybridLayer)]
-    if all(layer.kind.compiled_parts is None for layer in layers):
+    if all(_compiled_parts(layer, split_precision) is None for layer in layers):
         _compile(unit, config)
         return
     for layer in layers:
-        _compile_layer(layer, config)
+        _compile_layer(layer, config, split_precision)
 
 
 def compile_units(model: nn.Module) -> list[nn.Module]:
@@ -58,6 +75,6 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_compile(model: nn.Module, config: Compile) -> None:
+def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = False) -> None:
     for unit in compile_units(model):
-        _compile_unit(unit, config)
+        _compile_unit(unit, config, split_precision)

@@ -70,7 +70,10 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  base_folder=job_config.job.dump_folder)
     if compile_model:
-        apply_compile(model, job_config.compile)
+        # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
+        split_precision = (parallel_dims.dp_cp_enabled
+                           and job_config.training.mixed_precision_param != "float32")
+        apply_compile(model, job_config.compile, split_precision=split_precision)
         logger.info(f"Compiled each layer / bracket group (backend {job_config.compile.backend})")
     if parallel_dims.dp_cp_enabled:
         strategy, dp_mesh = data_parallel_plan(
