@@ -41,11 +41,15 @@ def loss_and_grads(model, tokens, **layout):
 
 
 # pattern -> graphs dynamo compiles: one per unit; a MoE layer gives three (its norm, router
-# and shared expert) and runs its expert dispatch eagerly.
+# and shared expert) and runs its expert dispatch eagerly. Groups and MoE are also compiled by
+# the slow trainer tests (tests/distributed/test_compile.py), so here they are slow too.
 CASES = {"M*G-": 4, "[M*][G-]": 2, "M*E/-": 6}
+SLOW_CASES = ("[M*][G-]", "M*E/-")
 
 
-@pytest.mark.parametrize("pattern", CASES)
+@pytest.mark.parametrize("pattern", [
+    pytest.param(pattern, marks=pytest.mark.slow) if pattern in SLOW_CASES else pattern
+    for pattern in CASES])
 def test_compiled_units_match_eager_bitwise(pattern):
     eager = tiny_model(pattern)
     compiled = copy.deepcopy(eager)
