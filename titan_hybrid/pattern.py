@@ -4,6 +4,7 @@ A pattern has one character per layer, one symbol per layer kind of the table
 (titan_hybrid.model.layer_kinds):
 
     M  Mamba2          G  gated DeltaNet      *  self-attention
+    +  MLA             D  DeepSeek sparse attention (DSA)
     -  dense MLP       E  mixture of experts
 
 ``|`` marks a pipeline-segment boundary in the main part, and each ``/`` starts
@@ -12,9 +13,11 @@ two pipeline segments followed by two MTP depths of ``*-``. All MTP depths must
 be identical; a single trailing ``/`` with nothing after it means zero depths.
 ``[...]`` bundles several physical layers into one logical layer (``"M[M*]-"``
 has 3 logical and 4 physical layers); ``E`` may only close a group. Groups and
-``|`` are not allowed in MTP depths. Megatron's other symbols (``D`` DSA, ``+``
-MLA) are named as not supported until the table has them. Every malformed pattern raises ``ValueError`` naming
-the offending character and its 0-based position in the full pattern.
+``|`` are not allowed in MTP depths. As in Megatron, self-attention ``*`` cannot share the main
+part, or an MTP depth, with ``+`` or ``D`` (``LayerKind.excludes``); Megatron checks the main
+part and the MTP pattern separately, so ``"M*-/+-"`` is allowed. A Megatron symbol that the
+table lacks would be named as not supported. Every malformed pattern raises ``ValueError``
+naming the offending character and its 0-based position in the full pattern.
 """
 
 from __future__ import annotations
@@ -247,6 +250,30 @@ def _mtp_depth(pattern: str, parts: list[tuple[int, list[Item]]]) -> tuple[list[
     return list(first), len(parts)
 
 
+def _check_exclusions(pattern: str) -> None:
+    """Kinds that may not share a part (main, or the MTP depths) with some other symbol."""
+    for start, end in _parts(pattern):
+        first_at = {}
+        for pos in range(start, end):
+            first_at.setdefault(pattern[pos], pos)
+        for symbol, pos in first_at.items():
+            kind = LAYER_KINDS.get(symbol)
+            for other in (kind.excludes if kind else ()):
+                if other in first_at:
+                    part = "the main part" if start == 0 else "an MTP depth"
+                    raise _char_error(
+                        pattern, pos, f"cannot share {part} with {other!r} at position "
+                        f"{first_at[other]}: {LAYER_KINDS[other].title} and {kind.title} may not "
+                        "be mixed (Megatron: \"Not supported to have both Attention and "
+                        "MLA/DSA in one model\")")
+
+
+def _parts(pattern: str) -> list[tuple[int, int]]:
+    """(start, end) of the main part and of the MTP part (all depths, identical)."""
+    slash = pattern.find("/")
+    return [(0, len(pattern))] if slash < 0 else [(0, slash), (slash, len(pattern))]
+
+
 def parse_hybrid_pattern(pattern: str) -> HybridPattern:
     """Parse and validate a hybrid layer pattern such as "M*M-E|M[M*]E/*-"."""
     if not isinstance(pattern, str):
@@ -258,5 +285,6 @@ def parse_hybrid_pattern(pattern: str) -> HybridPattern:
         raise _error(pattern, f"the main part{where} has no layers; it must contain at "
                      "least one layer")
     mtp, depths = _mtp_depth(pattern, mtp_parts)
+    _check_exclusions(pattern)
     return HybridPattern(text=pattern, main=main, mtp=mtp, mtp_depths=depths,
                          segments=segments)

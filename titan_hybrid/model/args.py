@@ -17,17 +17,19 @@ from torchtitan.protocols.model import BaseModelArgs
 
 from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.attention import AttentionArgs
+from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GDNArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mamba import MambaArgs
+from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
 from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern
 
-__all__ = ["AttentionArgs", "GDNArgs", "HybridModelArgs", "MLPArgs", "MambaArgs", "MoEArgs",
-           "hybrid_flavors", "resolve_model_args"]
+__all__ = ["AttentionArgs", "DSAArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
+           "MambaArgs", "MoEArgs", "hybrid_flavors", "resolve_model_args"]
 
 
 @dataclass
@@ -42,6 +44,8 @@ class HybridModelArgs(BaseModelArgs):
     mtp_loss_coeff: float = 0.1
     # One section per layer kind, named like the kind (LayerKind.name).
     attention: AttentionArgs = field(default_factory=AttentionArgs)
+    mla: MLAArgs = field(default_factory=MLAArgs)
+    dsa: DSAArgs = field(default_factory=DSAArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
@@ -104,6 +108,12 @@ def _debug() -> HybridModelArgs:
         dim=256,
         vocab_size=2048,
         attention=AttentionArgs(n_heads=4, n_kv_heads=2, head_dim=64),
+        mla=MLAArgs(n_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                    qk_rope_head_dim=16, v_head_dim=32),
+        # The indexer picks 16 keys per query (tests run 64-token sequences) and trains.
+        dsa=DSAArgs(n_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                    qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32,
+                    index_topk=16, indexer_loss_coeff=0.01),
         mlp=MLPArgs(hidden_dim=512),
         mamba=MambaArgs(d_state=32, head_dim=32, n_groups=2, chunk_size=64),
         gdn=GDNArgs(key_head_dim=64, value_head_dim=64, n_key_heads=2, n_value_heads=4),
@@ -119,6 +129,12 @@ def _gpu_sized(pattern: str) -> HybridModelArgs:
         vocab_size=131072,
         max_seq_len=4096,
         attention=AttentionArgs(n_heads=16, n_kv_heads=8, head_dim=128, rope_theta=500000.0),
+        # DeepSeek-V2-Lite's attention shapes (full-rank queries); DSA adds V3.2's indexer.
+        mla=MLAArgs(n_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0),
+        dsa=DSAArgs(n_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+                    qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0, index_n_heads=32,
+                    index_head_dim=128, index_topk=2048),
         mlp=MLPArgs(hidden_dim=8192),
         mamba=MambaArgs(d_state=128, head_dim=64, n_groups=8, chunk_size=128),
         gdn=GDNArgs(key_head_dim=128, value_head_dim=128, n_key_heads=8, n_value_heads=16),
@@ -137,6 +153,9 @@ hybrid_flavors = FlavorRegistry({
     "debug": _debug(),
     "debug_moe": dataclasses.replace(_debug(), pattern="M*EME/*-"),
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
+    # Multi-latent attention (DeepSeek-V3) and DeepSeek sparse attention (V3.2) hybrids.
+    "debug_mla": dataclasses.replace(_debug(), pattern="M+-M+-"),
+    "debug_dsa": dataclasses.replace(_debug(), pattern="MD-MD-"),
     # Nemotron-H's layer kinds (no RoPE, squared-ReLU MLP, dt clamped at 1e-3): the HF format.
     "debug_nemotron_h": dataclasses.replace(
         _debug(), pattern="M-M*-M-",
@@ -149,6 +168,9 @@ hybrid_flavors = FlavorRegistry({
     # MoE hybrid in the Nemotron-3 / Jamba spirit, with one MTP depth: ~2.1B parameters, <1B
     # active per token; fits one 80 GB GPU with fp32 Adam state.
     "hybrid_moe_2b": _gpu_sized("ME*EMEMEM*EMEMEMEM*EME/*E"),
+    # nemotron_h_1b's layers with MLA (DSA) in place of attention: ~1.5B parameters.
+    "mla_hybrid_1b": _gpu_sized("M-M+-M-M-M+-M-M-M+-M-M-M-"),
+    "dsa_hybrid_1b": _gpu_sized("M-MD-M-M-MD-M-M-MD-M-M-M-"),
 })
 
 

@@ -119,7 +119,7 @@ KIND = LayerKind(
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     tensor_parallel_sizes=lambda args, dim: [("attention.n_heads", args.n_heads),
                                              ("attention.n_kv_heads", args.n_kv_heads)],
-    context_parallel=ContextParallelRule(core="core"),  # keys and values all-gathered
+    context_parallel=ContextParallelRule(core="core", gather=("k_BSHD", "v_BSHD")),
     hf_names={"nemotron_h": HFNames(
         block_type="attention",
         renames={"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",

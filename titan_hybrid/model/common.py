@@ -68,3 +68,12 @@ def init_ssm_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, *, a_range: tuple
     A_log.copy_(torch.log(A_log))
     nn.init.uniform_(dt_bias, math.log(dt_min), math.log(dt_max))
     dt_bias.copy_(inverse_softplus(torch.exp(upcast(dt_bias)).clamp(min=dt_floor)))
+
+
+class TensorParallelHeadSum(nn.Module):
+    """The identity, marking a sum over attention heads: under tensor parallelism each rank
+    holds only its own heads' share of the sum, and the TP plan sums the output over the
+    group (parallel/tensor_parallel.py). For values outside autograd (detached targets)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

@@ -1,6 +1,6 @@
-"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, -, E).
+"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, +, D, -, E).
 
-Each layer module (mamba.py, gdn.py, attention.py, mlp.py, moe.py) ends with its `KIND`; the
+Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with its `KIND`; the
 table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that differs between
 kinds outside the layer's own module is read from here: the pattern grammar, model building,
 shape validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face names.
@@ -40,12 +40,15 @@ class ContextParallelRule:
     """How context parallelism splits this kind's sequence-mixing core.
 
     `core` is the mixer's submodule that runs along the sequence; parallel/context_parallel.py
-    wraps it (its wrapper for this kind's name). `head_groups(section, dim)` gives
-    ((heads field, heads), (groups field, groups)) for kinds whose CP exchanges heads for
-    sequence: each CP rank takes whole groups' heads or whole heads of one group; None for
-    kinds that gather keys and values instead."""
+    wraps it. Either the core's queries stay local and the arguments named in `gather` (keys,
+    values, latents: [B, S, ...] tensors) are all-gathered along the sequence together with its
+    `key` TokenLayout argument; or (`gather` empty) the kind's own wrapper, registered by the
+    kind's name, exchanges heads for sequence. `head_groups(section, dim)` gives
+    ((heads field, heads), (groups field, groups)) for such kinds: each CP rank takes whole
+    groups' heads or whole heads of one group."""
 
     core: str
+    gather: tuple[str, ...] = ()
     head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
 
 
@@ -62,6 +65,8 @@ class LayerKind:
     mixes_sequence: bool = False  # mixer(x, layout) instead of mixer(x)
     has_aux_loss: bool = False  # mixer returns (output, auxiliary loss)
     closes_group: bool = False  # may only be the last symbol of a bracket group (MoE)
+    # Symbols that may not appear in the same part of a pattern (main part, MTP depth).
+    excludes: tuple[str, ...] = ()
     validate: Callable[[Any, int], None] = _no_checks  # ValueError for shapes that cannot work
     # Forward FLOPs per token of the sequence-mixing core that 6 * parameters misses.
     core_flops: Callable[[Any, int, int], int] = _no_core  # (section, dim, seq_len)

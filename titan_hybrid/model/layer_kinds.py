@@ -2,15 +2,17 @@
 
 Adding a kind: write its module under model/ (the mixer, its args dataclass and a `KIND =
 LayerKind(...)`, see layer_kind.py), add it to the tuple below, and give HybridModelArgs a
-section of that name (model/args.py); a kind that mixes along the sequence also needs a
-context-parallel wrapper in parallel/context_parallel.py before CP accepts it.
+section of that name (model/args.py). A kind that mixes along the sequence states in its
+ContextParallelRule which core arguments CP all-gathers (or needs a wrapper of its own in
+parallel/context_parallel.py).
 """
 
 from __future__ import annotations
 
-from titan_hybrid.model import attention, gdn, mamba, mlp, moe
+from titan_hybrid.model import attention, dsa, gdn, mamba, mla, mlp, moe
 from titan_hybrid.model.layer_kind import LayerKind
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, attention.KIND, mlp.KIND, moe.KIND)
+    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, attention.KIND, mla.KIND, dsa.KIND,
+                                   mlp.KIND, moe.KIND)
 }

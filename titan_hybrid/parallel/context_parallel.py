@@ -3,9 +3,10 @@
 Token-wise layers (norms, projections, MLP, MoE) need nothing. The layers that mix along the
 sequence get their core wrapped:
 
-- attention: keys and values (and their positions / documents) are all-gathered over the CP
-  group; local queries attend to them under the exact causal, in-document mask, which compares
-  row positions rather than tensor indices, so the zigzag order needs no special case;
+- attention, MLA, DSA: keys and values (MLA / DSA: the compressed latents and rotary keys, and
+  DSA's indexer keys), with their positions / documents, are all-gathered over the CP group;
+  local queries attend to them under the exact causal, in-document mask, which compares row
+  positions rather than tensor indices, so the zigzag order needs no special case;
 - Mamba2 and GDN: an all-to-all trades the sequence shard of every head for the whole sequence
   of 1/cp of the heads; the conv and the scan then run on complete sequences, restored to row
   order, and a second all-to-all trades back. The per-head parameters (conv channels, A_log,
@@ -16,6 +17,8 @@ The cores run between the TP regions' entry and exit, so heads here are already 
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -127,15 +130,25 @@ class _SequenceToHeads:
 
 
 # --------------------------------------------------------------------------- wrapped cores
-class ContextParallelAttentionCore(nn.Module):
-    def __init__(self, core: nn.Module, group) -> None:
+class ContextParallelGatherCore(nn.Module):
+    """A core whose local queries attend to the whole sequence: the arguments its kind's rule
+    names (`ContextParallelRule.gather`: keys, values, latents) and its `key` layout are
+    all-gathered over the CP group; the mask compares row positions, so zigzag needs nothing."""
+
+    def __init__(self, core: nn.Module, group, gather: tuple[str, ...]) -> None:
         super().__init__()
         self.core, self.group = core, group
+        names = list(inspect.signature(core.forward).parameters)
+        self.gathered = [names.index(name) for name in gather]
+        self.query_index, self.key_index = names.index("query"), names.index("key")
 
-    def forward(self, q, k, v, query: TokenLayout, key: TokenLayout) -> torch.Tensor:
-        _require_positions(query)
-        k, v = _gather_sequence(k, self.group), _gather_sequence(v, self.group)
-        return self.core(q, k, v, query, _gathered_layout(key, self.group))
+    def forward(self, *args):
+        args = list(args)
+        _require_positions(args[self.query_index])
+        for index in self.gathered:
+            args[index] = _gather_sequence(args[index], self.group)
+        args[self.key_index] = _gathered_layout(args[self.key_index], self.group)
+        return self.core(*args)
 
 
 class ContextParallelConvAndScan(nn.Module):
@@ -196,9 +209,9 @@ class ContextParallelConvAndDeltaRule(nn.Module):
         return exchange.to_sequence(o)
 
 
-# The wrapper of each layer kind's sequence-mixing core (LayerKind.context_parallel.core).
+# The wrapper of the sequence-mixing core of each kind whose CP exchanges heads for sequence
+# (kinds whose ContextParallelRule names arguments to gather need none).
 CONTEXT_PARALLEL_WRAPPERS: dict[str, type[nn.Module]] = {
-    "attention": ContextParallelAttentionCore,
     "mamba": ContextParallelConvAndScan,
     "gdn": ContextParallelConvAndDeltaRule,
 }
@@ -209,9 +222,11 @@ def apply_context_parallel(model: nn.Module, cp_group) -> None:
     for layer in model.modules():
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
             continue
-        core = layer.kind.context_parallel.core
-        wrapper = CONTEXT_PARALLEL_WRAPPERS[layer.kind.name]
-        setattr(layer.mixer, core, wrapper(getattr(layer.mixer, core), cp_group))
+        rule = layer.kind.context_parallel
+        core = getattr(layer.mixer, rule.core)
+        wrapped = (ContextParallelGatherCore(core, cp_group, rule.gather) if rule.gather
+                   else CONTEXT_PARALLEL_WRAPPERS[layer.kind.name](core, cp_group))
+        setattr(layer.mixer, rule.core, wrapped)
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, cp_group):

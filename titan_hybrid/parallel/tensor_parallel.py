@@ -23,6 +23,10 @@ parameter's Replicate placement, so nothing sums it) raises no error and leaves 
 stepping with its own partial gradient: the replicas silently diverge. A region's side
 outputs (the MoE load-balancing loss) are computed identically on every rank; their gradient is
 scaled by 1/TP so that the sum over ranks counts it once.
+
+Sums over heads. A value summed over all heads inside a region (DSA's indexer target) is a
+partial sum on each rank; the model marks it with `TensorParallelHeadSum`, whose output is
+all-reduced here.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_hybrid.compat.nn import parameter_slots
+from titan_hybrid.model.common import TensorParallelHeadSum
 from titan_hybrid.model.model import HybridLayer
 
 
@@ -215,6 +220,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                                         sequence_parallel=sequence_parallel)]
         use_local_views(mixer, owners)
         _make_region(mixer, tp_mesh, sequence_parallel)
+
+    for module in model.modules():
+        if isinstance(module, TensorParallelHeadSum):
+            module.register_forward_hook(
+                lambda module, args, output: _leave_region(output, tp_mesh, False))
 
     sequence = Shard(1) if sequence_parallel else Replicate()
     plan = {

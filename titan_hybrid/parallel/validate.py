@@ -121,7 +121,7 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
         if not kind.mixes_sequence:
             continue
         rule = kind.context_parallel
-        if rule is None or kind.name not in CONTEXT_PARALLEL_WRAPPERS:
+        if rule is None or not (rule.gather or kind.name in CONTEXT_PARALLEL_WRAPPERS):
             raise ValueError(
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
                 f"context parallelism is not implemented for {kind.title} ('{kind.symbol}') "
