@@ -17,26 +17,39 @@ import torch
 import torch.distributed as dist
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
-from titan_hybrid.model.args import AttentionArgs, GDNArgs, MambaArgs, MLPArgs, hybrid_flavors
+from titan_hybrid.model.args import (
+    AttentionArgs,
+    DSAArgs,
+    GDNArgs,
+    MambaArgs,
+    MLAArgs,
+    MLPArgs,
+    hybrid_flavors,
+)
 from titan_hybrid.model.layout import packed_layout
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pattern", default="M*G-M")
-    parser.add_argument("--mamba-groups", type=int, default=2)
-    options = parser.parse_args()
-    dist.init_process_group("gloo")
-    cp, rank = dist.get_world_size(), dist.get_rank()
+def logits_and_aux(out):
+    return out[:2] if isinstance(out, tuple) else (out, 0.0)
+
+
+def compare(pattern: str, mamba_groups: int, cp: int, rank: int) -> dict:
+    """Float64 logits and gradients of one pattern under CP against one device."""
     args = dataclasses.replace(
-        hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern=options.pattern,
+        hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern=pattern,
         attention=AttentionArgs(n_heads=4, n_kv_heads=2, head_dim=8),
         mlp=MLPArgs(hidden_dim=24),
-        mamba=MambaArgs(d_state=4, head_dim=8, n_groups=options.mamba_groups, chunk_size=8),
-        gdn=GDNArgs(key_head_dim=8, value_head_dim=6, n_key_heads=2, n_value_heads=4))
+        mamba=MambaArgs(d_state=4, head_dim=8, n_groups=mamba_groups, chunk_size=8),
+        gdn=GDNArgs(key_head_dim=8, value_head_dim=6, n_key_heads=2, n_value_heads=4),
+        mla=MLAArgs(n_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6),
+        # 6 of up to 32 keys per query, and a trained indexer.
+        dsa=DSAArgs(n_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6, index_n_heads=2, index_head_dim=8,
+                    index_topk=6, indexer_loss_coeff=0.1))
     reference = HybridModel(args)
     reference.init_weights()
     reference.double()
@@ -59,11 +72,12 @@ def main() -> None:
             local_kwargs = {name: value[:, index] for name, value in full_kwargs.items()}
         for m in (reference, model):
             m.zero_grad()
-        want = reference(tokens, **full_kwargs)
-        want.square().mean().backward()
-        got = model(tokens[:, index], **local_kwargs)
-        # The same scalar: each rank's share of the mean over all tokens.
-        (got.square().sum() / want.numel()).backward()
+        want, want_aux = logits_and_aux(reference(tokens, **full_kwargs))
+        (want.square().mean() + want_aux).backward()
+        got, got_aux = logits_and_aux(model(tokens[:, index], **local_kwargs))
+        # The same scalar: each rank's share of the mean over all tokens (an auxiliary loss
+        # is a mean over each rank's own tokens, which are half of them).
+        (got.square().sum() / want.numel() + got_aux / cp).backward()
 
         logits_error = (got - want[:, index]).abs().max().item()
         grad_errors = {}
@@ -79,8 +93,20 @@ def main() -> None:
             "worst_grad": max(errors[0]["grads"], key=errors[0]["grads"].get),
             "logit_scale": want.abs().max().item(),
         }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pattern", default="M*G-M", help="comma-separated patterns")
+    parser.add_argument("--mamba-groups", type=int, default=2)
+    options = parser.parse_args()
+    dist.init_process_group("gloo")
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    results = {pattern: compare(pattern, options.mamba_groups, cp, rank)
+               for pattern in options.pattern.split(",")}
     if rank == 0:
-        print("RESULT " + json.dumps(report), flush=True)
+        print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
 
 

@@ -13,21 +13,25 @@ from tests.launch import run_training, run_worker
 WORKER = Path(__file__).with_name("cp_worker.py")
 
 
-def _check(result):
-    for case in ("plain", "packed"):
-        assert result[case]["logits"] < 1e-12 * result[case]["logit_scale"], result
-        assert result[case]["grads"] < 1e-12, result
+def _check(results):
+    for pattern, result in results.items():
+        for case in ("plain", "packed"):
+            assert result[case]["logits"] < 1e-12 * result[case]["logit_scale"], (pattern, result)
+            assert result[case]["grads"] < 1e-12, (pattern, result)
 
 
 def test_cp2_layers_match_one_device():
-    """Mamba (4 heads, 2 groups per rank pair), GDN, attention and MLP; plain and packed rows."""
-    _check(run_worker(WORKER, "--pattern", "M*G-M", nproc=2))
+    """Mamba (4 heads, 2 groups per rank pair), GDN, attention and MLP; MLA and DSA (6 of up
+    to 32 keys per query, with the indexer's loss); plain and packed rows."""
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-", nproc=2)
+    assert list(results) == ["M*G-M", "M+-D-"]
+    _check(results)
 
 
 @pytest.mark.slow
 def test_cp4_with_fewer_groups_than_ranks_matches_one_device():
     """cp=4 > Mamba's 2 groups and GDN's 2 key heads: ranks share a group."""
-    _check(run_worker(WORKER, "--pattern", "M*G-M", "--mamba-groups", "2", nproc=4))
+    _check(run_worker(WORKER, "--pattern", "M*G-M,M+-D-", "--mamba-groups", "2", nproc=4))
 
 
 def _assert_same_curve(single, parallel):

@@ -19,13 +19,28 @@ def check_against_single_device(result: dict) -> None:
     assert result["grads"][worst] < 2e-5, (worst, result["grads"][worst])
 
 
-@pytest.mark.parametrize("flavor, sequence_parallel", [
-    ("debug", "1"), ("debug", "0"), ("debug_moe", "1"), ("debug_grouped", "1")])
-def test_tp2_matches_single_device(flavor, sequence_parallel):
-    result = run_worker(WORKER, "--flavor", flavor, "--sequence-parallel", sequence_parallel)
+@pytest.mark.parametrize("flavor, sequence_parallel, pattern", [
+    ("debug", "1", ""), ("debug", "0", ""), ("debug_moe", "1", ""), ("debug_grouped", "1", ""),
+    ("debug", "1", "M+-MD-")])
+def test_tp2_matches_single_device(flavor, sequence_parallel, pattern):
+    result = run_worker(WORKER, "--flavor", flavor, "--sequence-parallel", sequence_parallel,
+                        "--pattern", pattern)
     check_against_single_device(result)
     shapes = result["local_shapes"]
-    if flavor == "debug":
+    if pattern == "M+-MD-":
+        # Megatron's MLA plan: query / KV up-projections split by heads (dim 0), the output
+        # projection by its input (dim 1); down-projections, latent norms and DSA's indexer
+        # replicated (the indexer's target is summed over the TP ranks' heads).
+        for layer in ("layers.1.mla", "layers.4.dsa"):
+            for name, split_dim in (("q_b_proj", 0), ("kv_b_proj", 0), ("o_proj", 1)):
+                local, full = shapes[f"{layer}.{name}.weight"]
+                assert local[split_dim] * 2 == full[split_dim], name
+            for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+                local, full = shapes[f"{layer}.{name}.weight"]
+                assert local == full, name
+        indexer = [name for name in shapes if ".indexer." in name]
+        assert len(indexer) == 5 and all(shapes[n][0] == shapes[n][1] for n in indexer)
+    if flavor == "debug" and not pattern:
         # Sharded by the parameter's own annotation, including the gated norm ("Norm" by name).
         for name in ("layers.0.mamba.in_proj.weight", "layers.0.mamba.A_log",
                      "layers.0.mamba.norm.weight", "layers.0.mamba.conv1d.weight",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -33,8 +34,15 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
     assert layer.kind is kind and {name for name, _ in layer.named_children()} == {
         kind.name, f"{kind.name}_norm"}
     if kind.context_parallel is not None:
-        assert hasattr(layer.mixer, kind.context_parallel.core)
-        assert kind.name in CONTEXT_PARALLEL_WRAPPERS
+        rule = kind.context_parallel
+        core = getattr(layer.mixer, rule.core)
+        # Either CP gathers named arguments of the core (and its key layout), or the kind
+        # has its own wrapper.
+        if rule.gather:
+            names = inspect.signature(core.forward).parameters
+            assert set(rule.gather) | {"query", "key"} <= set(names)
+        else:
+            assert kind.name in CONTEXT_PARALLEL_WRAPPERS
     assert kind.mixes_sequence == (kind.context_parallel is not None)  # all of today's kinds
 
 
@@ -42,6 +50,9 @@ def test_kinds_follow_the_pattern_and_checkpoint_keys_know_every_kind():
     args = dataclasses.replace(hybrid_flavors["debug_moe"], pattern="G[M*]E-/*E")
     assert [kind.symbol for kind in args.kinds()] == ["M", "G", "*", "-", "E"]
     assert args.has_aux_loss
+    args.pattern = "M+-D-"
+    assert [kind.symbol for kind in args.kinds()] == ["M", "+", "D", "-"]
+    assert args.has_aux_loss  # DSA's indexer loss
     keys = [f"layers.{index}.{kind.name}.weight" for index, kind in enumerate(LAYER_KINDS.values())]
     assert _layers_by_kind(keys) == {kind.name: [index]
                                      for index, kind in enumerate(LAYER_KINDS.values())}

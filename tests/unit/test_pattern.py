@@ -27,7 +27,8 @@ def _raises(pattern, *fragments):
 # --- parse results ------------------------------------------------------------
 
 def test_symbol_names():
-    assert SYMBOL_NAMES == {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+    assert SYMBOL_NAMES == {"M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa",
+                            "-": "mlp", "E": "moe"}
 
 
 def test_physical_symbols():
@@ -125,10 +126,31 @@ def test_equal_and_hashable():
 
 # --- parse errors -------------------------------------------------------------
 
-@pytest.mark.parametrize("pattern, char, pos", [("MD*", "D", 1), ("M*+", "+", 2),
-                                                 ("M/D", "D", 2)])
-def test_unsupported_symbols(pattern, char, pos):
-    _raises(pattern, f"'{char}' at position {pos}", "not supported")
+@pytest.mark.parametrize("pattern, main, mtp, depths", [
+    ("M+-MD-", ["M", "+", "-", "M", "D", "-"], [], 0),
+    ("M[M+]E|D-/+E/+E", ["M", ("M", "+"), "E", "D", "-"], ["+", "E"], 2),
+    ("[D+]-", [("D", "+"), "-"], [], 0),
+    # Megatron validates the main part and the MTP pattern separately: a main '*' may sit
+    # beside MTP MLA layers, and the reverse.
+    ("M*-/+-", ["M", "*", "-"], ["+", "-"], 1),
+    ("MD-/*-", ["M", "D", "-"], ["*", "-"], 1),
+])
+def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp, depths):
+    parsed = parse_hybrid_pattern(pattern)
+    assert (parsed.main, parsed.mtp, parsed.mtp_depths) == (main, mtp, depths)
+
+
+@pytest.mark.parametrize("pattern, char, pos, other, other_pos, part", [
+    ("M*-+", "+", 3, "*", 1, "the main part"),
+    ("MD-M*", "D", 1, "*", 4, "the main part"),
+    ("M*|D-", "D", 3, "*", 1, "the main part"),  # segments of one main part
+    ("[M*][+-]", "+", 5, "*", 2, "the main part"),
+    ("M-/*+/*+", "+", 4, "*", 3, "an MTP depth"),
+])
+def test_self_attention_cannot_share_a_part_with_mla_or_dsa(pattern, char, pos, other,
+                                                              other_pos, part):
+    _raises(pattern, f"'{char}' at position {pos} cannot share {part} with '{other}' at "
+            f"position {other_pos}", "Not supported to have both Attention and MLA/DSA")
 
 
 @pytest.mark.parametrize("pattern, char, pos", [("M*x", "x", 2), ("Ma", "a", 1),

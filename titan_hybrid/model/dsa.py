@@ -100,6 +100,18 @@ def index_scores(q_BTIK: torch.Tensor, k_BSK: torch.Tensor, weights_BTI: torch.T
     return scores.masked_fill(~allowed_BTS, float("-inf"))
 
 
+def top_keys(scores_BTS: torch.Tensor, k: int, key: TokenLayout) -> torch.Tensor:
+    """[B, T, k] indices of each row's k best keys. Equal scores (ReLU makes exact zeros
+    common) are ranked as in row order, whatever order the keys come in (context-parallel
+    shards gather them rank by rank), so every layout picks the same keys."""
+    if key.positions is None:
+        return scores_BTS.topk(k, dim=-1).indices
+    in_row_order = key.row_order(scores_BTS.shape[-1]).argsort(dim=-1)[:, None]
+    in_row_order = in_row_order.expand(scores_BTS.shape[0], scores_BTS.shape[1], -1)
+    best = torch.take_along_dim(scores_BTS, in_row_order, dim=-1).topk(k, dim=-1).indices
+    return torch.take_along_dim(in_row_order, best, dim=-1)
+
+
 def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
                    support_BTS: torch.Tensor) -> torch.Tensor:
     """Mean over queries of KL(target || softmax(scores)) over the keys in `support`."""
@@ -130,7 +142,7 @@ class SparseLatentAttentionCore(nn.Module):
             scores = index_scores(index_q_BTIK, index_k_BSK, index_weights_BTI, allowed)
         used = allowed
         if args.mode == "sparse":
-            picked = scores.detach().topk(min(args.index_topk, k.shape[1]), dim=-1).indices
+            picked = top_keys(scores.detach(), min(args.index_topk, k.shape[1]), key)
             # A row with fewer valid keys than k picks some -inf ones: the mask drops them.
             used = torch.zeros_like(allowed).scatter(-1, picked, True) & allowed
         out = attend(q_BTHK, k, v, used[:, None], scale)
