@@ -34,6 +34,9 @@ def worst(errors: dict) -> tuple[str, float]:
     pytest.param(("--pattern", "M*EME/*E"), marks=pytest.mark.slow),
     # Bracket groups, activation checkpointing (recomputed all-to-alls hand over too).
     ("--pattern", "[M*E]E[ME]/*E", "--activation-checkpoint", "1"),
+    # DeepSeek-V3-style MLA + MoE layers (the overlap hides each E's all-to-alls behind the
+    # other microbatch's MLA), and a DSA MTP depth.
+    ("--pattern", "+E+E/D-"),
     pytest.param(("--strategy", "optim_grads"), marks=pytest.mark.slow),
 ])
 def test_expert_parallel_and_overlap_gradients(args):

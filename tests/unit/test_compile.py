@@ -43,7 +43,7 @@ def loss_and_grads(model, tokens, **layout):
 # pattern -> graphs dynamo compiles: one per unit; a MoE layer gives three (its norm, router
 # and shared expert) and runs its expert dispatch eagerly. Groups and MoE are also compiled by
 # the slow trainer tests (tests/distributed/test_compile.py), so here they are slow too.
-CASES = {"M*G-": 4, "[M*][G-]": 2, "M*E/-": 6}
+CASES = {"M*G-": 4, "M+D-": 4, "[M*][G-]": 2, "M*E/-": 6}
 SLOW_CASES = ("[M*][G-]", "M*E/-")
 
 

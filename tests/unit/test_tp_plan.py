@@ -100,9 +100,13 @@ def test_interleave_puts_each_ranks_slice_of_every_component_together():
     ("attention", {"n_kv_heads": 1, "n_heads": 4}, "attention.n_kv_heads=1 is not divisible"),
     ("gdn", {"n_key_heads": 1, "n_value_heads": 2}, "gdn.n_key_heads=1 is not divisible"),
     ("mlp", {"hidden_dim": 511}, "mlp.hidden_dim=511 is not divisible"),
+    ("mla", {"n_heads": 3}, "mla.n_heads=3 is not divisible by parallelism.tensor_parallel_"
+                            "degree=2: each rank must hold whole n_heads"),
+    ("dsa", {"n_heads": 5}, "dsa.n_heads=5 is not divisible"),
 ])
 def test_tp_divisibility_errors_name_the_field(field, change, message):
     args = copy.deepcopy(hybrid_flavors["debug"])
+    args.pattern = {"mla": "M+-", "dsa": "MD-"}.get(field, args.pattern)
     for key, value in change.items():
         setattr(getattr(args, field), key, value)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
