@@ -2,8 +2,11 @@
 
 6 FLOPs per token per matmul weight (forward 2, backward 4), excluding the embedding lookup but
 including the LM head, plus the sequence-mixing cores that 6N misses: each layer kind states its
-core's forward FLOPs per token (`LayerKind.core_flops`: attention over the full unmasked
-sequence as torchtitan and Megatron count it, the chunked SSD and gated-delta scans).
+core's forward FLOPs per token (`LayerKind.core_flops`: self-attention over the full unmasked
+sequence as torchtitan counts it; MLA and DSA causally, as Megatron's hybrid FLOPs code counts
+them, MLA T * heads * (qk_head_dim + v_head_dim), DSA min(T, 2 * top-k) * heads *
+(qk_head_dim + v_head_dim) + T * indexer heads * indexer head dim; the chunked SSD and
+gated-delta scans).
 Backward is counted as twice the forward for the cores too. MoE layers count only the top_k
 routed experts a token visits, and the LM head counts once more per MTP depth.
 """
