@@ -57,9 +57,11 @@ def test_tp2_matches_single_device(flavor, sequence_parallel, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flavor", ["debug", "debug_moe"])
-def test_fsdp2_x_tp2_matches_single_device(flavor):
-    check_against_single_device(run_worker(WORKER, "--flavor", flavor, "--dp", "2", nproc=4))
+@pytest.mark.parametrize("flavor, pattern", [("debug", ""), ("debug_moe", ""),
+                                             ("debug", "M+-MD-")])
+def test_fsdp2_x_tp2_matches_single_device(flavor, pattern):
+    check_against_single_device(run_worker(WORKER, "--flavor", flavor, "--pattern", pattern,
+                                           "--dp", "2", nproc=4))
 
 
 def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path, reference_run):
