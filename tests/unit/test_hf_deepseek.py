@@ -1,0 +1,70 @@
+"""DeepSeek-V3 / V3.2 interop: our `+-+-` / `D-D-` models and transformers'
+DeepseekV3ForCausalLM / DeepseekV32ForCausalLM give the same logits on the same weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+
+from titan_hybrid.checkpoint.hf_deepseek import deepseek_config, from_deepseek, to_deepseek
+from titan_hybrid.model.args import DSAArgs, MLAArgs, MLPArgs, hybrid_flavors
+from titan_hybrid.model.model import HybridModel
+
+SHAPES = dict(n_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+              qk_rope_head_dim=8, v_head_dim=12)
+HF = {"+": (DeepseekV3Config, DeepseekV3ForCausalLM),
+      "D": (DeepseekV32Config, DeepseekV32ForCausalLM)}
+
+
+def tiny_args(pattern: str, **mla_changes):
+    args = copy.deepcopy(hybrid_flavors["debug"])
+    args.pattern, args.dim, args.vocab_size, args.max_seq_len = pattern, 48, 96, 64
+    args.norm_eps = 1e-6
+    args.mlp = MLPArgs(hidden_dim=40)
+    shapes = {**SHAPES, **mla_changes}
+    args.mla = MLAArgs(**shapes)
+    # 6 of up to 20 keys per query: the sparse path is taken.
+    args.dsa = DSAArgs(**shapes, index_n_heads=2, index_head_dim=16, index_topk=6)
+    return args
+
+
+@pytest.mark.parametrize("pattern, mla_changes", [
+    ("+-+-", {}),
+    ("+-+-", {"q_lora_rank": None, "rope_interleave": False}),
+    ("+-", {"yarn_factor": 4.0, "yarn_original_max_position_embeddings": 8,
+            "yarn_mscale": 1.0, "yarn_mscale_all_dim": 1.0}),
+    ("D-D-", {}),
+])
+def test_logits_match_transformers_deepseek_on_converted_weights(pattern, mla_changes):
+    args = tiny_args(pattern, **mla_changes)
+    config_class, model_class = HF[pattern[0]]
+    torch.manual_seed(0)
+    theirs = model_class(config_class(**deepseek_config(args), attn_implementation="eager")).eval()
+    ours = HybridModel(args)
+    ours.load_state_dict(from_deepseek(theirs.state_dict(), args), strict=True)
+    tokens = torch.randint(0, args.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5 * expected.abs().max().item())
+    # And back: every HF tensor, unchanged.
+    back = to_deepseek(ours.state_dict(), args)
+    assert back.keys() == theirs.state_dict().keys()
+    assert all(torch.equal(back[key], value) for key, value in theirs.state_dict().items())
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("M+-", "must be '+-' or 'D-' repeated"),
+    ("+-D-", "must be '+-' or 'D-' repeated"),
+    ("[+-]", "has bracket groups"),
+    ("+-/+-", "has MTP depths"),
+    ("+E", "must be '+-' or 'D-' repeated"),
+])
+def test_models_the_format_cannot_hold_are_named(pattern, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        deepseek_config(tiny_args(pattern))

@@ -1,0 +1,130 @@
+"""Hugging Face DeepSeek-V3 / V3.2 interop for models whose layers pair up as DeepSeek's dense
+decoder layers: patterns `+-+-...` (DeepseekV3ForCausalLM) or `D-D-...` (DeepseekV32ForCausalLM),
+SwiGLU MLPs, no MTP. Offline conversion of full (unsharded) state dicts, and config.json.
+
+HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`: the MLA / DSA layer,
+whose parameter names are transformers' already) and 2j + 1 (`post_attention_layernorm`,
+`mlp.gate_proj` / `up_proj` = the halves of our fused fc1, `mlp.down_proj` = fc2). DeepSeek's
+MoE layers (group-limited sigmoid routing, routed scaling) are not our `E`, so patterns with
+`E` are refused by name, as is everything else the format cannot hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+
+ARCHITECTURES = {"+": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                 "D": ("DeepseekV32ForCausalLM", "deepseek_v32")}
+
+
+def check_deepseek_compatible(args: HybridModelArgs) -> str:
+    """The attention symbol ('+' or 'D') of a model the format can hold; ValueError naming
+    the first field it cannot."""
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
+    attention = symbols[0] if symbols else ""
+    problems = []
+    if (attention not in ARCHITECTURES or len(symbols) % 2
+            or symbols != [attention, "-"] * (len(symbols) // 2)):
+        problems.append(f"hybrid.pattern '{args.pattern}' must be '+-' or 'D-' repeated "
+                        "(DeepSeek's dense decoder layers)")
+    if any(isinstance(item, tuple) for item in pattern.main):
+        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups")
+    if pattern.mtp_depths:
+        problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths")
+    if args.mlp.activation != "swiglu":
+        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
+    if problems:
+        raise ValueError("model cannot use the HF DeepSeek-V3 / V3.2 format: " + "; ".join(problems))
+    return attention
+
+
+def _attention_parameter_names(args: HybridModelArgs, symbol: str) -> list[str]:
+    kind = LAYER_KINDS[symbol]
+    with torch.device("meta"):
+        layer = kind.build(args.section(kind), args.dim, args.norm_eps)
+    return list(layer.state_dict())
+
+
+def _key_map(args: HybridModelArgs) -> dict[str, str]:
+    """HF key -> our key; the MLP's gate / up halves map to our fc1 with a suffix _w / _v."""
+    symbol = check_deepseek_compatible(args)
+    name = LAYER_KINDS[symbol].name
+    mapping = {"model.embed_tokens.weight": "tok_embeddings.weight",
+               "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    attention_names = _attention_parameter_names(args, symbol)
+    for j in range(args.parsed_pattern.num_physical_layers // 2):
+        hf, mixer, mlp = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+        mapping[hf + "input_layernorm.weight"] = f"{mixer}{name}_norm.weight"
+        for parameter in attention_names:
+            mapping[f"{hf}self_attn.{parameter}"] = f"{mixer}{name}.{parameter}"
+        mapping[hf + "post_attention_layernorm.weight"] = f"{mlp}mlp_norm.weight"
+        mapping[hf + "mlp.gate_proj.weight"] = f"{mlp}mlp.fc1.weight_w"
+        mapping[hf + "mlp.up_proj.weight"] = f"{mlp}mlp.fc1.weight_v"
+        mapping[hf + "mlp.down_proj.weight"] = f"{mlp}mlp.fc2.weight"
+    return mapping
+
+
+def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
+    """Our model's state dict (fused fc1) -> DeepSeek's keys."""
+    out = {}
+    for hf_key, ours in _key_map(args).items():
+        if ours.endswith(("fc1.weight_w", "fc1.weight_v")):
+            gate, up = state_dict[ours[:-2]].chunk(2, dim=0)
+            out[hf_key] = gate if ours.endswith("_w") else up
+        else:
+            out[hf_key] = state_dict[ours]
+    return out
+
+
+def from_deepseek(hf_state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
+    """DeepSeek's keys -> our model's state dict; a missing key is a ValueError naming it."""
+    mapping = _key_map(args)
+    missing = [key for key in mapping if key not in hf_state_dict]
+    if missing:
+        raise ValueError(f"DeepSeek checkpoint lacks {len(missing)} tensors of this model, "
+                         f"e.g. {missing[0]!r}")
+    out = {ours: hf_state_dict[hf_key] for hf_key, ours in mapping.items()
+           if not ours.endswith(("fc1.weight_w", "fc1.weight_v"))}
+    for hf_key, ours in mapping.items():
+        if ours.endswith("fc1.weight_w"):
+            up_key = hf_key.replace("gate_proj", "up_proj")
+            out[ours[:-2]] = torch.cat((hf_state_dict[hf_key], hf_state_dict[up_key]))
+    return out
+
+
+def deepseek_config(args: HybridModelArgs) -> dict:
+    """The config.json transformers' DeepseekV3ForCausalLM / DeepseekV32ForCausalLM needs."""
+    symbol = check_deepseek_compatible(args)
+    architecture, model_type = ARCHITECTURES[symbol]
+    mla = args.section(LAYER_KINDS[symbol])
+    rope = {"rope_type": "default", "rope_theta": mla.rope_theta}
+    if mla.yarn_factor != 1.0:
+        rope.update(rope_type="yarn", factor=mla.yarn_factor,
+                    original_max_position_embeddings=mla.yarn_original_max_position_embeddings,
+                    beta_fast=mla.yarn_beta_fast, beta_slow=mla.yarn_beta_slow,
+                    mscale=mla.yarn_mscale, mscale_all_dim=mla.yarn_mscale_all_dim)
+    num_layers = args.parsed_pattern.num_physical_layers // 2
+    config = {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "intermediate_size": args.mlp.hidden_dim, "num_hidden_layers": num_layers,
+        "first_k_dense_replace": num_layers,  # every MLP dense
+        "num_attention_heads": mla.n_heads, "num_key_value_heads": mla.n_heads,
+        "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+    }
+    if symbol == "+":
+        config["rope_interleave"] = mla.rope_interleave
+    else:
+        if not mla.rope_interleave:
+            raise ValueError("dsa.rope_interleave=False: DeepSeek-V3.2 rotates interleaved pairs")
+        config.update(index_n_heads=mla.index_n_heads, index_head_dim=mla.index_head_dim,
+                      index_topk=mla.index_topk)
+    return config
