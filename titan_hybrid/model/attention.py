@@ -44,10 +44,11 @@ def apply_rotary(x_BTHD: torch.Tensor, table_BTD2: torch.Tensor) -> torch.Tensor
     return rotated.flatten(-2).type_as(x_BTHD)
 
 
-def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int,
-                         k_len: int) -> torch.Tensor:
+def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int, k_len: int,
+                         device: torch.device) -> torch.Tensor:
     """[B, 1, Tq, Tk] True where the key is at or before the query in the same document."""
-    mask = key.row_order(k_len)[:, None, :] <= query.row_order(q_len)[:, :, None]
+    mask = (key.row_order(k_len, device)[:, None, :]
+            <= query.row_order(q_len, device)[:, :, None])
     if query.seq_idx is not None:
         mask &= key.seq_idx[:, None, :] == query.seq_idx[:, :, None]
     return mask.unsqueeze(1)
@@ -61,7 +62,7 @@ class CausalAttentionCore(nn.Module):
         if query is key and query.is_plain_causal():
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            mask = causal_document_mask(query, key, q.shape[2], k.shape[2])
+            mask = causal_document_mask(query, key, q.shape[2], k.shape[2], q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2)
 

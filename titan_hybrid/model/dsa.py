@@ -106,7 +106,7 @@ def top_keys(scores_BTS: torch.Tensor, k: int, key: TokenLayout) -> torch.Tensor
     shards gather them rank by rank), so every layout picks the same keys."""
     if key.positions is None:
         return scores_BTS.topk(k, dim=-1).indices
-    in_row_order = key.row_order(scores_BTS.shape[-1]).argsort(dim=-1)[:, None]
+    in_row_order = key.row_order(scores_BTS.shape[-1], scores_BTS.device).argsort(dim=-1)[:, None]
     in_row_order = in_row_order.expand(scores_BTS.shape[0], scores_BTS.shape[1], -1)
     best = torch.take_along_dim(scores_BTS, in_row_order, dim=-1).topk(k, dim=-1).indices
     return torch.take_along_dim(in_row_order, best, dim=-1)
@@ -135,8 +135,8 @@ class SparseLatentAttentionCore(nn.Module):
                 key: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
         args, scale = self.args, softmax_scale(self.args)
         k, v = expand_latents(latent_BSC, k_rope_BSR, kv_up_weight, args)
-        allowed = causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1])[:, 0].expand(
-            q_BTHK.shape[0], -1, -1)
+        allowed = causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1], k.device)
+        allowed = allowed[:, 0].expand(q_BTHK.shape[0], -1, -1)
         train_indexer = args.indexer_loss_coeff > 0 and torch.is_grad_enabled()
         with torch.set_grad_enabled(train_indexer):
             scores = index_scores(index_q_BTIK, index_k_BSK, index_weights_BTI, allowed)

@@ -36,10 +36,11 @@ class TokenLayout:
             return self.rope_table[:seq_len][None]
         return self.rope_table[self.positions.long()]
 
-    def row_order(self, seq_len: int) -> torch.Tensor:
-        """[B or 1, T] key that sorts tokens into row order (documents, then positions)."""
+    def row_order(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """[B or 1, T] key that sorts tokens into row order (documents, then positions);
+        `device` is where 0..T-1 goes when the layout has no positions."""
         if self.positions is None:
-            positions = torch.arange(seq_len, device=self.rope_table.device)[None]
+            positions = torch.arange(seq_len, device=device)[None]
         else:
             positions = self.positions.long()
         if self.seq_idx is None:

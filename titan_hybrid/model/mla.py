@@ -155,7 +155,8 @@ class LatentAttentionCore(nn.Module):
                 kv_up_weight: torch.Tensor, query: TokenLayout, key: TokenLayout) -> torch.Tensor:
         k, v = expand_latents(latent_BSC, k_rope_BSR, kv_up_weight, self.args)
         plain = query is key and query.is_plain_causal()
-        mask = None if plain else causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1])
+        mask = None if plain else causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1],
+                                                          k.device)
         return attend(q_BTHK, k, v, mask, softmax_scale(self.args))
 
 
