@@ -15,7 +15,8 @@ import pytest
 
 from tests.launch import BF16, SMALL_JOB, run_training, run_worker
 
-STEPS = ("--training.steps", "4", "--training.local_batch_size", "8")
+# 128-token rows: what is compared is the arithmetic of the strategies, not the job's size.
+STEPS = ("--training.steps", "4", "--training.local_batch_size", "8", "--training.seq_len", "128")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,7 @@ def test_hsdp_two_by_two_matches_single_process(tmp_path, single_process_curve):
     # replica and all-reduces across replicas: four partial sums combined in a different
     # order than one process's two, so equal to float32 rounding rather than bitwise.
     result = run_training(tmp_path, "--training.steps", "4", "--training.local_batch_size", "4",
+                          "--training.seq_len", "128",
                           "--parallelism.data_parallel_replicate_degree", "2",
                           "--parallelism.data_parallel_shard_degree", "2", nproc=4).check()
     assert "Applied data parallel 'optim_grads_params' over ('dp_replicate', 'fsdp')" in result.output
@@ -87,7 +89,8 @@ def test_zero_stages_shard_what_they_promise():
 
 def test_moe_mtp_job_under_fsdp_matches_single_process(tmp_path):
     # The load-balancing loss is per microbatch, so both runs keep microbatches of 8.
-    args = ("--training.steps", "3", "--training.local_batch_size", "8")
+    args = ("--training.steps", "3", "--training.local_batch_size", "8",
+            "--training.seq_len", "128")
     single = run_training(tmp_path, *args, "--training.global_batch_size", "16",
                           config="hybrid_moe.toml").check()
     fsdp = run_training(tmp_path, *args, nproc=2, config="hybrid_moe.toml").check()

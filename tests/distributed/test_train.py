@@ -21,7 +21,7 @@ def test_default_job_learns_and_reports_throughput(tmp_path):
 
 
 def test_seed_and_deterministic_mode_reproduce_bitwise(tmp_path):
-    args = (*STEPS, "--debug.seed", "7", "--debug.deterministic")
+    args = (*STEPS, "--training.seq_len", "128", "--debug.seed", "7", "--debug.deterministic")
     first = run_training(tmp_path, *args).check()
     second = run_training(tmp_path, *args).check()
     assert first.losses == second.losses
@@ -54,7 +54,7 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
 
 
 def test_activation_checkpointing_leaves_the_loss_bitwise_unchanged(tmp_path):
-    args = ("--training.steps", "2")
+    args = ("--training.steps", "2", "--training.seq_len", "128")
     plain = run_training(tmp_path, *args).check()
     full = run_training(tmp_path, *args, "--activation_checkpoint.mode", "full").check()
     selective = run_training(tmp_path, *args, "--activation_checkpoint.mode", "selective",
