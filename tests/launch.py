@@ -45,6 +45,7 @@ class TrainResult:
     output: str
     losses: list[float]
     validation_losses: list[float] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)  # the loss-curve file's lines
 
     def check(self) -> "TrainResult":
         assert self.returncode == 0, self.output[-6000:]
@@ -258,7 +259,8 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
                if curve.exists() else [])
     return TrainResult(proc.returncode, proc.stdout + proc.stderr,
                        [r["loss"] for r in records if "loss" in r],
-                       [r["validation_loss"] for r in records if "validation_loss" in r])
+                       [r["validation_loss"] for r in records if "validation_loss" in r],
+                       records)
 
 
 def launch_workers(script: Path, *args: str, nproc: int = 2,

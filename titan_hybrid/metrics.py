@@ -17,6 +17,8 @@ a console line, and the curve file): `moe/max_expert_load` and `moe/min_expert_l
 expert received over the mean per expert, worst layer; 1.0 is perfect balance) and
 `moe/aux_loss` (the load-balancing loss before its coefficient, mean over layers). Counts are
 summed over the data-parallel ranks, so they describe the global batch whatever the layout.
+With DSA layers whose indexer trains, `dsa/indexer_loss` is the indexer's KL divergence before
+its coefficient, averaged over the layers and microbatches since the last log.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.job_config import hybrid_job
+from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.moe import MoE
 
 
@@ -59,6 +62,23 @@ def router_statistics(model_parts, batch_group) -> dict[str, float]:
     return {"moe/max_expert_load": load_LE.max().item(),
             "moe/min_expert_load": load_LE.min().item(),
             "moe/aux_loss": (aux_L2[:, 0] / aux_L2[:, 1].clamp(min=1)).mean().item()}
+
+
+def indexer_statistics(model_parts, groups) -> dict[str, float]:
+    """Read and reset the DSA layers' indexer-loss counters (DeepSeekSparseAttention
+    .indexer_loss_sum), summed over `groups` (data / context and pipeline ranks): the KL
+    before its coefficient, averaged over layers and microbatches, as Megatron logs it."""
+    layers = [m for part in model_parts for m in part.modules()
+              if isinstance(m, DeepSeekSparseAttention)]
+    device = next(model_parts[0].parameters()).device  # a stage may hold no DSA layer
+    total = sum((layer.indexer_loss_sum.double() for layer in layers),
+                torch.zeros(2, dtype=torch.float64, device=device))
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    for layer in layers:
+        layer.indexer_loss_sum.zero_()
+    loss_sum, count = total.tolist()
+    return {"dsa/indexer_loss": loss_sum / count} if count else {}
 
 
 def loss_curve_path(job_config: JobConfig) -> Path | None:
@@ -99,6 +119,10 @@ class HybridMetricsProcessor(MetricsProcessor):
                             if parallel_dims.dp_enabled else None)
         self.pp_group = (parallel_dims.get_mesh("pp").get_group()
                          if parallel_dims.pp_enabled else None)
+        # Every rank that may hold other tokens or other layers (DSA statistics).
+        self.statistics_groups = [group for group in (
+            parallel_dims.get_mesh("loss").get_group() if parallel_dims.dp_cp_enabled else None,
+            self.pp_group) if group is not None]
         self.loss_curve_file = loss_curve_path(job_config)
         self._curve_started = False
 
@@ -129,7 +153,10 @@ class HybridMetricsProcessor(MetricsProcessor):
         if self.pp_group is not None:  # all ranks log at the same steps: a safe collective
             global_avg_loss, global_max_loss = self._from_last_stage(global_avg_loss,
                                                                      global_max_loss)
-        router = router_statistics(getattr(self, "model_parts", []), self.batch_group)
+        parts = getattr(self, "model_parts", None) or []
+        router = router_statistics(parts, self.batch_group)
+        if parts and "D" in parts[0].model_args.symbols():  # the same on every rank
+            router |= indexer_statistics(parts, self.statistics_groups)
         super().log(step, global_avg_loss, global_max_loss, grad_norm,
                     {**(extra_metrics or {}), **router})
         if router:

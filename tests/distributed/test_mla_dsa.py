@@ -33,17 +33,31 @@ def _assert_same_curve(expected, got, rel=1e-5):
         assert b == pytest.approx(a, rel=rel)
 
 
+def _indexer_losses(result) -> list[float]:
+    return [record["dsa/indexer_loss"] for record in result.records if "dsa/indexer_loss" in record]
+
+
+def _assert_same_run(single, result):
+    """The same loss curve, and for DSA the same logged indexer loss (the KL before its
+    coefficient, averaged over the layers and over the data / context / pipeline ranks)."""
+    _assert_same_curve(single.losses, result.losses)
+    assert _indexer_losses(result) == pytest.approx(_indexer_losses(single), rel=1e-4)
+
+
 @pytest.mark.parametrize("flavor", ["debug_mla", "debug_dsa"])
 def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_anywhere(
         tmp_path, reference_run, flavor):
     job = ("--model.flavor", flavor, *JOB)
-    single = reference_run(*job).losses
+    reference = reference_run(*job)
+    single = reference.losses
+    indexer_losses = _indexer_losses(reference)
+    assert len(indexer_losses) == (4 if flavor == "debug_dsa" else 0)
+    assert all(0 < loss < 1 for loss in indexer_losses)
     for name, layout in LAYOUTS.items():
-        _assert_same_curve(single, run_training(tmp_path / name, *job, *layout, nproc=2)
-                           .check().losses)
+        _assert_same_run(reference, run_training(tmp_path / name, *job, *layout, nproc=2).check())
     saved = run_training(tmp_path / "tp2", *job, *TP2, *CHECKPOINT, nproc=2).check()
     assert "Applied tensor parallel (sequence parallel: True)" in saved.output
-    _assert_same_curve(single, saved.losses)
+    _assert_same_run(reference, saved)
     if flavor == "debug_mla":
         return  # the checkpoint path is the same for both kinds; DSA adds the indexer
     outputs = tmp_path / "tp2" / "outputs"

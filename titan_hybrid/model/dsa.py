@@ -163,6 +163,9 @@ class DeepSeekSparseAttention(MultiLatentAttention):
     def __init__(self, *, dim: int, args: DSAArgs) -> None:
         super().__init__(dim=dim, args=args)
         self.indexer = LightningIndexer(dim=dim, args=args)
+        # The indexer's KL (before its coefficient) summed over the forwards that trained it,
+        # and their count, since titan_hybrid.metrics last read them.
+        self.register_buffer("indexer_loss_sum", torch.zeros(2), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, the indexer's loss times its coefficient)."""
@@ -173,11 +176,17 @@ class DeepSeekSparseAttention(MultiLatentAttention):
         index_q, index_k, weights = self.indexer(x_BTD.detach(), query_latent.detach(), cos, sin)
         out, indexer_loss = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k,
                                       weights, layout, layout)
+        if self.args.indexer_loss_coeff > 0 and torch.is_grad_enabled():
+            with torch.no_grad():
+                kl = indexer_loss.detach().to(self.indexer_loss_sum.dtype)
+                self.indexer_loss_sum += torch.stack((kl / self.args.indexer_loss_coeff,
+                                                      torch.ones_like(kl)))
         return self.o_proj(out.flatten(2)), indexer_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         super().init_weights(init_std=init_std, out_std=out_std)
         self.indexer.init_weights(init_std=init_std)
+        self.indexer_loss_sum.zero_()
 
 
 def _validate(args: DSAArgs, dim: int) -> None:

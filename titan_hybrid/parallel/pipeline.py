@@ -38,6 +38,7 @@ from torchtitan.tools.logging import logger
 from titan_hybrid.compat import pipelining
 from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.moe import MoE
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
@@ -117,12 +118,15 @@ def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:
 
 def _forget_metadata_inference_routing(stage) -> None:
     """torch's first schedule step runs each stage once on the first microbatch to learn the
-    shapes it sends; that run must not count in the router statistics of step 1."""
+    shapes it sends; that run must not count in the router (or DSA indexer) statistics of
+    step 1."""
 
     def reset() -> None:
         for module in stage.submod.modules():
             if isinstance(module, MoE):
                 module.reset_router_statistics()
+            elif isinstance(module, DeepSeekSparseAttention):
+                module.indexer_loss_sum.zero_()
 
     pipelining.after_metadata_inference(stage, reset)
 
