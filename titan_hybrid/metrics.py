@@ -155,7 +155,8 @@ class HybridMetricsProcessor(MetricsProcessor):
                                                                      global_max_loss)
         parts = getattr(self, "model_parts", None) or []
         router = router_statistics(parts, self.batch_group)
-        if parts and "D" in parts[0].model_args.symbols():  # the same on every rank
+        model_args = getattr(parts[0], "model_args", None) if parts else None
+        if model_args is not None and "D" in model_args.symbols():  # the same on every rank
             router |= indexer_statistics(parts, self.statistics_groups)
         super().log(step, global_avg_loss, global_max_loss, grad_norm,
                     {**(extra_metrics or {}), **router})
