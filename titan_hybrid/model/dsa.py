@@ -93,10 +93,16 @@ class LightningIndexer(nn.Module):
 
 def index_scores(q_BTIK: torch.Tensor, k_BSK: torch.Tensor, weights_BTI: torch.Tensor,
                  allowed_BTS: torch.Tensor) -> torch.Tensor:
-    """[B, T, S] fp32 indexer scores, -inf where the key is not causal / in-document."""
-    q, k, w = upcast(q_BTIK), upcast(k_BSK), upcast(weights_BTI)
-    per_head = F.relu(torch.einsum("btik,bsk->btsi", q, k) * q.shape[-1] ** -0.5)
-    scores = torch.einsum("btsi,bti->bts", per_head, w)
+    """[B, T, S] fp32 indexer scores, -inf where the key is not causal / in-document.
+
+    One indexer head at a time: without gradients (the indexer untrained) this holds one
+    [B, T, S] score block instead of one per head (64 heads in DeepSeek-V3.2)."""
+    q, k_BKS, w = upcast(q_BTIK), upcast(k_BSK).transpose(1, 2), upcast(weights_BTI)
+    scale = q.shape[-1] ** -0.5
+    scores = None
+    for head in range(q.shape[2]):
+        term = F.relu(torch.bmm(q[:, :, head], k_BKS) * scale) * w[:, :, head, None]
+        scores = term if scores is None else scores + term
     return scores.masked_fill(~allowed_BTS, float("-inf"))
 
 
@@ -110,6 +116,18 @@ def top_keys(scores_BTS: torch.Tensor, k: int, key: TokenLayout) -> torch.Tensor
     in_row_order = in_row_order.expand(scores_BTS.shape[0], scores_BTS.shape[1], -1)
     best = torch.take_along_dim(scores_BTS, in_row_order, dim=-1).topk(k, dim=-1).indices
     return torch.take_along_dim(in_row_order, best, dim=-1)
+
+
+def attention_probability_sum(q_BTHK: torch.Tensor, k_BSHK: torch.Tensor,
+                              support_BTS: torch.Tensor, scale: float) -> torch.Tensor:
+    """[B, T, S] fp32 sum over (this rank's) heads of the softmax attention probabilities over
+    the keys in `support`, one head at a time (one [B, T, S] block, not one per head)."""
+    total = None
+    for head in range(q_BTHK.shape[2]):
+        logits = torch.bmm(upcast(q_BTHK[:, :, head]), upcast(k_BSHK[:, :, head]).transpose(1, 2))
+        probs = torch.softmax((logits * scale).masked_fill(~support_BTS, float("-inf")), dim=-1)
+        total = probs if total is None else total + probs
+    return total
 
 
 def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
@@ -150,9 +168,7 @@ class SparseLatentAttentionCore(nn.Module):
             return out, out.new_zeros((), dtype=torch.float32)
         support = used if args.sparse_loss else allowed
         with torch.no_grad():
-            logits = torch.einsum("bthk,bshk->bhts", upcast(q_BTHK), upcast(k)) * scale
-            probs = torch.softmax(logits.masked_fill(~support[:, None], float("-inf")), dim=-1)
-            target = self.head_sum(probs.sum(1))  # all heads' sum, also under TP
+            target = self.head_sum(attention_probability_sum(q_BTHK, k, support, scale))
             target = target / target.sum(-1, keepdim=True)
         return out, kl_from_target(target, scores, support) * args.indexer_loss_coeff
 
