@@ -48,6 +48,15 @@ def test_mamba_parameters_are_sharded_by_their_own_annotations():
     assert plan["layers.0.mamba_norm.weight"].shard_dim is None
 
 
+def test_mla_with_a_full_rank_query_splits_q_proj_by_heads():
+    args = copy.deepcopy(hybrid_flavors["debug"])
+    args.pattern, args.mla.q_lora_rank = "+", None
+    with torch.device("meta"):
+        layer = HybridModel(args).layers["0"].mla
+    assert not hasattr(layer, "q_a_proj") and classify_parameter(layer.q_proj.weight) == TPLayout(0)
+    assert classify_parameter(layer.kv_a_proj_with_mqa.weight).shard_dim is None
+
+
 def test_attention_mlp_gdn_moe_layouts():
     args, plan = layouts("*-GE")
     for name in ("wq", "wk", "wv"):
