@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training
 
-STEPS = ("--training.local_batch_size", "4", "--training.global_batch_size", "8")
+STEPS = ("--training.local_batch_size", "4", "--training.global_batch_size", "8",
+         "--training.seq_len", "128")
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
               "--checkpoint.no_last_save_model_only")
 LAYOUTS = {

@@ -63,7 +63,7 @@ def test_trainer_cp2_x_tp2_matches_one_process(tmp_path, reference_run):
 
 @pytest.mark.slow
 def test_trainer_cp2_plain_rows_matches_one_process(tmp_path, reference_run):
-    args = ("--training.steps", "4")
+    args = ("--training.steps", "4", "--training.seq_len", "128")
     single = reference_run(*args)
     _assert_same_curve(single, run_training(
         tmp_path, *args, "--parallelism.context_parallel_degree", "2", nproc=2).check())

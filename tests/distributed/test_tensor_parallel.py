@@ -65,7 +65,7 @@ def test_fsdp2_x_tp2_matches_single_device(flavor, pattern):
 
 
 def test_trainer_loss_curve_tp2_sp_matches_single_process(tmp_path, reference_run):
-    args = ("--training.steps", "4")
+    args = ("--training.steps", "4", "--training.seq_len", "128")
     single = reference_run(*args)
     tp = run_training(tmp_path, *args, "--parallelism.tensor_parallel_degree", "2",
                       nproc=2).check()
