@@ -156,6 +156,9 @@ class SparseLatentAttentionCore(nn.Module):
         allowed = causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1], k.device)
         allowed = allowed[:, 0].expand(q_BTHK.shape[0], -1, -1)
         train_indexer = args.indexer_loss_coeff > 0 and torch.is_grad_enabled()
+        if args.mode == "dense" and not train_indexer:  # the scores would go unused
+            return attend(q_BTHK, k, v, allowed[:, None], scale), q_BTHK.new_zeros(
+                (), dtype=torch.float32)
         with torch.set_grad_enabled(train_indexer):
             scores = index_scores(index_q_BTIK, index_k_BSK, index_weights_BTI, allowed)
         used = allowed
