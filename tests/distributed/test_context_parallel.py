@@ -43,7 +43,7 @@ def _assert_same_curve(single, parallel):
 def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path, reference_run):
     """The real trainer on packed pydoc rows (document masking): CP=2 with FSDP over the CP
     ranks gives the loss curve of one process."""
-    args = ("--training.steps", "4", "--hybrid.document_masking")
+    args = ("--training.steps", "4", "--training.local_batch_size", "4", "--hybrid.document_masking")
     single = reference_run(*args)
     cp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
                       nproc=2).check()
@@ -54,7 +54,7 @@ def test_trainer_cp2_with_packed_documents_matches_one_process(tmp_path, referen
 
 @pytest.mark.slow
 def test_trainer_cp2_x_tp2_matches_one_process(tmp_path, reference_run):
-    args = ("--training.steps", "4", "--hybrid.document_masking")
+    args = ("--training.steps", "4", "--training.local_batch_size", "4", "--hybrid.document_masking")
     single = reference_run(*args)
     cp_tp = run_training(tmp_path, *args, "--parallelism.context_parallel_degree", "2",
                          "--parallelism.tensor_parallel_degree", "2", nproc=4).check()
@@ -72,7 +72,7 @@ def test_trainer_cp2_plain_rows_matches_one_process(tmp_path, reference_run):
 @pytest.mark.slow
 def test_trainer_pp2_x_cp2_matches_one_process(tmp_path, reference_run):
     """positions / seq_idx travel as extra_kwargs, which torch's schedule hands every stage."""
-    args = ("--training.steps", "4", "--hybrid.document_masking")
+    args = ("--training.steps", "4", "--training.local_batch_size", "4", "--hybrid.document_masking")
     single = reference_run(*args)
     _assert_same_curve(single, run_training(
         tmp_path, *args, "--parallelism.context_parallel_degree", "2",

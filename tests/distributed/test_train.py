@@ -46,7 +46,7 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path):
     toml = toml.split("[hybrid]")[0] + "[optimizer]" + toml.split("[optimizer]")[1]
     config = tmp_path / "plain.toml"
     config.write_text(toml)
-    result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2",
+    result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2", "--training.seq_len", "128",
                           "--experimental.custom_import", "titan_hybrid.torchtitan_plugin",
                           module="torchtitan.train")
     result.check()
