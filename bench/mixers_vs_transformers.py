@@ -16,6 +16,12 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
     Qwen3-Next `torch_chunk_gated_delta_rule` (its fla fallback), B=2, H=8, K=V=128, chunk 64,
     q/k L2-normalised in the kernel.
   Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
+  * MLA / DSA layers (issue 17): `titan_hybrid.model.mla.MultiLatentAttention` vs
+    transformers' `DeepseekV3Attention` (SDPA), and `model.dsa.DeepSeekSparseAttention` (indexer
+    untrained, as transformers' never trains) vs `DeepseekV32Attention` (eager: it needs the
+    dense additive mask); same weights (same parameter names). Hidden 512, 8 heads, q_lora_rank
+    256, kv_lora_rank 128, qk_nope 64, qk_rope 32, v 64; DSA: 8 indexer heads of 64, top-256.
+    The DSA indexer's parameters get no gradient in either, so they are not compared.
 
 Method: same inputs and weights for both; one warm-up step each (its outputs and input/weight
 gradients, for a fixed random cotangent, give the agreement column: max|ours - theirs| /
@@ -30,7 +36,8 @@ builds its inputs, resets the peak RSS (Linux VmHWM, the figure ru_maxrss report
 activations, autograd buffers and gradients, not weights or inputs (torch has no CPU allocator
 statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
 RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
-Targets (issue 7): at T = 2048, ours >= 2x their tokens/s and lower peak memory.
+Targets (issue 7, for the SSD scan, the Mamba2 mixer and the gated delta rule): at T = 2048,
+ours >= 2x their tokens/s and lower peak memory. MLA / DSA have no target: measured only.
 """
 
 from __future__ import annotations
@@ -48,7 +55,13 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import NemotronHConfig
+from transformers import DeepseekV3Config, NemotronHConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3Attention,
+    DeepseekV3RotaryEmbedding,
+)
+from transformers.models.deepseek_v32 import DeepseekV32Config
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
 from transformers.models.nemotron_h.modeling_nemotron_h import (
     NemotronHMamba2Mixer,
     mamba2_chunk_scan,
@@ -56,9 +69,12 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 from transformers.utils import logging as hf_logging
 
-from titan_hybrid.model.args import MambaArgs
+from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
+from titan_hybrid.model.dsa import DeepSeekSparseAttention
+from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.mla import MultiLatentAttention
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
 
@@ -71,7 +87,50 @@ OPS = {  # op -> (label, baseline)
     "mixer": ("Mamba2 mixer", "transformers NemotronH torch path (NemotronHMamba2Mixer)"),
     "gdn": ("gated delta rule",
             "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
+    "mla": ("MLA layer", "transformers DeepseekV3Attention (sdpa)"),
+    "dsa": ("DSA layer", "transformers DeepseekV32Attention (eager, dense mask)"),
 }
+TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
+MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+                  qk_rope_head_dim=32, v_head_dim=64)
+
+
+def _deepseek_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -> dict:
+    """Our MLA / DSA layer and transformers' on the same weights, as make_case returns them."""
+    torch.manual_seed(seed)
+    if op == "mla":
+        ours = MultiLatentAttention(dim=DIM, args=MLAArgs(**MLA_SHAPES))
+        config = DeepseekV3Config(attn_implementation="sdpa", **_hf_fields(MLAArgs(**MLA_SHAPES)))
+        theirs, mask = DeepseekV3Attention(config, layer_idx=0), None  # sdpa: causal
+    else:
+        args = DSAArgs(**MLA_SHAPES, index_n_heads=8, index_head_dim=64, index_topk=256)
+        ours = DeepSeekSparseAttention(dim=DIM, args=args)
+        config = DeepseekV32Config(attn_implementation="eager", index_n_heads=8,
+                                   index_head_dim=64, index_topk=256, **_hf_fields(args))
+        theirs = DeepseekV32Attention(config, layer_idx=0)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(batch, 1, T, T)
+    with torch.no_grad():
+        ours.init_weights(init_std=0.02, out_std=0.02)
+    theirs.load_state_dict(ours.state_dict())
+    rotary = DeepseekV3RotaryEmbedding(config)(x, torch.arange(T)[None].expand(batch, T))
+    layout = TokenLayout(positions=None, seq_idx=None)
+
+    def ours_fn():
+        out = ours(x, layout)
+        return out[0] if isinstance(out, tuple) else out
+
+    def leaves(module):  # the indexer gets no gradient in either (untrained)
+        return [x] + [p for name, p in sorted(module.named_parameters()) if "indexer" not in name]
+    return {"ours": (ours_fn, leaves(ours)),
+            "theirs": (lambda: theirs(x, rotary, mask)[0], leaves(theirs))}
+
+
+def _hf_fields(args: MLAArgs) -> dict:
+    return dict(hidden_size=DIM, num_attention_heads=args.n_heads,
+                num_key_value_heads=args.n_heads, q_lora_rank=args.q_lora_rank,
+                kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+                qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+                rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
 
 
 def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
@@ -124,6 +183,8 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
             return lambda: rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
         return {"ours": (gdn_fn(chunk_gated_delta_rule), leaves),
                 "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
+    if op in ("mla", "dsa"):
+        return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     raise ValueError(op)
 
 
@@ -208,6 +269,8 @@ def main() -> None:
                         help="sequence lengths for the SSD scan and the Mamba2 mixer")
     parser.add_argument("--gdn-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the gated delta rule")
+    parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
+                        help="sequence lengths for the MLA and DSA layers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
@@ -224,7 +287,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32, forward + backward")
     rows = []
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
-                         ("gdn", args.gdn_seq_lens)):
+                         ("gdn", args.gdn_seq_lens), ("mla", args.mla_seq_lens),
+                         ("dsa", args.mla_seq_lens)):
         for T in seq_lens:
             res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
             if not args.no_memory:
@@ -250,7 +314,7 @@ def main() -> None:
     print("\nPeak MiB: growth of peak RSS during one fwd+bwd in a fresh process "
           "('+': lower bound).\nTargets at T=2048: speed >= 2.00x and memory ratio < 1.")
     for op, T, r in rows:
-        if T == 2048:
+        if T == 2048 and op in TARGET_OPS:
             speed = r["paired_speedup"]
             mem = (r["ours_mem"]["bytes"] / r["theirs_mem"]["bytes"]) if "ours_mem" in r else None
             print(f"  {OPS[op][0]}: speed (paired median) {speed:.2f}x "

@@ -12,7 +12,7 @@ import torch
 from bench import gpu_check
 
 
-@pytest.mark.parametrize("op", ["ssd", "mixer", "gdn"])
+@pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "mla", "dsa"])
 def test_compare_small(op):
     pytest.importorskip("transformers")
     from bench.mixers_vs_transformers import compare
