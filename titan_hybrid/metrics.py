@@ -76,7 +76,7 @@ def indexer_statistics(model_parts, groups) -> dict[str, float]:
     for group in groups:
         dist.all_reduce(total, group=group)
     for layer in layers:
-        layer.indexer_loss_sum.zero_()
+        layer.reset_indexer_statistics()
     loss_sum, count = total.tolist()
     return {"dsa/indexer_loss": loss_sum / count} if count else {}
 

@@ -36,12 +36,23 @@ def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
 
 def apply_rotary(x_BTHD: torch.Tensor, table_BTD2: torch.Tensor) -> torch.Tensor:
     """`table_BTD2`: the table rows of each token's position (batch dim 1 broadcasts)."""
-    # Rotate interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
-    pairs = upcast(x_BTHD).unflatten(-1, (-1, 2))
-    cos, sin = table_BTD2[:, :, None, :, 0], table_BTD2[:, :, None, :, 1]
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x_BTHD)
+    # Interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
+    return apply_rotary_pairs(x_BTHD, table_BTD2[..., 0], table_BTD2[..., 1], interleaved=True)
+
+
+def apply_rotary_pairs(x_BTHR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                       interleaved: bool) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) in place (interleaved) or (i, i + R/2) by angle i."""
+    x = upcast(x_BTHR)
+    if interleaved:
+        real, imag = x[..., 0::2], x[..., 1::2]
+    else:
+        real, imag = x.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    rotated = (real * cos - imag * sin, real * sin + imag * cos)
+    if interleaved:
+        return torch.stack(rotated, dim=-1).flatten(-2).type_as(x_BTHR)
+    return torch.cat(rotated, dim=-1).type_as(x_BTHR)
 
 
 def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int, k_len: int,

@@ -32,14 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.attention import causal_document_mask
+from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
 from titan_hybrid.model.common import TensorParallelHeadSum, init_linear, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mla import (
     MLAArgs,
     MultiLatentAttention,
-    apply_rotary_pairs,
     attend,
     expand_latents,
     mla_core_flops,
@@ -139,8 +138,14 @@ def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
     return kl.sum(-1).mean()
 
 
+def trains_indexer(args: DSAArgs) -> bool:
+    """The indexer learns (and its loss is computed) in training forwards with coeff > 0."""
+    return args.indexer_loss_coeff > 0 and torch.is_grad_enabled()
+
+
 class SparseLatentAttentionCore(nn.Module):
-    """Top-k selection, attention over the selected keys, and the indexer's loss."""
+    """Top-k selection, attention over the selected keys, and the indexer's KL divergence
+    (before its coefficient; 0 when the indexer does not train)."""
 
     def __init__(self, args: DSAArgs) -> None:
         super().__init__()
@@ -155,7 +160,7 @@ class SparseLatentAttentionCore(nn.Module):
         k, v = expand_latents(latent_BSC, k_rope_BSR, kv_up_weight, args)
         allowed = causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1], k.device)
         allowed = allowed[:, 0].expand(q_BTHK.shape[0], -1, -1)
-        train_indexer = args.indexer_loss_coeff > 0 and torch.is_grad_enabled()
+        train_indexer = trains_indexer(args)
         if args.mode == "dense" and not train_indexer:  # the scores would go unused
             return attend(q_BTHK, k, v, allowed[:, None], scale), q_BTHK.new_zeros(
                 (), dtype=torch.float32)
@@ -173,7 +178,7 @@ class SparseLatentAttentionCore(nn.Module):
         with torch.no_grad():
             target = self.head_sum(attention_probability_sum(q_BTHK, k, support, scale))
             target = target / target.sum(-1, keepdim=True)
-        return out, kl_from_target(target, scores, support) * args.indexer_loss_coeff
+        return out, kl_from_target(target, scores, support)
 
 
 class DeepSeekSparseAttention(MultiLatentAttention):
@@ -193,19 +198,21 @@ class DeepSeekSparseAttention(MultiLatentAttention):
         q, latent, k_rope = self.project(x_BTD, query_latent, cos, sin)
         # Detached: the indexer learns from its own loss only (module docstring).
         index_q, index_k, weights = self.indexer(x_BTD.detach(), query_latent.detach(), cos, sin)
-        out, indexer_loss = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k,
-                                      weights, layout, layout)
-        if self.args.indexer_loss_coeff > 0 and torch.is_grad_enabled():
+        out, kl = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k, weights,
+                            layout, layout)
+        if trains_indexer(self.args):
             with torch.no_grad():
-                kl = indexer_loss.detach().to(self.indexer_loss_sum.dtype)
-                self.indexer_loss_sum += torch.stack((kl / self.args.indexer_loss_coeff,
-                                                      torch.ones_like(kl)))
-        return self.o_proj(out.flatten(2)), indexer_loss
+                value = kl.detach().to(self.indexer_loss_sum.dtype)
+                self.indexer_loss_sum += torch.stack((value, torch.ones_like(value)))
+        return self.o_proj(out.flatten(2)), kl * self.args.indexer_loss_coeff
+
+    def reset_indexer_statistics(self) -> None:
+        self.indexer_loss_sum.zero_()
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         super().init_weights(init_std=init_std, out_std=out_std)
         self.indexer.init_weights(init_std=init_std)
-        self.indexer_loss_sum.zero_()
+        self.reset_indexer_statistics()
 
 
 def _validate(args: DSAArgs, dim: int) -> None:

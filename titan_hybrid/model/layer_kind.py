@@ -1,9 +1,10 @@
 """What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, +, D, -, E).
 
-Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with its `KIND`; the
-table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that differs between
-kinds outside the layer's own module is read from here: the pattern grammar, model building,
-shape validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face names.
+Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with
+its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that
+differs between kinds outside the layer's own module is read from here: the pattern grammar,
+model building, shape validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face
+names.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.attention import causal_document_mask
+from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
 from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
@@ -107,21 +107,6 @@ def rotary_cos_sin(args: MLAArgs, layout: TokenLayout, seq_len: int,
         positions = layout.positions.to(dtype)
     angles = positions[..., None] * inv_freq
     return angles.cos() * factor, angles.sin() * factor
-
-
-def apply_rotary_pairs(x_BTHR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                       interleaved: bool) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) in place (interleaved) or (i, i + R/2) by angle i."""
-    x = upcast(x_BTHR)
-    if interleaved:
-        real, imag = x[..., 0::2], x[..., 1::2]
-    else:
-        real, imag = x.chunk(2, dim=-1)
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    rotated = (real * cos - imag * sin, real * sin + imag * cos)
-    if interleaved:
-        return torch.stack(rotated, dim=-1).flatten(-2).type_as(x_BTHR)
-    return torch.cat(rotated, dim=-1).type_as(x_BTHR)
 
 
 # --------------------------------------------------------------------------- core

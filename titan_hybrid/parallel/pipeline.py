@@ -126,7 +126,7 @@ def _forget_metadata_inference_routing(stage) -> None:
             if isinstance(module, MoE):
                 module.reset_router_statistics()
             elif isinstance(module, DeepSeekSparseAttention):
-                module.indexer_loss_sum.zero_()
+                module.reset_indexer_statistics()
 
     pipelining.after_metadata_inference(stage, reset)
 
