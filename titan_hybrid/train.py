@@ -19,6 +19,7 @@ from titan_hybrid import torchtitan_plugin
 from titan_hybrid.errors import DivergedError, JobError, report_and_exit
 from titan_hybrid.job_checks import check_job
 from titan_hybrid.job_config import parse_job
+from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
 from titan_hybrid.trainer import HybridTrainer
 
@@ -30,6 +31,10 @@ def run(job_args: list[str]) -> None:
         check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         report_and_exit(error)
+    # Probed once here, before any model is traced; every rank falls back alike, one reports.
+    for line in kernel_fallbacks():
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning(line)
     trainer = None
     try:
         trainer = HybridTrainer(config)

@@ -2,6 +2,13 @@
 
 x `[b, t, c]` (channels last, as the mixers produce it), weight `[c, w]`, bias `[c]`,
 seq_idx `[b, t]` (document id per position; taps never reach into an earlier document).
+
+``causal_depthwise_conv1d`` calls causal-conv1d's CUDA kernel when
+``titan_hybrid.ops.kernels.use_kernel`` says so and the kernel takes the sizes (channels a
+multiple of 8, width 2..4), else ``causal_depthwise_conv1d_torch``. The kernel's forward and
+backward are ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` passes through
+them. Both paths return channels-last output (``stride(-1) == 1``), which the SSD and
+gated-delta kernels read without a copy.
 """
 
 from __future__ import annotations
@@ -9,21 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_hybrid.ops.kernels import use_kernel
 
-def _causal_conv1d_cuda(x_BTC, weight_CW, bias_C, seq_idx_BT, activation):
-    channels, width = weight_CW.shape
-    # The kernel's channel-last path needs 8-aligned strides and widths 2..4.
-    if channels % 8 or not 2 <= width <= 4:
-        return None
-    try:
-        from causal_conv1d import causal_conv1d_fn
-    except ImportError:
-        return None
-    x_BTC = x_BTC.contiguous()  # slices of in_proj's output have a row stride of its width
-    out = causal_conv1d_fn(x_BTC.transpose(1, 2), weight_CW, bias_C,
-                           seq_idx=None if seq_idx_BT is None else seq_idx_BT.to(torch.int32),
-                           activation=activation)
-    return out.transpose(1, 2)
+ACTIVATIONS = (None, "silu", "swish")
 
 
 def causal_depthwise_conv1d(
@@ -34,37 +29,88 @@ def causal_depthwise_conv1d(
     seq_idx: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> torch.Tensor:
-    if x_BTC.is_cuda:
-        out = _causal_conv1d_cuda(x_BTC, weight_CW, bias_C, seq_idx, activation)
-        if out is not None:
-            return out
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation '{activation}' is not 'silu' or None")
+    channels, width = weight_CW.shape
+    if channels % 8 == 0 and 2 <= width <= 4 and use_kernel(x_BTC, "causal_conv1d"):
+        # The kernel's channels-last layout is [b, c, t] with stride 1 over c. A slice of
+        # in_proj's output would come back channels-first (the kernel allocates its output like
+        # its input only when that is dense), so it is made dense here.
+        out_BCT = _conv_fwd(x_BTC.contiguous().transpose(1, 2), weight_CW.contiguous(),
+                            None if bias_C is None else bias_C.contiguous(),
+                            None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
+                            activation is not None)
+        return out_BCT.transpose(1, 2)
     return causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C, seq_idx=seq_idx,
                                          activation=activation)
 
 
 def causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C=None, *, seq_idx=None,
                                   activation=None):
-    # The weights may be fp32 while x is bf16 (a mixer whose SSM parameters data parallelism
-    # keeps in fp32 keeps its conv there too); compute in x's dtype, as a bf16 layer does.
-    weight_CW = weight_CW.to(x_BTC.dtype)
-    bias_C = None if bias_C is None else bias_C.to(x_BTC.dtype)
-    width = weight_CW.shape[-1]
-    if seq_idx is None:
-        out = F.conv1d(x_BTC.transpose(1, 2), weight_CW.unsqueeze(1), bias_C,
-                       padding=width - 1, groups=x_BTC.shape[-1])
-        out = out[..., : x_BTC.shape[1]].transpose(1, 2)
-    else:
-        # Sum of shifted copies: tap s reads position t-s only when it is in the same document.
-        length = x_BTC.shape[1]
-        out = x_BTC * weight_CW[:, width - 1]
-        for shift in range(1, min(width, length)):
-            same_doc = (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(-1)
-            tap = x_BTC[:, :-shift] * weight_CW[:, width - 1 - shift] * same_doc
-            out = out + F.pad(tap, (0, 0, shift, 0))
-        if bias_C is not None:
-            out = out + bias_C
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
+    """Sum of shifted, weighted copies along time: tap s reads position t - s, only inside the
+    same document. Channels-last in and out, so no transposed copies are made; the weights may
+    be fp32 while x is bf16 (data parallelism keeps a mixer's conv in fp32 with its SSM
+    parameters): the arithmetic is in x's dtype, as in a bf16 layer."""
+    if activation not in ACTIVATIONS:
         raise ValueError(f"activation '{activation}' is not 'silu' or None")
-    return out
+    weight_CW = weight_CW.to(x_BTC.dtype)
+    width, length = weight_CW.shape[-1], x_BTC.shape[1]
+    if bias_C is None:
+        out = x_BTC * weight_CW[:, width - 1]
+    else:
+        out = torch.addcmul(bias_C.to(x_BTC.dtype), x_BTC, weight_CW[:, width - 1])
+    for shift in range(1, min(width, length)):
+        earlier = x_BTC[:, :-shift]
+        if seq_idx is not None:
+            earlier = earlier * (seq_idx[:, shift:] == seq_idx[:, :-shift]).unsqueeze(-1)
+        out[:, shift:].addcmul_(earlier, weight_CW[:, width - 1 - shift])
+    return F.silu(out) if activation is not None else out
+
+
+# ---- causal-conv1d's kernel as torch.library custom ops (opaque to torch.compile). Its forward
+# and backward functions (causal-conv1d 1.7's causal_conv1d.cpp_functions, what its own
+# CausalConv1dFn calls) are used directly. x and dout are [b, c, t] views of channels-last
+# tensors. A custom op cannot return None: an absent bias gradient is an empty tensor.
+
+@torch.library.custom_op("titan_hybrid::causal_conv1d_fwd", mutates_args=())
+def _conv_fwd(x_BCT: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
+              seq_idx_BT: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    from causal_conv1d.cpp_functions import causal_conv1d_fwd_function
+    return causal_conv1d_fwd_function(x_BCT, weight_CW, bias_C, seq_idx_BT, None, None, silu)
+
+
+@_conv_fwd.register_fake
+def _(x_BCT, weight_CW, bias_C, seq_idx_BT, silu):
+    return torch.empty_like(x_BCT)
+
+
+@torch.library.custom_op("titan_hybrid::causal_conv1d_bwd", mutates_args=())
+def _conv_bwd(dout_BCT: torch.Tensor, x_BCT: torch.Tensor, weight_CW: torch.Tensor,
+              bias_C: torch.Tensor | None, seq_idx_BT: torch.Tensor | None,
+              silu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from causal_conv1d.cpp_functions import causal_conv1d_bwd_function
+    dx, dweight, dbias, _ = causal_conv1d_bwd_function(
+        x_BCT, weight_CW, bias_C, dout_BCT, seq_idx_BT, None, None, None, False, silu)
+    return dx, dweight, x_BCT.new_empty(0) if dbias is None else dbias
+
+
+@_conv_bwd.register_fake
+def _(dout_BCT, x_BCT, weight_CW, bias_C, seq_idx_BT, silu):
+    dbias = x_BCT.new_empty(0) if bias_C is None else torch.empty_like(bias_C)
+    return torch.empty_like(x_BCT), torch.empty_like(weight_CW), dbias
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x_BCT, weight_CW, bias_C, seq_idx_BT, ctx.silu = inputs
+    ctx.save_for_backward(x_BCT, weight_CW, bias_C, seq_idx_BT)
+
+
+def _conv_backward(ctx, dout_BCT):
+    x_BCT, weight_CW, bias_C, seq_idx_BT = ctx.saved_tensors
+    # The kernel reads dout in x's channels-last layout (a no-op when it already is).
+    dout_BCT = dout_BCT.transpose(1, 2).contiguous().transpose(1, 2)
+    dx, dweight, dbias = _conv_bwd(dout_BCT, x_BCT, weight_CW, bias_C, seq_idx_BT, ctx.silu)
+    return dx, dweight, None if bias_C is None else dbias, None, None
+
+
+_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_context)

@@ -66,7 +66,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     else `chunk_gated_delta_rule_torch`.
     """
     _num_seqs(q, cu_seqlens, initial_state)
-    if use_kernel(v, _KERNEL_MODULE):
+    if use_kernel(v, "fla"):
         # fla's dots need one dtype for q, k and v (a no-op for our mixer); cu_seqlens are int64
         # in fla's API. Its entry point made inputs contiguous; the launchers below do not.
         q, k = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous()
@@ -219,8 +219,6 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # ChunkGatedDeltaRuleFunction calls them; the residuals it saves (l2-normalised q and k with
 # their reciprocal norms, the chunk-local cumulative decay, the WY matrix A) are extra outputs
 # of the forward op. Absent tensors travel as empty ones (a custom op cannot return None).
-
-_KERNEL_MODULE = "fla.ops.gated_delta_rule.chunk"
 
 
 def _chunk_indices(cu_seqlens):

@@ -15,8 +15,6 @@ import torch.nn.functional as F
 
 from titan_hybrid.ops.kernels import use_kernel
 
-_KERNEL_MODULE = "mamba_ssm.ops.triton.layernorm_gated"
-
 
 def gated_group_rms_norm_torch(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, *,
                                group_size: int, eps: float) -> torch.Tensor:
@@ -36,7 +34,7 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if z.shape != y.shape or weight.shape != (channels,):
         raise ValueError(f"gated norm: y {tuple(y.shape)}, z {tuple(z.shape)} and weight "
                          f"{tuple(weight.shape)} do not match")
-    if use_kernel(y, _KERNEL_MODULE):
+    if use_kernel(y, "mamba_ssm"):
         # The kernel takes rows of contiguous channels.
         y_2d = y.reshape(-1, channels).contiguous()
         z_2d = z.reshape(-1, channels).contiguous()

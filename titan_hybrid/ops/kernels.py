@@ -1,6 +1,6 @@
-"""Which path an op takes: a GPU kernel (mamba_ssm, fla) or its pure-torch twin.
+"""Which path an op takes: a GPU kernel (mamba_ssm, fla, causal-conv1d) or its pure-torch twin.
 
-By default an op calls its Triton kernel for CUDA tensors when the kernel's package imports, and
+By default an op calls its kernel for CUDA tensors when the kernel's package is usable here, and
 its torch path otherwise. Inside ``force_kernels()`` the ops call the kernels for CPU tensors too:
 that is how the tests run them in Triton's interpreter (``TRITON_INTERPRET=1`` executes Triton
 kernels on CPU tensors with numpy)::
@@ -8,66 +8,145 @@ kernels on CPU tensors with numpy)::
     with force_kernels():
         y = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=64)  # mamba_ssm's kernel
 
-While forced, a kernel package that does not import is an error rather than a silent fall-back
-to the torch path, so a kernel test cannot pass by accident. Dtypes the kernels do not take
-(float64) still use the torch path. Nothing here runs at import: the flag is only changed by
-``force_kernels`` and restored when it exits.
+While forced, an unusable kernel package is an error rather than a silent fall-back to the torch
+path, so a kernel test cannot pass by accident. Dtypes the kernels do not take (float64) still use
+the torch path. Nothing here runs at import.
+
+Usable means: the modules our custom ops import do import (a package installed without its
+compiled extension fails here), and the package accepts this runtime (fla 0.6 raises in its
+backward on Hopper GPUs with triton >= 3.4, < 3.7.1). ``probe_kernels()`` decides this once per
+process, outside any traced code: dynamo cannot trace an import, and a failure found mid-step
+would kill the run. Entry points call it at start-up and log ``kernel_fallbacks()``, one line per
+unusable package; the ops it serves then take their torch paths.
 
 Each kernel call goes through a ``torch.library`` custom op (``titan_hybrid::...``, defined by
 the op modules), so ``torch.compile`` with ``fullgraph=True`` sees one opaque node per kernel
-forward and backward instead of breaking its graph on Triton launches (fla even marks its entry
-point ``torch.compiler.disable``).
+forward and backward instead of breaking its graph on Triton launches or C++ extensions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def fla_refusal(capability: tuple[int, int] | None, triton_version: str) -> str | None:
+    """Why fla's gated delta rule may not run on a GPU of this compute capability with this
+    triton: fla 0.6 refuses Hopper (sm_90) with triton >= 3.4.0, < 3.7.1 in its backward (its
+    issue #640: the gated dq/dk/dw kernel computes wrong results there)."""
+    if capability is None or capability[0] != 9:
+        return None
+    if (3, 4, 0) <= _version(triton_version) < (3, 7, 1):
+        return (f"triton {triton_version} on a Hopper GPU gives wrong gated-delta-rule gradients "
+                "(fla refuses triton >= 3.4.0, < 3.7.1 there; install triton >= 3.7.1)")
+    return None
+
+
+def _fla_refuses_this_runtime() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    return fla_refusal(torch.cuda.get_device_capability(),
+                       importlib.import_module("triton").__version__)
+
+
+@dataclass(frozen=True)
+class KernelPackage:
+    name: str
+    modules: tuple[str, ...]  # what the custom ops import
+    serves: str  # the ops that fall back to their torch paths without it
+    refuses_runtime: Callable[[], str | None] = lambda: None
+
+
+KERNEL_PACKAGES = {package.name: package for package in (
+    KernelPackage("mamba_ssm", ("mamba_ssm.ops.triton.ssd_combined",
+                                "mamba_ssm.ops.triton.layernorm_gated"),
+                  "the Mamba2 SSD scan and gated RMS norm"),
+    KernelPackage("fla", ("fla.ops.gated_delta_rule.chunk", "fla.modules.norm.l2norm",
+                          "fla.ops.utils.index"),
+                  "the gated delta rule", refuses_runtime=_fla_refuses_this_runtime),
+    KernelPackage("causal_conv1d", ("causal_conv1d.cpp_functions",),
+                  "the Mamba2 / GDN causal convolution"),
+)}
+
 _forced = False
-_imports: dict[str, bool] = {}
+_unusable: dict[str, str | None] = {}  # package -> why it is unusable (None: usable)
 
 
 @contextlib.contextmanager
 def force_kernels() -> Iterator[None]:
-    """Call the GPU kernels for CPU tensors too (not thread-safe: meant for tests)."""
+    """Call the GPU kernels for CPU tensors too (not thread-safe: meant for tests). Probes again
+    inside: tests make the kernel packages importable only for the block."""
     global _forced
     previous, _forced = _forced, True
+    _unusable.clear()
     try:
         yield
     finally:
         _forced = previous
+        _unusable.clear()
 
 
 def kernels_forced() -> bool:
     return _forced
 
 
-# Run once at trace time by torch.compile (its result is a constant of the graph) instead of
-# being traced: dynamo cannot trace an import.
-@torch.compiler.assume_constant_result
-def _module_imports(module: str) -> bool:
-    if module not in _imports:
+def _why_unusable(package: KernelPackage) -> str | None:
+    for module in package.modules:
         try:
             importlib.import_module(module)
-            _imports[module] = True
-        except ImportError:
-            _imports[module] = False
-    return _imports[module]
+        except Exception as error:  # a broken extension raises OSError / RuntimeError too
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            return f"{module} does not import ({type(error).__name__}: {first_line})"
+    return package.refuses_runtime()
 
 
-def use_kernel(tensor: torch.Tensor, module: str) -> bool:
-    """True when an op given `tensor` should call the kernel that lives in `module`."""
+def _probe(name: str) -> str | None:
+    if name not in _unusable:
+        _unusable[name] = _why_unusable(KERNEL_PACKAGES[name])
+    return _unusable[name]
+
+
+def probe_kernels() -> dict[str, str | None]:
+    """Every kernel package: None when the ops may call it here, else why not. Imports each
+    package once per process (the result is kept)."""
+    return {name: _probe(name) for name in KERNEL_PACKAGES}
+
+
+def kernel_fallbacks() -> list[str]:
+    """One line per kernel package the ops cannot use on this CUDA machine (none without CUDA,
+    where the torch paths are the plan, not a fall-back)."""
+    if not torch.cuda.is_available():
+        return []
+    return [f"kernel package {name} is not used: {reason}; {KERNEL_PACKAGES[name].serves} "
+            "take the torch path" for name, reason in probe_kernels().items() if reason]
+
+
+# A constant of the graph when torch.compile meets it (dynamo calls it instead of tracing it):
+# entry points probe before compiling, so this only reads the kept result.
+@torch.compiler.assume_constant_result
+def _package_usable(package: str) -> bool:
+    return _probe(package) is None
+
+
+def use_kernel(tensor: torch.Tensor, package: str) -> bool:
+    """True when an op given `tensor` should call the kernel of `package` (KERNEL_PACKAGES)."""
     if not (tensor.is_cuda or _forced) or tensor.dtype not in KERNEL_DTYPES:
         return False
-    if _module_imports(module):
+    if _package_usable(package):
         return True
     if _forced:
-        raise RuntimeError(f"force_kernels(): the kernel module {module} does not import "
-                           "(install the gpu extra, or see scripts/bootstrap.sh)")
+        raise RuntimeError(f"force_kernels(): the kernel package {package} is unusable: "
+                           f"{_probe(package)} (install the gpu extra, or see "
+                           "scripts/bootstrap.sh)")
     return False

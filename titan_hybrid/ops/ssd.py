@@ -205,7 +205,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     mamba_ssm's Triton kernel when ``titan_hybrid.ops.kernels.use_kernel`` says so (CUDA
     tensors, or inside ``force_kernels()``), else :func:`ssd_chunked_torch`.
     """
-    if use_kernel(x, _KERNEL_MODULE):
+    if use_kernel(x, "mamba_ssm"):
         y, final_states, _ = _ssd_fwd(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
             # mamba_ssm's own modules pass int32 document ids
@@ -223,8 +223,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 # MambaChunkScanCombinedFn calls) are used directly: the backward needs only the inputs and the
 # output before the z gate, so nothing is recomputed. Absent gradients travel as empty tensors
 # (a custom op cannot return None).
-
-_KERNEL_MODULE = "mamba_ssm.ops.triton.ssd_combined"
 
 
 @torch.library.custom_op("titan_hybrid::mamba_ssd_fwd", mutates_args=())

@@ -28,6 +28,7 @@ from torch import nn
 from torchtitan.config.job_config import Compile
 
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.ops.kernels import probe_kernels
 
 
 def _compile(module: nn.Module, config: Compile) -> None:
@@ -76,5 +77,7 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = False) -> None:
+    if torch.cuda.is_available():
+        probe_kernels()  # imports the kernel packages here: dynamo cannot trace an import
     for unit in compile_units(model):
         _compile_unit(unit, config, split_precision)
