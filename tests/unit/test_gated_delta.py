@@ -175,6 +175,26 @@ def test_default_scale_and_l2norm():
     torch.testing.assert_close(o_default, o_prenormed, atol=1e-6, rtol=1e-6)
 
 
+def test_grouped_value_heads_read_their_key_head():
+    """Fewer query / key heads than value heads (fla's GVA): value head h reads key head
+    h // (H / Hk), the same as repeating each key head in place; gradients sum over the group."""
+    (q, k, v, g, beta), h0 = make_inputs(2, 70, 4, 8, 6)
+    q_shared, k_shared = q[:, :, ::2], k[:, :, ::2]  # 2 key heads for 4 value heads
+    got = forward_backward(chunk_gated_delta_rule, [q_shared, k_shared, v, g, beta], h0,
+                           use_qk_l2norm_in_kernel=True)
+    repeated = [q_shared.repeat_interleave(2, 2), k_shared.repeat_interleave(2, 2), v, g, beta]
+    want = forward_backward(recurrent_gated_delta_rule_reference, repeated, h0,
+                            use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(got[0], want[0], **F64)
+    torch.testing.assert_close(got[1], want[1], **F64)
+    for grad_got, grad_want in zip(got[2][:2], want[2][:2]):
+        torch.testing.assert_close(grad_got, grad_want.unflatten(2, (2, 2)).sum(3), **F64)
+    for grad_got, grad_want in zip(got[2][2:], want[2][2:]):
+        torch.testing.assert_close(grad_got, grad_want, **F64)
+    with pytest.raises(ValueError, match="4 value heads are not a multiple of 3"):
+        chunk_gated_delta_rule(q[:, :, :3], k[:, :, :3], v, g, beta)
+
+
 def _pack(inputs, lens):
     cu = torch.tensor([0] + lens).cumsum(0)
     return [x[:1, :sum(lens)] for x in inputs], cu
@@ -252,13 +272,15 @@ def test_cpu_dispatch_uses_torch_path(monkeypatch):
 
 # ---------------------------------------------------------------------------- GPU kernel parity
 
-def _kernel_inputs(B, lens, dtype, *, l2norm, seed):
+def _kernel_inputs(B, lens, dtype, *, l2norm, seed, key_heads=2):
     """q, k, v as views into one fused projection (non-contiguous, as the mixer passes them),
-    g in float32 as the mixer computes it; packed documents when `lens` has several entries."""
+    g in float32 as the mixer computes it; packed documents when `lens` has several entries;
+    `key_heads` < 2: query / key heads shared by the 2 value heads."""
     gen = torch.Generator().manual_seed(seed)
     T, H, K, V = sum(lens), 2, 16, 16
     fused = torch.randn(B, T, H, 2 * K + V, generator=gen)
     q, k, v = fused.to(DEVICE, dtype).split([K, K, V], -1)
+    q, k = q[:, :, :key_heads], k[:, :, :key_heads]
     if l2norm:
         q, k = 3 * q, 2.5 * k  # far from unit norm: the kernel's l2norm matters
     else:
@@ -286,6 +308,19 @@ def test_fla_kernel_matches_torch_path_packed_documents(dtype):
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
     assert got[0][1].dtype == torch.float32  # final states, as on the torch path
     assert_close_rel(got, want, KERNEL_TOL[dtype], f"fla {dtype}")
+
+
+@pytest.mark.triton_interpreter
+def test_fla_kernel_grouped_value_heads():
+    """One query / key head read by two value heads: the kernel's GVA against the torch path's
+    repeat (gradients of the shared head summed over its value heads)."""
+    inputs, kwargs = _kernel_inputs(1, [37, 60], torch.float32, l2norm=True, seed=13,
+                                    key_heads=1)
+    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+        got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
+    want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
+    assert got[1]["q"].shape == inputs["q"].shape
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "fla grouped value heads")
 
 
 @pytest.mark.triton_interpreter

@@ -1,5 +1,6 @@
-"""Mamba2's gated group RMS norm (titan_hybrid.ops.gated_norm): the torch path against a float64
-formula, and mamba_ssm's Triton kernel (through our op, kernels forced on) against the torch path.
+"""The gated group RMS norms (titan_hybrid.ops.gated_norm: Mamba2's norm(y * silu(z)) and gated
+DeltaNet's norm(y) * silu(z)): the torch path against a float64 formula, and mamba_ssm's Triton
+kernel (through our op, kernels forced on) against the torch path.
 
 Tolerances. Torch path in float64 vs the float64 formula: 1e-12. Kernel vs torch path on the same
 inputs, relative Frobenius error of the output and of every gradient: float32 < 1e-5 (both
@@ -19,7 +20,7 @@ from tests.triton_kernels import (
     kernels_on,
     outputs_and_grads,
 )
-from titan_hybrid.model.norms import GatedGroupRMSNorm
+from titan_hybrid.model.norms import GatedGroupRMSNorm, HeadGatedRMSNorm
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm, gated_group_rms_norm_torch
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -47,6 +48,29 @@ def test_torch_path_matches_the_formula():
     out2 = gated_group_rms_norm_torch(y2, z, weight, group_size=16, eps=1e-5)
     torch.testing.assert_close(out2[..., 16:], out[..., 16:], atol=0, rtol=0)
     assert not torch.allclose(out2[..., :16], out[..., :16])
+
+
+def test_torch_path_norm_before_gate_matches_the_formula():
+    inp = _inputs()
+    y, z, weight = inp["y"], inp["z"], inp["weight"]
+    out = gated_group_rms_norm_torch(y, z, weight, group_size=16, eps=1e-5,
+                                     norm_before_gate=True)
+    grouped = y.unflatten(-1, (4, 16))
+    rms = grouped.square().mean(-1, keepdim=True).add(1e-5).sqrt()
+    want = (grouped / rms).flatten(-2) * weight * z * torch.sigmoid(z)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+def test_gdn_norm_module_is_the_per_head_formula():
+    """GDN's norm: one RMS per head, a weight shared by the heads, gate after the norm."""
+    norm = HeadGatedRMSNorm(16).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, dtype=torch.float64) + 0.5)
+    inp = _inputs()
+    o_BTHV, z_BTHV = inp["y"].unflatten(-1, (4, 16)), inp["z"].unflatten(-1, (4, 16))
+    rms = o_BTHV.square().mean(-1, keepdim=True).add(1e-5).sqrt()
+    want = o_BTHV / rms * norm.weight * z_BTHV * torch.sigmoid(z_BTHV)
+    torch.testing.assert_close(norm(o_BTHV, z_BTHV), want, atol=1e-12, rtol=1e-12)
 
 
 def test_output_dtype_and_bad_shapes():
@@ -80,6 +104,17 @@ def test_mamba_ssm_kernel_matches_torch_path(dtype):
         got = outputs_and_grads(gated_group_rms_norm, inp, group_size=16, eps=1e-5)
     want = outputs_and_grads(gated_group_rms_norm_torch, inp, group_size=16, eps=1e-5)
     assert_close_rel(got, want, KERNEL_TOL[dtype], f"gated norm {dtype}")
+
+
+@pytest.mark.triton_interpreter
+def test_mamba_ssm_kernel_norm_before_gate_matches_torch_path():
+    inp = _inputs(torch.float32, DEVICE, seed=4)
+    with kernels_on(), expect_custom_ops("gated_rms_norm_fwd", "gated_rms_norm_bwd"):
+        got = outputs_and_grads(gated_group_rms_norm, inp, group_size=16, eps=1e-5,
+                                norm_before_gate=True)
+    want = outputs_and_grads(gated_group_rms_norm_torch, inp, group_size=16, eps=1e-5,
+                             norm_before_gate=True)
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "gated norm, norm before gate")
 
 
 @pytest.mark.triton_interpreter

@@ -1,7 +1,7 @@
 """Gated DeltaNet mixer (Qwen3-Next / Megatron layout).
 
 in_proj: hidden -> [q | k | v | z | beta | alpha] (Hk*K, Hk*K, Hv*V, Hv*V, Hv, Hv); depthwise
-causal conv over [q | k | v] then SiLU; q, k L2-normalised and repeated to the value heads;
+causal conv over [q | k | v] then SiLU; q, k L2-normalised, each key head shared by its value heads;
 g = -exp(A_log) * softplus(alpha + dt_bias) in fp32; beta = sigmoid(beta); gated delta rule;
 per-head gated RMSNorm; out_proj. Legend: B batch, T time, Hk/Hv key/value heads, K/V head dims.
 """
@@ -60,9 +60,9 @@ class ConvAndDeltaRule(nn.Module):
                                       activation="silu")
         q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
         batch, seq_len, _ = qkv.shape
-        repeat = n_value_heads // (key_dim // args.key_head_dim)
-        q_BTHK = q.unflatten(-1, (-1, args.key_head_dim)).repeat_interleave(repeat, dim=2)
-        k_BTHK = k.unflatten(-1, (-1, args.key_head_dim)).repeat_interleave(repeat, dim=2)
+        # Key heads stay shared by their value heads: the op reads them grouped (fla's GVA).
+        q_BTHK = q.unflatten(-1, (-1, args.key_head_dim))
+        k_BTHK = k.unflatten(-1, (-1, args.key_head_dim))
         v_BTHV = v.unflatten(-1, (n_value_heads, -1))
         # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
         g = -torch.exp(upcast(A_log)) * F.softplus(upcast(alpha_BTH) + upcast(dt_bias))

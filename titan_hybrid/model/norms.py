@@ -1,4 +1,4 @@
-"""RMS norms: the plain one and Mamba's gated, grouped one."""
+"""RMS norms: the plain one, Mamba2's gated grouped one and gated DeltaNet's gated per-head one."""
 
 from __future__ import annotations
 
@@ -62,8 +62,14 @@ class HeadGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(head_dim))
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(upcast(o), (o.shape[-1],), eps=self.eps) * upcast(self.weight)
-        return (normed * F.silu(upcast(z))).type_as(o)
+        """o, z `[..., heads, head_dim]` (z may be a slice of a projection's output)."""
+        heads, head_dim = o.shape[-2:]
+        # mamba_ssm's kernel on CUDA (one group per head, norm before the gate), else the torch
+        # path; the repeated weight's gradient sums back over the heads.
+        weight = self.weight.expand(heads, head_dim).flatten()
+        out = gated_group_rms_norm(o.flatten(-2), z.flatten(-2), weight,
+                                   group_size=head_dim, eps=self.eps, norm_before_gate=True)
+        return out.view(o.shape)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -44,10 +44,13 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+def _num_seqs(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
               initial_state: torch.Tensor | None) -> int:
     """Checks shapes only (no device sync); returns N, the number of sequences."""
     B = q.shape[0]
+    if v.shape[2] % q.shape[2]:
+        raise ValueError(f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} "
+                         "query / key heads")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B={B}")
     n_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -56,16 +59,26 @@ def _num_seqs(q: torch.Tensor, cu_seqlens: torch.Tensor | None,
     return n_seqs
 
 
+def _repeat_to_value_heads(q, k, v):
+    """Grouped value heads (fla's GVA): value head h reads query / key head h // (HV / H)."""
+    repeat = v.shape[2] // q.shape[2]
+    if repeat == 1:
+        return q, k
+    return q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            output_final_state=False, cu_seqlens=None,
                            use_qk_l2norm_in_kernel=False):
-    """fla-compatible entry point: q, k [B,T,H,K], v [B,T,H,V], g, beta [B,T,H].
+    """fla-compatible entry point: q, k [B,T,Hk,K], v [B,T,H,V], g, beta [B,T,H], with H a
+    multiple of Hk (value head h reads query / key head h // (H / Hk), as fla's GVA: the kernel
+    reads the shared heads in place, the torch path repeats them).
 
     Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None). fla's Triton kernel when
     `titan_hybrid.ops.kernels.use_kernel` says so (CUDA tensors, or inside `force_kernels()`),
     else `chunk_gated_delta_rule_torch`.
     """
-    _num_seqs(q, cu_seqlens, initial_state)
+    _num_seqs(q, v, cu_seqlens, initial_state)
     if use_kernel(v, "fla"):
         # fla's dots need one dtype for q, k and v (a no-op for our mixer); cu_seqlens are int64
         # in fla's API. Its entry point made inputs contiguous; the launchers below do not.
@@ -100,7 +113,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
 
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                             cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
-    n_seqs = _num_seqs(q, cu_seqlens, initial_state)
+    n_seqs = _num_seqs(q, v, cu_seqlens, initial_state)
+    q, k = _repeat_to_value_heads(q, k, v)
     B, T, H, K = q.shape
     if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != T):
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}")
@@ -184,7 +198,8 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
                                          output_final_state=False, cu_seqlens=None,
                                          use_qk_l2norm_in_kernel=False):
     """Step-by-step recurrence (test oracle), computed in the inputs' dtype. Same API."""
-    n_seqs = _num_seqs(q, cu_seqlens, initial_state)
+    n_seqs = _num_seqs(q, v, cu_seqlens, initial_state)
+    q, k = _repeat_to_value_heads(q, k, v)
     if cu_seqlens is not None:
         outs, finals = [], []
         for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
@@ -252,7 +267,7 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
     B, T, H, K = q.shape
     n_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final_state = q.new_empty((n_seqs, H, K, v.shape[-1]) if output_final_state else (0,),
+    final_state = q.new_empty((n_seqs, v.shape[2], K, v.shape[-1]) if output_final_state else (0,),
                               dtype=torch.float32 if output_final_state else q.dtype)
     if use_qk_l2norm:
         rstd = q.new_empty(B, T, H, dtype=torch.float32)
