@@ -173,20 +173,60 @@ class C:
 
 
 @pytest.mark.parametrize("torch_version, torchtitan_version", [
-    ("2.12.1", "0.2.2"), ("2.15.0+cpu", "0.2.2"), ("2.13.0+cpu", "0.3.0"),
-    ("2.14.1+cu130", "0.2.1"), ("2.13.0", "(not installed)")])
+    ("2.10.0", "0.2.2"), ("2.15.0+cpu", "0.2.2"), ("2.13.0+cpu", "0.3.0"),
+    ("2.11.0+cu130", "0.2.1"), ("2.13.0", "(not installed)")])
 def test_unchecked_versions_are_refused_by_name(torch_version, torchtitan_version):
     with pytest.raises(ImportError) as raised:
         compat.check_versions(torch_version, torchtitan_version)
     message = str(raised.value)
     for text in (f"torch {torch_version}", f"torchtitan {torchtitan_version}",
-                 "2.13.x", "2.14.x", "0.2.2"):
+                 "2.11.x", "2.12.x", "2.13.x", "2.14.x", "0.2.2"):
         assert text in message, message
 
 
-@pytest.mark.parametrize("torch_version", ["2.13.0+cpu", "2.13.1", "2.14.1+cu130"])
+@pytest.mark.parametrize("torch_version", [
+    "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.13.1", "2.14.1+cu130"])
 def test_checked_versions_pass(torch_version):
     compat.check_versions(torch_version, "0.2.2")
+
+
+def test_torch_release_is_the_installed_one():
+    assert compat.TORCH_RELEASE == tuple(int(p) for p in torch.__version__.split(".")[:2])
+    assert ".".join(map(str, compat.TORCH_RELEASE)) in compat.CHECKED_TORCH
+
+
+@pytest.mark.parametrize("shape_inference_hook", [False, True])
+def test_callback_after_metadata_inference(monkeypatch, shape_inference_hook):
+    """Both paths of compat.pipelining.after_metadata_inference on a stand-in stage: torch
+    2.12+ calls the stage's `_post_metadata_inference_cleanup`, torch 2.11 (the hook path) its
+    `_shape_inference`, whose result the wrapper must hand back."""
+    from titan_hybrid.compat import pipelining
+
+    calls = []
+
+    class Stage:
+        def _post_metadata_inference_cleanup(self):
+            calls.append("cleanup")
+
+        def _shape_inference(self, args, kwargs=None):
+            calls.append(("infer", args, kwargs))
+            return ("meta",)
+
+    monkeypatch.setattr(pipelining, "_SHAPE_INFERENCE_HOOK", shape_inference_hook)
+    stage, other = Stage(), Stage()
+    pipelining.after_metadata_inference(stage, lambda: calls.append("callback"))
+    if shape_inference_hook:
+        assert stage._shape_inference((1,), {"k": 2}) == ("meta",)
+        stage._post_metadata_inference_cleanup()
+        assert calls == [("infer", (1,), {"k": 2}), "callback", "cleanup"]
+    else:
+        assert stage._post_metadata_inference_cleanup() is None
+        stage._shape_inference(())
+        assert calls == ["cleanup", "callback", ("infer", (), None)]
+    calls.clear()
+    other._post_metadata_inference_cleanup()  # wrapped on that stage object only
+    other._shape_inference(())
+    assert calls == ["cleanup", ("infer", (), None)]
 
 
 def test_compat_import_changes_nothing_global():

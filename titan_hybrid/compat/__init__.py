@@ -2,9 +2,10 @@
 
 Outside this package titan_hybrid uses only public names of torch and torchtitan
 (tests/unit/test_compat.py checks it). Each private use here says why no public API suffices
-and was checked on the versions below. Importing this package (or any module in it) on other
-versions raises ImportError before anything else happens: private names move between releases
-without notice, and a clear refusal beats a wrong result.
+and was checked on the versions below (torch 2.11-2.14, torchtitan 0.2.2); where a release
+differs, the module takes a path chosen by `TORCH_RELEASE`. Importing this package (or any
+module in it) on other versions raises ImportError before anything else happens: private names
+move between releases without notice, and a clear refusal beats a wrong result.
 
 Importing changes nothing global. The two patches (`point_device_globals_at_cpu`,
 `force_sum_reduction_on_cpu`) run only when titan_hybrid.runtime.cpu.apply() calls them.
@@ -25,7 +26,7 @@ import re
 
 import torch
 
-CHECKED_TORCH = ("2.13", "2.14")  # major.minor; every patch release of these
+CHECKED_TORCH = ("2.11", "2.12", "2.13", "2.14")  # major.minor; every patch release of these
 CHECKED_TORCHTITAN = ("0.2.2",)
 
 
@@ -56,3 +57,7 @@ def _installed_torchtitan() -> str:
 
 
 check_versions(torch.__version__, _installed_torchtitan())
+
+# The installed torch as (major, minor), e.g. (2, 13): always one of CHECKED_TORCH here. The
+# version-conditional paths in this package compare it (`TORCH_RELEASE < (2, 12)`).
+TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in _release(torch.__version__, 2).split("."))

@@ -1,4 +1,4 @@
-"""nn.Module internals. Checked on torch 2.13 and 2.14."""
+"""nn.Module internals. Checked on torch 2.11-2.14."""
 
 from __future__ import annotations
 

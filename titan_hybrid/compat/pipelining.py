@@ -11,7 +11,9 @@ count and loss function private, and stages have no public hook after the shape 
 the first step.
 
 Each function below does exactly what the runtime does for its own actions, in the same order
-(read from `_PipelineScheduleRuntime._step_microbatches`). Checked on torch 2.13 and 2.14.
+(read from `_PipelineScheduleRuntime._step_microbatches`). Checked on torch 2.11-2.14: the
+runtime, its action / context types and lowering are the same in all four; 2.11's stages infer
+shapes differently (see after_metadata_inference).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
-import titan_hybrid.compat  # noqa: F401  (the version check)
+from titan_hybrid.compat import TORCH_RELEASE  # (also the version check)
+
+# torch 2.11's stages learn their shapes in `_shape_inference` and have no cleanup method after it.
+_SHAPE_INFERENCE_HOOK = TORCH_RELEASE < (2, 12)
 
 # The runtime's schedule IR: an action (stage_index, computation_type, microbatch_index,
 # sub_actions), the context a custom function receives (schedule_ref, arg_mbs, kwarg_mbs,
@@ -125,7 +130,21 @@ def after_metadata_inference(stage, callback: Callable[[], None]) -> None:
     torch runs each stage once, on real inputs, to learn the shapes it sends, then calls the
     stage's private `_post_metadata_inference_cleanup` (which resets FSDP state and gradients);
     there is no public hook. This wraps that method on this stage object only.
+
+    torch 2.11 has no such cleanup: there a stage runs its forward once under no_grad, on zeros
+    shaped like the first microbatch, in its private `_shape_inference` (called once, by the
+    first step); the callback runs when that method returns.
     """
+    if _SHAPE_INFERENCE_HOOK:  # torch 2.11: `_post_metadata_inference_cleanup` is 2.12+
+        infer_shapes = stage._shape_inference
+
+        def infer_shapes_then_callback(*args, **kwargs):
+            outputs_meta = infer_shapes(*args, **kwargs)
+            callback()
+            return outputs_meta
+
+        stage._shape_inference = infer_shapes_then_callback
+        return
     cleanup = stage._post_metadata_inference_cleanup
 
     def cleanup_then_callback() -> None:
