@@ -1,125 +1,203 @@
-"""The GPU path in one command, on a CUDA machine with the gpu extra (README, "GPU path"):
+"""The GPU path in one command, on a CUDA machine (README, "GPU path"):
 
-    .venv/bin/python bench/gpu_check.py [--flavors nemotron_h_1b hybrid_moe_2b] [--batch 2]
-        [--seq-len 4096] [--steps 10]
+    python bench/gpu_check.py [--flavors nemotron_h_1b ...] [--batch 2] [--seq-len 4096]
+        [--steps 20] [--skip-kernels] [--compile | --no-compile] [--out outputs/gpu_check]
 
-1. The `triton_interpreter` tests, which on a machine with CUDA run mamba_ssm's and fla's
-   kernels for real, through our ops, in float32 and bfloat16, against our torch paths (forward
-   and every input gradient; plus torch.compile fullgraph over the kernel path).
-2. One line per flavor: a bf16 training step as torchtitan runs one device without FSDP (fp32
-   master weights, autocast bf16, AdamW fused, grad clipping at 1.0, random tokens), median
-   of `--steps` after 3 warm-up steps: tokens/s, peak allocated memory, and MFU = FLOPs per
-   token (titan_hybrid.model.flops: 6 x matmul parameters + the attention / SSD / gated-delta
-   cores, backward = 2 x forward) x tokens/s / the bf16 matmul rate measured here (8192^3).
+1. Kernel check (bench/kernel_check.py): the SSD scan, gated RMS norm, gated delta rule and
+   causal conv1d kernels through our ops, float32 and bfloat16, one shape each, forward and
+   input gradients against the torch paths, plus one torch.compile(fullgraph=True) case; a
+   line per case with its time, and the total. A kernel package that is not usable here is
+   reported as skipped, with the reason.
+2. One row per flavor through the trainer as users run it (`python -m titan_hybrid.launch`,
+   one process, the TOML's data, no checkpoint): tokens/s, TFLOP/s and MFU as torchtitan
+   logs them (its last log line: the second half of the steps for an even --steps), peak
+   reserved memory, and the time from launch to the end of step 1 (Triton autotuning included
+   when TRITON_CACHE_DIR is cold). Then the baseline: the first flavor with every sequence
+   mixer replaced by attention (`--hybrid.pattern`, same layer count and MLP / MoE positions),
+   and the ratios against it.
+   Each run's full log is written to --out.
 
-Without CUDA it says so and exits 0 (the kernels are checked on CPU by the same tests, in
-Triton's interpreter: `./run_tests.sh -m triton_interpreter`).
+Exits 1 when a kernel check or a training run fails. Without CUDA it says so and exits 0;
+`--cpu-smoke` runs part 2 on CPU with the debug flavor (the kernels are checked on CPU by
+`./run_tests.sh -m triton_interpreter`, in Triton's interpreter).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import statistics
+import json
+import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO_ROOT))
+
 import torch
 
-from titan_hybrid.loss import hybrid_loss
 from titan_hybrid.model.args import hybrid_flavors
-from titan_hybrid.model.flops import nparams_and_flops_per_token
-from titan_hybrid.model.model import HybridModel
-from titan_hybrid.optimizer import param_groups
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["tests/unit/test_ssd.py", "tests/unit/test_gated_delta.py",
-                "tests/unit/test_gated_norm.py"]
-
-
-def matmul_flops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+GPU_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b", "mla_hybrid_1b", "dsa_hybrid_1b"]
+# torchtitan 0.2.2's MetricsProcessor.log line (components/metrics.py), colours off:
+# "step:  1  loss:  8.06786  grad_norm:  4.8878  memory:  0.61GiB(2.61%)  tps: 30  tflops: 0.00
+# mfu: 0.76%"; memory is the peak reserved since the previous line, tps is tokens/s per device.
+STEP_LINE = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
+    r"memory:\s*(?P<memory_gib>[\d.]+)GiB\((?P<memory_pct>[\d.]+)%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
+    r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def train_line(flavor: str, *, batch: int, seq_len: int, steps: int,
-               device: torch.device) -> dict:
-    """Median bf16 training step of `flavor` on `device` (see the module docstring)."""
-    args = dataclasses.replace(hybrid_flavors[flavor], max_seq_len=seq_len)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = HybridModel(args)
-    model.init_weights(buffer_device=device)
-    n_params, flops_per_token = nparams_and_flops_per_token(args, model, seq_len)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
-    tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), device=device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, losses = [], []
-    for step in range(3 + steps):
-        if step == 3 and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = hybrid_loss(model(inputs), labels,
-                               mtp_loss_coeff=args.mtp_loss_coeff) / labels.numel()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    step_s = statistics.median(times[3:])
-    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-    return {"flavor": flavor, "params": n_params, "flops_per_token": flops_per_token,
-            "tokens_per_s": batch * seq_len / step_s, "step_s": step_s,
-            "peak_gib": peak_gib, "losses": losses}
+def parse_step_line(line: str) -> dict | None:
+    """The numbers of one torchtitan step log line, None for any other line."""
+    match = STEP_LINE.search(ANSI.sub("", line))
+    if match is None:
+        return None
+    return {key: int(value) if key == "step" else float(value.replace(",", ""))
+            for key, value in match.groupdict().items()}
+
+
+def transformer_pattern(pattern: str) -> str:
+    """`pattern` with every sequence mixer (Mamba2, gated DeltaNet, MLA, DSA) replaced by
+    self-attention: same layers, MLP / MoE positions, groups and MTP depths."""
+    return "".join("*" if symbol in LAYER_KINDS and LAYER_KINDS[symbol].mixes_sequence
+                   else symbol for symbol in pattern)
+
+
+def trainer_command(flavor: str, *, batch: int, seq_len: int, steps: int, dump_folder: Path,
+                    pattern: str | None = None, compile_: bool | None = None) -> list[str]:
+    """The user's command: the flavor's TOML (train_configs/<flavor>.toml, else the one of its
+    size class) with the flavor, shape and step count on the command line."""
+    # lines at step 1 and every log_freq steps, the last at the last step
+    log_freq = max(d for d in range(1, steps // 2 + 1) if steps % d == 0)
+    toml = Path("train_configs", f"{flavor}.toml")
+    if not (REPO_ROOT / toml).exists():
+        toml = Path("train_configs", "hybrid.toml" if flavor.startswith("debug")
+                    else "nemotron_h_1b.toml")
+    command = [sys.executable, "-m", "titan_hybrid.launch", "--nproc", "1",
+               "--job.config_file", str(toml), "--model.flavor", flavor,
+               "--training.steps", str(steps), "--training.local_batch_size", str(batch),
+               "--training.seq_len", str(seq_len), "--metrics.log_freq", str(log_freq),
+               "--checkpoint.no-enable", "--metrics.no-enable-tensorboard",
+               "--metrics.disable_color_printing", "--job.dump_folder", str(dump_folder)]
+    if pattern is not None:
+        command += ["--hybrid.pattern", pattern]
+    if compile_ is not None:
+        command.append("--compile.enable" if compile_ else "--compile.no-enable")
+    return command
+
+
+def run_trainer(command: list[str], log_path: Path, timeout_s: float = 900) -> dict:
+    """Runs `command` in the repository root, its output (stdout and stderr) into `log_path`:
+    exit status, seconds to step 1's log line, and every step line parsed."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    steps, first_step_s, start = [], None, time.perf_counter()
+    with open(log_path, "w") as log, subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True) as proc:
+        log.write(f"$ {shlex.join(command)}\n")
+        timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                parsed = parse_step_line(line)
+                if parsed is not None:
+                    first_step_s = first_step_s or time.perf_counter() - start
+                    steps.append(parsed)
+        finally:
+            timer.cancel()
+        returncode = proc.wait()
+    return {"returncode": returncode, "first_step_s": first_step_s, "steps": steps,
+            "wall_s": time.perf_counter() - start, "log": str(log_path)}
+
+
+def row(name: str, run: dict) -> str:
+    if run["returncode"] != 0 or not run["steps"]:
+        return f"{name:<34} FAILED (exit {run['returncode']}), see {run['log']}"
+    last = run["steps"][-1]
+    return (f"{name:<34} {last['tps']:>9,.0f} {last['tflops']:>8.1f} {last['mfu']:>6.1f}% "
+            f"{last['memory_gib']:>9.1f} {run['first_step_s']:>11.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavors", nargs="+", default=["nemotron_h_1b", "hybrid_moe_2b"])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--flavors", nargs="+", help=f"default: {' '.join(GPU_FLAVORS)}")
+    parser.add_argument("--batch", type=int, help="local batch size (default 2)")
+    parser.add_argument("--seq-len", type=int, help="default 4096")
+    parser.add_argument("--steps", type=int, help="default 20; rows report the last half")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="--compile.enable / --compile.no-enable (default: the TOML's)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "gpu_check",
+                        help="one log per training run, and summary.json")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="without CUDA: the training rows on CPU (debug flavor, tiny shapes)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    args.out = args.out.resolve()  # the runs' dump folders are relative to the repository
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.cpu_smoke:
         print("gpu_check: no CUDA device; nothing to check here. On CPU the kernels run in "
               "Triton's interpreter: ./run_tests.sh -m triton_interpreter")
         return 0
-    device = torch.device("cuda")
-    print(f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    # -s: each kernel test prints its largest relative error against the torch path
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                            "-m", "triton_interpreter", *KERNEL_TESTS], cwd=REPO_ROOT)
-    peak = matmul_flops(device)
-    print(f"measured bf16 matmul peak: {peak / 1e12:.0f} TFLOP/s")
-    for flavor in args.flavors:
-        try:
-            r = train_line(flavor, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
-                           device=device)
-        except torch.OutOfMemoryError:
-            print(f"{flavor}: out of memory at batch {args.batch} x {args.seq_len}")
-            continue
-        finally:
-            torch.cuda.empty_cache()
-        mfu = r["flops_per_token"] * r["tokens_per_s"] / peak
-        print(f"{flavor}: {r['params'] / 1e9:.2f}B params, batch {args.batch} x "
-              f"{args.seq_len}, bf16: {r['tokens_per_s']:,.0f} tokens/s, step "
-              f"{r['step_s'] * 1e3:.0f} ms, peak {r['peak_gib']:.1f} GiB, MFU {mfu:.1%}, "
-              f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
-    return tests.returncode
+    small = not cuda  # --cpu-smoke on a machine without CUDA
+    flavors = args.flavors or (["debug"] if small else GPU_FLAVORS)
+    batch, seq_len = args.batch or (1 if small else 2), args.seq_len or (64 if small else 4096)
+    steps = args.steps or (2 if small else 20)
+    if steps < 2:
+        parser.error("--steps must be at least 2: the rows report the steps after step 1")
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"gpu_check: {device}, torch {torch.__version__}, TRITON_CACHE_DIR="
+          f"{os.environ.get('TRITON_CACHE_DIR', '~/.triton/cache (default)')}", flush=True)
+
+    ok = True
+    if args.skip_kernels:
+        print("kernels: skipped (--skip-kernels)")
+    elif not cuda:
+        print("kernels: skipped: no CUDA device (./run_tests.sh -m triton_interpreter checks "
+              "them on CPU)")
+    else:
+        from bench.kernel_check import run_kernel_checks
+        ok = run_kernel_checks()
+        torch.cuda.empty_cache()  # the training runs are other processes on the same GPU
+
+    base = flavors[0]
+    runs = [(flavor, flavor, None) for flavor in flavors]
+    runs.append((f"transformer ({base} dims)", base,
+                 transformer_pattern(hybrid_flavors[base].pattern)))
+    print(f"\ntrainer: python -m titan_hybrid.launch, 1 process, batch {batch} x {seq_len}, "
+          f"{steps} steps; logs in {args.out}\nbaseline pattern: {runs[-1][2]} "
+          f"({base}: {hybrid_flavors[base].pattern})")
+    print(f"{'flavor':<34} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>7} {'peak GiB':>9} "
+          f"{'1st step s':>11}", flush=True)
+    results = {}
+    for name, flavor, pattern in runs:
+        slug = re.sub(r"\W+", "_", name).strip("_")
+        command = trainer_command(flavor, batch=batch, seq_len=seq_len, steps=steps,
+                                  dump_folder=args.out / slug, pattern=pattern,
+                                  compile_=args.compile)
+        results[name] = run_trainer(command, args.out / f"{slug}.log", args.timeout)
+        ok &= results[name]["returncode"] == 0 and bool(results[name]["steps"])
+        print(row(name, results[name]), flush=True)
+    hybrid, baseline = results[base], results[runs[-1][0]]
+    if hybrid["steps"] and baseline["steps"]:
+        ratios = [f"{label} x{hybrid['steps'][-1][key] / baseline['steps'][-1][key]:.2f}"
+                  for key, label in (("tps", "tokens/s"), ("tflops", "TFLOP/s"))
+                  if baseline["steps"][-1][key] > 0]
+        print(f"{base} / transformer: {', '.join(ratios)}")
+    print("peak GiB: torchtitan's peak reserved memory; 1st step s: launch to step 1's log line "
+          "(issue 23's target on a first run: < 60 s)")
+    (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

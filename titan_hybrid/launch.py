@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
+    # Triton keeps its autotuning results beside the kernels it compiles in TRITON_CACHE_DIR,
+    # so only a host's first run pays the SSD kernels' tuning (~100 s on an H100; README,
+    # "Autotune cost"). TRITON_CACHE_AUTOTUNING=0 retunes every run.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if options.nproc == 1:
         run_here(job_args)
         return 0

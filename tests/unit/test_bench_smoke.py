@@ -2,14 +2,18 @@
 
 bench/mixers_vs_transformers.py: its comparison runs at a small size and our ops agree with
 transformers' torch paths (same inputs / weights), forward and gradients.
-bench/gpu_check.py: the parts that run without a GPU (the no-CUDA exit, one bf16-autocast
-training step).
+bench/gpu_check.py: the parts that run without a GPU (the no-CUDA exit, its trainer helpers on
+a real torchtitan log, the same-dims transformer pattern, the table).
 """
+
+import re
 
 import pytest
 import torch
 
 from bench import gpu_check
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.pattern import parse_hybrid_pattern
 
 
 @pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "mla", "dsa"])
@@ -30,11 +34,75 @@ def test_gpu_check_exits_cleanly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
-def test_gpu_check_training_line_on_cpu():
-    result = gpu_check.train_line("debug", batch=1, seq_len=32, steps=1,
-                                  device=torch.device("cpu"))
-    assert result["tokens_per_s"] > 0 and result["flops_per_token"] > 0
-    assert all(torch.isfinite(torch.tensor(result["losses"])))
+def test_gpu_check_parses_the_trainers_log(tmp_path):
+    """A real run (the debug job, 2 steps on CPU, ~10 s) through gpu_check's own helpers: the
+    numbers parsed from each step line are the ones torchtitan printed."""
+    command = gpu_check.trainer_command("debug", batch=1, seq_len=64, steps=2,
+                                        dump_folder=tmp_path / "run")
+    assert command[command.index("--job.config_file") + 1] == "train_configs/hybrid.toml"
+    run = gpu_check.run_trainer(command, tmp_path / "debug.log", timeout_s=120)
+    assert run["returncode"] == 0, (tmp_path / "debug.log").read_text()[-3000:]
+    lines = [line for line in (tmp_path / "debug.log").read_text().splitlines() if "tps:" in line]
+    assert len(lines) == 2 and [step["step"] for step in run["steps"]] == [1, 2]
+    for line, parsed in zip(lines, run["steps"]):
+        # read independently: the "name: number" pairs after the logger's prefix
+        fields = {name: float(value.replace(",", "")) for name, value in
+                  re.findall(r"(\w+): *([\d.,]+)", line.split(" - INFO - ")[1])}
+        assert fields.keys() == {"step", "loss", "grad_norm", "memory", "tps", "tflops", "mfu"}
+        assert (parsed["loss"], parsed["grad_norm"], parsed["memory_gib"], parsed["tps"],
+                parsed["tflops"], parsed["mfu"]) == (fields["loss"], fields["grad_norm"],
+                                                     fields["memory"], fields["tps"],
+                                                     fields["tflops"], fields["mfu"])
+    assert run["steps"][-1]["tps"] > 0 and 0 < run["first_step_s"] < run["wall_s"]
+    assert gpu_check.parse_step_line("\x1b[31mstep:  7  loss:  1.00000  grad_norm:  0.5000  "
+                                     "memory: 45.10GiB(56.94%)  tps: 26,012  tflops: 200.12  "
+                                     "mfu: 20.23%\x1b[39m")["tps"] == 26012
+
+
+@pytest.mark.parametrize("flavor", ["nemotron_h_1b", "hybrid_moe_2b", "dsa_hybrid_1b",
+                                    "debug_grouped"])
+def test_gpu_check_baseline_is_the_flavor_with_attention_mixers(flavor):
+    pattern = hybrid_flavors[flavor].pattern
+    baseline = gpu_check.transformer_pattern(pattern)
+    ours, theirs = (parse_hybrid_pattern(text) for text in (pattern, baseline))
+    assert theirs.num_logical_layers == ours.num_logical_layers
+    assert theirs.mtp_depths == ours.mtp_depths
+    symbols = ours.physical_layer_symbols(include_mtp=True)
+    assert theirs.physical_layer_symbols(include_mtp=True) == [
+        symbol if symbol in "-E" else "*" for symbol in symbols]
+    if flavor == "nemotron_h_1b":
+        assert baseline == "*-**-*-*-**-*-*-**-*-*-*-"  # 14 attention, 11 MLP layers
+
+
+def test_gpu_check_table_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """main's flow with stand-in runs: every flavor, then the baseline with its pattern."""
+    commands = []
+
+    def fake_run(command, log_path, timeout_s):
+        commands.append(command)
+        tps = 100.0 if "--hybrid.pattern" in command else 80.0
+        step = dict(step=2, loss=7.0, grad_norm=1.0, memory_gib=1.5, memory_pct=2.0, tps=tps,
+                    tflops=tps / 10, mfu=5.0)
+        return dict(returncode=0, first_step_s=9.0, steps=[step], wall_s=10.0, log=str(log_path))
+
+    monkeypatch.setattr(gpu_check, "run_trainer", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--cpu-smoke", "--flavors", "debug", "debug_moe", "--no-compile",
+                           "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kernels: skipped: no CUDA device" in out
+    assert [command[command.index("--model.flavor") + 1] for command in commands] == [
+        "debug", "debug_moe", "debug"]
+    assert commands[-1][commands[-1].index("--hybrid.pattern") + 1] == "*-*-*-*-"
+    assert all("--compile.no-enable" in command for command in commands)
+    assert re.search(r"transformer \(debug dims\) +100 +10\.0 +5\.0% +1\.5 +9", out), out
+    assert "debug / transformer: tokens/s x0.80, TFLOP/s x0.80" in out
+    assert (tmp_path / "summary.json").exists()
+
+    monkeypatch.setattr(gpu_check, "run_trainer", lambda *args: dict(
+        returncode=1, first_step_s=None, steps=[], wall_s=1.0, log="x.log"))
+    assert gpu_check.main(["--cpu-smoke", "--flavors", "debug", "--out", str(tmp_path)]) == 1
+    assert "FAILED (exit 1), see x.log" in capsys.readouterr().out
 
 
 def test_train_step_bench_matches_sizes_and_counts_flops():

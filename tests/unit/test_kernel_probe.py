@@ -120,3 +120,17 @@ def test_no_fallback_lines_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(kernels, "probe_kernels", lambda: pytest.fail("probed without CUDA"))
     assert kernel_fallbacks() == []
+
+
+def test_launcher_keeps_autotune_results(monkeypatch):
+    from titan_hybrid import launch
+
+    seen = {}
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setattr(launch, "run_here", lambda job_args: seen.update(
+        value=launch.os.environ.get("TRITON_CACHE_AUTOTUNING")))
+    assert launch.main(["--job.config_file", "train_configs/hybrid.toml"]) == 0
+    assert seen == {"value": "1"}
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "0")  # a user's choice stands
+    launch.main(["--job.config_file", "train_configs/hybrid.toml"])
+    assert seen == {"value": "0"}
