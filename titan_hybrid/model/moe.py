@@ -1,7 +1,16 @@
 """Dropless top-k mixture of experts with fused-fc1 SwiGLU experts and a load-balancing loss.
 
+The experts run as two grouped GEMMs (`torch.nn.functional.grouped_mm`, public in torch 2.11-2.14)
+over the routing slots sorted by expert, whatever the number of experts, with the per-expert counts kept on the device, so the forward reads nothing
+back to the host (expert parallelism reads them for its all-to-all splits, expert_parallel.py).
+On CUDA, bf16 on sm90 / sm100 is one CUTLASS kernel per grouped GEMM; other dtypes and devices
+(CPU included) run torch's fallback, a loop of mm per group inside the op, which reads the
+offsets to the host. Rows move into and out of slot order by gathers, forward and backward: no
+zero-filled buffer and no scatter-add (whose atomics make CUDA nondeterministic).
+
 Shape suffixes (README, "Shape suffixes"): X tokens (batch x time), D width, E experts,
-A routing choices per token (top-k).
+A routing choices per token (top-k). Tensors named `*_sorted_XD` hold one row per slot
+(X * A of them), sorted by expert.
 """
 
 from __future__ import annotations
@@ -49,10 +58,78 @@ class TopKRouter(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
         num_experts = self.args.num_experts
-        slot_share = torch.bincount(experts.flatten(), minlength=num_experts).to(scores.dtype)
+        slot_share = count_slots(experts, num_experts).to(scores.dtype)
         slot_share = slot_share / experts.numel()
         aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
         return weights, experts, aux_loss
+
+
+def count_slots(experts_XA: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 slots routed to each expert, on the device. Not torch.bincount: its output
+    size depends on the largest id, which it reads back to the host on CUDA (a sync), and
+    which torch.compile cannot trace (a graph break)."""
+    ids = experts_XA.flatten()
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts_E.scatter_add_(0, ids, torch.ones_like(ids))
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """`inverse` with inverse[order[i]] = i: where each row went (a scatter of distinct
+    indices, cheaper than a second sort)."""
+    positions = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, positions)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[index], where each row of x appears `repeats` times in the result, and `inverse`
+    lists the result's rows grouped by the row of x they copy (index[inverse] is each row of
+    x `repeats` times in a row). The backward is a gather too: grad[inverse] summed over the
+    copies. Autograd's own backward of indexing scatter-adds into a zero-filled buffer of x's
+    size (index_put_ with accumulate: a fill, then atomics or a sort on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, repeats):
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad_x = grad.index_select(0, inverse)
+        if ctx.repeats > 1:
+            grad_x = grad_x.view(-1, ctx.repeats, *grad.shape[1:]).sum(1)
+        return grad_x, None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                repeats: int = 1) -> torch.Tensor:
+    """x[index] with a gather for a backward (see _GatherRows): `index` takes every row of x
+    `repeats` times, and `inverse` orders the result's rows by the row of x they copy
+    (for a permutation, repeats = 1: inverse = inverse_permutation(index))."""
+    return _GatherRows.apply(x, index, inverse, repeats)
+
+
+def experts_loop(x_sorted_XD: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                 tokens_per_expert: list[int]) -> torch.Tensor:
+    """The experts one at a time: two matmuls per expert and a host sync for the split. Only
+    the float64 / odd-size path (grouped_mm refuses float64, which the tests' references use,
+    and widths that are not a multiple of 16 bytes), and the reference the tests and
+    bench/moe_layer.py compare the grouped path with."""
+    outputs = []
+    for expert, x in enumerate(x_sorted_XD.split(tokens_per_expert)):
+        gate, up = (x @ fc1[expert].t()).chunk(2, dim=-1)
+        outputs.append((F.silu(gate) * up) @ fc2[expert].t())
+    return torch.cat(outputs)
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on (it casts mm but not grouped_mm), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class GroupedExperts(nn.Module):
@@ -66,12 +143,22 @@ class GroupedExperts(nn.Module):
                                  components={"_w": hidden_dim, "_v": hidden_dim})
         annotate_tensor_parallel(self.fc2, partition_dim=2)
 
-    def forward(self, x_sorted_XD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        outputs = []
-        for expert, x in enumerate(x_sorted_XD.split(tokens_per_expert)):
-            gate, up = (x @ self.fc1[expert].t()).chunk(2, dim=-1)
-            outputs.append((F.silu(gate) * up) @ self.fc2[expert].t())
-        return torch.cat(outputs)
+    def forward(self, x_sorted_XD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """`x_sorted_XD`: each expert's rows in one contiguous block, expert by expert;
+        `tokens_per_expert`: [E] int64 block sizes on the device (under EP, of the local
+        experts: the dispatch hook replaces both arguments)."""
+        dtype = _compute_dtype(x_sorted_XD)
+        dim, hidden = self.fc2.shape[1:]  # local sizes (hidden is split under TP)
+        if dtype not in GROUPED_MM_DTYPES or (dim * dtype.itemsize) % 16 \
+                or (hidden * dtype.itemsize) % 16:
+            # The float64 / odd-size path only: grouped_mm takes neither float64 nor rows
+            # that are not a multiple of 16 bytes (its operands' and gradients' strides).
+            return experts_loop(x_sorted_XD, self.fc1, self.fc2, tokens_per_expert.tolist())
+        x, fc1, fc2 = (t.to(dtype) for t in (x_sorted_XD.contiguous(), self.fc1, self.fc2))
+        offs_E = tokens_per_expert.cumsum(0, dtype=torch.int32)
+        # x @ fc1[e].t() for every expert's block: mat_b is fc1 seen as [E, dim, 2 * hidden].
+        gate, up = F.grouped_mm(x, fc1.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, fc2.transpose(-2, -1), offs=offs_E)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.fc1, std=init_std, a=-3 * init_std, b=3 * init_std)
@@ -96,19 +183,21 @@ class MoE(nn.Module):
         """Returns (output, this layer's load-balancing loss times its coefficient)."""
         x_XD = x_BTD.flatten(0, 1)
         weights_XA, experts_XA, aux_loss = self.router(x_XD)
-        # Dropless dispatch: sort the N*K (token, expert) slots by expert, run each expert on
-        # its contiguous block, scatter-add the weighted results back to their tokens.
+        top_k = self.args.top_k
+        # Dropless dispatch: sort the X*A (token, choice) slots by expert, run each expert on
+        # its contiguous block, gather each token's A outputs back and sum them weighted.
         slot_order = experts_XA.flatten().argsort(stable=True)
-        token_of_slot = slot_order // self.args.top_k
-        tokens_per_expert = torch.bincount(experts_XA.flatten(), minlength=self.args.num_experts)
+        slot_position = inverse_permutation(slot_order)  # slot -> its row in sorted order
+        tokens_per_expert = count_slots(experts_XA, self.args.num_experts)
         with torch.no_grad():
             self.routed_tokens += tokens_per_expert
             aux_value = aux_loss.detach().to(self.aux_loss_sum.dtype)
             self.aux_loss_sum += torch.stack((aux_value, torch.ones_like(aux_value)))
-        expert_out = self.experts(x_XD[token_of_slot], tokens_per_expert.tolist())
-        slot_weights = weights_XA.flatten()[slot_order].unsqueeze(-1)
-        out_XD = torch.zeros_like(x_XD).index_add_(
-            0, token_of_slot, (upcast(expert_out) * slot_weights).type_as(x_XD))
+        x_sorted_XD = gather_rows(x_XD, slot_order // top_k, slot_position, repeats=top_k)
+        expert_out = self.experts(x_sorted_XD, tokens_per_expert)
+        out_XAD = gather_rows(expert_out, slot_position, slot_order).view(*experts_XA.shape, -1)
+        # Weighted sum over the A choices in fp32 (the router's weights), rounded once.
+        out_XD = (upcast(out_XAD) * weights_XA.unsqueeze(-1)).sum(1).type_as(x_XD)
         if self.shared_expert is not None:
             out_XD = out_XD + self.shared_expert(x_XD)
         return out_XD.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
@@ -147,6 +236,7 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
     has_aux_loss=True, closes_group=True, validate=_validate,
     tensor_parallel_sizes=_tensor_parallel_sizes,
-    # The experts' token counts are data (`.tolist()` for the split): they run eagerly.
+    # The experts run eagerly: under EP their dispatch reads the token counts on the host, and
+    # torch 2.13's tracing (fake) kernel of grouped_mm takes bf16 only, so fp32 cannot compile.
     compiled_parts=("router", "shared_expert"),
 )

@@ -2,16 +2,20 @@
 the tokens routed to an expert travel to its rank and back with all-to-alls.
 
 The model's MoE sorts its (token, expert) slots by expert and calls
-`experts(x_sorted, tokens_per_expert)`; single-device code runs every expert there. Under EP the
-experts module's parameters become DTensors sharded on dim 0 (the expert dim) over the EP mesh,
-and two hooks around its forward move the tokens:
+`experts(x_sorted, tokens_per_expert)` with the counts on the device; single-device code runs
+every expert there (grouped GEMMs, no host sync). Under EP the experts module's parameters
+become DTensors sharded on dim 0 (the expert dim) over the EP mesh, and two hooks around its
+forward move the tokens:
 
-    dispatch (pre-hook)   exchange the slot counts, all-to-all the sorted slots to the ranks
-                          owning their experts, regroup the received slots by local expert
+    dispatch (pre-hook)   exchange the slot counts, read them on the host (the all-to-all
+                          splits; EP's one sync per dispatch), all-to-all the sorted slots to
+                          the ranks owning their experts, regroup the received slots by local
+                          expert
     combine (post-hook)   undo the regrouping, all-to-all the expert outputs back
 
-so the module computes on local experts only and the MoE's combine (weighting, scatter-add to
-tokens) is untouched. Backward is the same all-to-alls with the splits swapped (collectives.py).
+so the module computes on local experts only and the MoE's combine (gather back to tokens,
+weighting) is untouched. Both regroupings are gathers, forward and backward
+(moe.gather_rows). Backward is the same all-to-alls with the splits swapped (collectives.py).
 With the EP-overlap schedule, `install_overlap_hooks` gives each dispatcher (kept as the experts
 module's `ep_dispatcher`) the coordinator that lets the other microbatch run while they are in
 flight.
@@ -29,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_hybrid.model.moe import MoE
+from titan_hybrid.model.moe import MoE, gather_rows, inverse_permutation
 from titan_hybrid.parallel.collectives import all_to_all
 from titan_hybrid.parallel.tensor_parallel import use_local_views
 
@@ -37,19 +41,20 @@ from titan_hybrid.parallel.tensor_parallel import use_local_views
 class _Routing:
     """What dispatch learned that combine needs to send the outputs back."""
 
-    def __init__(self, send_splits: list[int], recv_splits: list[int], by_expert: torch.Tensor):
+    def __init__(self, send_splits: list[int], recv_splits: list[int], by_expert: torch.Tensor,
+                 by_source: torch.Tensor):
         self.send_splits = send_splits
         self.recv_splits = recv_splits
         self.by_expert = by_expert  # received slot order -> grouped by local expert
+        self.by_source = by_source  # and back (its inverse permutation)
 
 
-def _exchange_counts(tokens_per_expert: list[int], group) -> torch.Tensor:
-    """[ep, local experts]: row s holds the slot counts rank s sends to this rank's experts."""
-    ep = group.size()
-    sent = torch.tensor(tokens_per_expert, dtype=torch.int64)
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, group=group)
-    return received.view(ep, -1)
+def _exchange_counts(tokens_per_expert: torch.Tensor, group) -> torch.Tensor:
+    """[ep, local experts]: row s holds the slot counts rank s sends to this rank's experts.
+    Exchanged on the counts' device (NCCL takes device tensors only)."""
+    received = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(received, tokens_per_expert, group=group)
+    return received.view(group.size(), -1)
 
 
 def _group_by_local_expert(received_counts: torch.Tensor) -> torch.Tensor:
@@ -74,17 +79,21 @@ class ExpertDispatcher:
         x_sorted, tokens_per_expert = args
         ep = self.group.size()
         received_counts = _exchange_counts(tokens_per_expert, self.group)
-        send_splits = torch.tensor(tokens_per_expert).view(ep, -1).sum(1).tolist()
-        recv_splits = received_counts.sum(1).tolist()
+        # The all-to-all splits are host numbers: both count tables in one read.
+        sent_host, received_host = torch.stack(
+            (tokens_per_expert.view(ep, -1), received_counts)).cpu()
+        send_splits, recv_splits = sent_host.sum(1).tolist(), received_host.sum(1).tolist()
         received = all_to_all(x_sorted, send_splits=send_splits, recv_splits=recv_splits,
                               group=self.group, overlap=self.overlap)
-        by_expert = _group_by_local_expert(received_counts).to(x_sorted.device)
-        self.pending.append(_Routing(send_splits, recv_splits, by_expert))
-        return received[by_expert], received_counts.sum(0).tolist()
+        by_expert = _group_by_local_expert(received_host)
+        by_source = inverse_permutation(by_expert)
+        by_expert, by_source = by_expert.to(x_sorted.device), by_source.to(x_sorted.device)
+        self.pending.append(_Routing(send_splits, recv_splits, by_expert, by_source))
+        return gather_rows(received, by_expert, by_source), received_counts.sum(0)
 
     def combine(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         routing = self.pending.pop()
-        unsorted = torch.empty_like(output).index_copy(0, routing.by_expert, output)
+        unsorted = gather_rows(output, routing.by_source, routing.by_expert)
         # Back along the same paths: what this rank received it now sends.
         return all_to_all(unsorted, send_splits=routing.recv_splits,
                           recv_splits=routing.send_splits, group=self.group,
