@@ -128,8 +128,8 @@ def kernel_fallbacks() -> list[str]:
     where the torch paths are the plan, not a fall-back)."""
     if not torch.cuda.is_available():
         return []
-    return [f"kernel package {name} is not used: {reason}; {KERNEL_PACKAGES[name].serves} "
-            "take the torch path" for name, reason in probe_kernels().items() if reason]
+    return [f"kernel package {name} is not used: {reason}; the torch path runs "
+            f"{KERNEL_PACKAGES[name].serves}" for name, reason in probe_kernels().items() if reason]
 
 
 # A constant of the graph when torch.compile meets it (dynamo calls it instead of tracing it):
