@@ -33,6 +33,8 @@ the library):
   to these packages whenever they import, on any device.
 - mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here); its
   Triton modules are imported through a bare package module instead.
+- causal-conv1d is CUDA C++ only: its stand-in (tests/stand_ins/, the same functions in torch)
+  takes its place, so layers run their conv through our custom ops too.
 The interpreter has no bfloat16 arithmetic (bf16 values are held as their uint16 bit patterns
 and only converted at loads, stores and casts: a bf16 `tl.dot` multiplies bit patterns), so
 kernels whose dots take bf16 operands are checked in float32 there, and in bf16 only on CUDA.
@@ -93,6 +95,7 @@ def _called_name(node) -> str | None:
 # Where scripts/bootstrap.sh installs the kernel packages on machines without CUDA.
 KERNEL_SITE = Path(sys.prefix) / "triton-interpreter-kernels"
 _hidden: dict[str, types.ModuleType] = {}  # their top-level modules, between kernels_on blocks
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
 @contextlib.contextmanager
@@ -100,7 +103,7 @@ def _kernel_packages_importable():
     if not KERNEL_SITE.is_dir():
         raise RuntimeError(f"{KERNEL_SITE} is missing: scripts/bootstrap.sh installs the kernel "
                            "packages there (./run_tests.sh runs it)")
-    sys.path.insert(0, str(KERNEL_SITE))
+    sys.path[:0] = [str(KERNEL_SITE), str(STAND_INS)]
     sys.modules.update(_hidden)
     try:
         if "mamba_ssm" not in sys.modules:
@@ -114,9 +117,12 @@ def _kernel_packages_importable():
         yield
     finally:
         sys.path.remove(str(KERNEL_SITE))
+        sys.path.remove(str(STAND_INS))
         for name in ("mamba_ssm", "fla"):
             if name in sys.modules:
                 _hidden[name] = sys.modules.pop(name)
+        for name in [name for name in sys.modules if name.split(".")[0] == "causal_conv1d"]:
+            del sys.modules[name]  # imported afresh next time: tests also load a broken one
 
 
 def _check_interpreted(module) -> None:

@@ -4,17 +4,14 @@ through them, and the start-up probe that turns an unusable package into one war
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.triton_kernels import expect_custom_ops, outputs_and_grads
+from tests.triton_kernels import STAND_INS, expect_custom_ops, outputs_and_grads
 from titan_hybrid.ops import kernels
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.kernels import fla_refusal, force_kernels, kernel_fallbacks
-
-STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 
 
 def _forget_causal_conv1d():

@@ -3,8 +3,8 @@
 autocast with fp32 parameters (how torchtitan runs one GPU). Each op is a full pass over memory
 on a GPU; the table below is what the layers need, so a new copy fails this test.
 
-Kernels run in Triton's interpreter on CPU; causal-conv1d through its stand-in (tests/stand_ins),
-on CUDA through the real package.
+Kernels run in Triton's interpreter on CPU, causal-conv1d through its stand-in (tests/stand_ins,
+tests/triton_kernels.py); on CUDA for real.
 
 Before this table (commit 9a19296, whose conv took the torch path; forward / backward):
     Mamba2  copy_ 7 / 7, _to_copy 5 / 5, cat 0 / 2
@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from tests.triton_kernels import DEVICE, kernels_on
-from tests.unit.test_kernel_probe import STAND_INS, _forget_causal_conv1d
 from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs
 from titan_hybrid.model.mamba import Mamba2Mixer, MambaArgs
 
@@ -72,21 +71,10 @@ def count_copies(layer: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
     return dict(counts)
 
 
-@pytest.fixture
-def conv_kernel(monkeypatch):
-    if DEVICE == "cuda":
-        yield  # the real causal-conv1d (kernels_on fails if it is missing)
-        return
-    _forget_causal_conv1d()
-    monkeypatch.syspath_prepend(str(STAND_INS))
-    yield
-    _forget_causal_conv1d()
-
-
 @pytest.mark.triton_interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's bf16 dots (values unused)
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
-def test_copies_per_layer_on_the_kernel_path(kind, conv_kernel):
+def test_copies_per_layer_on_the_kernel_path(kind):
     torch.manual_seed(0)
     layer = _layers()[kind].to(DEVICE)
     with torch.no_grad():

@@ -6,10 +6,10 @@ from __future__ import annotations
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.job_config import JobConfig, hybrid_job
+from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_hybrid.parallel.compile import apply_compile
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
@@ -67,8 +67,9 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
-                 base_folder=job_config.job.dump_folder)
+        apply_activation_checkpointing(model, job_config.activation_checkpoint,
+                                       model_compile_enabled=compile_model,
+                                       base_folder=job_config.job.dump_folder)
     if compile_model:
         # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
         split_precision = (parallel_dims.dp_cp_enabled
