@@ -51,8 +51,12 @@ def test_validation_loss_is_the_same_under_every_layout(tmp_path, single_process
     if layout == "fsdp2":
         assert result.validation_losses[0] == single_process.validation_losses[0]
     # Training is untouched by the validation passes, and under PP the file written by rank 0
-    # (first stage) holds the last stage's loss.
-    assert result.losses[0] == single_process.losses[0]
+    # (first stage) holds the last stage's loss. Step 1's loss is bitwise one process's under
+    # FSDP2 (the same arithmetic per sample); TP2's vocabulary-parallel cross-entropy and PP2's
+    # microbatches round in float32 otherwise (whether they happen to agree bitwise depends on
+    # the CPU's kernels: they did on one machine and not on another).
+    if layout == "fsdp2":
+        assert result.losses[0] == single_process.losses[0]
     assert result.losses == pytest.approx(single_process.losses, rel=1e-6)
     if layout.startswith("pp2"):
         assert "loss: -1.00000" not in result.output
