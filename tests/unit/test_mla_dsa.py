@@ -11,6 +11,9 @@
    give the same outputs in fp32 (1e-5 relative; observed ~2e-7) and the same top-k sets; YaRN's
    frequencies, attention factor and softmax scale are transformers' numbers.
 4. FLOPs against Megatron's formulas written out, and validation messages.
+5. DSA's cost: the indexer scores and their target take all heads in one batched matmul (the
+   count of matmul ops does not grow with the heads), and the row blocks that bound their
+   memory give the one-block results to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -355,6 +358,122 @@ def test_top_keys_do_not_depend_on_key_order(with_documents):
     in_row_order = top_keys(scores, 5, TokenLayout(positions, seq_idx))
     shuffled = top_keys(scores[..., perm], 5, TokenLayout(positions[:, perm], shuffled_idx))
     assert torch.equal(in_row_order.sort(-1).values, perm[shuffled].sort(-1).values)
+
+
+# ------------------------------------------------------------------------- cost
+MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm", "aten::addbmm",
+              "aten::matmul", "aten::einsum", "aten::mv", "aten::dot"}
+
+
+def matmul_ops(fn) -> int:
+    """How many matmul-family aten ops fn() runs (its backward too, if it runs one)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(event.count for event in prof.key_averages() if event.key in MATMUL_OPS)
+
+
+def indexer_inputs(heads: int, dtype=torch.float32, batch=2, seq=SEQ, dim=11, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype),
+            torch.randn(batch, seq, dim, generator=gen, dtype=dtype),
+            torch.randn(batch, seq, heads, generator=gen, dtype=dtype))
+
+
+def attention_inputs(heads: int, dtype=torch.float32, batch=2, seq=SEQ, dim=14, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, seq, heads, dim, generator=gen, dtype=dtype) for _ in range(2))
+
+
+CAUSAL_ROWS = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_indexer_costs_do_not_grow_with_heads(causal):
+    """One indexer-score call is two batched matmuls per row block (the logits, the weighted
+    head sum) and the target one per block, at 4 heads as at 16: a per-head loop (one
+    matmul per head) fails. One block here, CAUSAL_BLOCKS for causal rows."""
+    blocks = dsa.CAUSAL_BLOCKS if causal else 1
+    counts = {heads: (matmul_ops(lambda h=heads: index_scores(*indexer_inputs(h), CAUSAL_ROWS,
+                                                               causal)),
+                      matmul_ops(lambda h=heads: dsa.attention_probability_sum(
+                          *attention_inputs(h), CAUSAL_ROWS, 0.3, causal)))
+              for heads in (4, 16)}
+    assert counts[4] == counts[16] == (2 * blocks, blocks), counts
+
+
+def test_dsa_layer_matmuls_do_not_grow_with_heads():
+    """A whole training step of the layer (sparse, indexer trained, plain rows and packed
+    documents): the same number of matmul ops with 4 heads and 4 indexer heads as with 16."""
+    def step(heads: int, packed: bool):
+        layer = randomize_(DeepSeekSparseAttention(dim=DIM, args=dsa_args(
+            n_heads=heads, index_n_heads=heads, indexer_loss_coeff=0.5)), seed=8)
+        layout, seq_idx, _ = token_layout(packed)
+        x, probe = inputs(seq_idx.shape[0])
+        return lambda: run_backward(dict(layer.named_parameters()), lambda x: layer(x, layout),
+                                    x, probe)
+    for packed in (False, True):
+        assert matmul_ops(step(4, packed)) == matmul_ops(step(16, packed)), packed
+
+
+def assert_same_scores(got, expected, tol, what):
+    """-inf at the same places, the finite scores equal to `tol` relative."""
+    assert torch.equal(got.isneginf(), expected.isneginf()), what
+    finite = expected.isfinite()
+    assert_matches(got[finite], expected[finite], tol, what)
+
+
+def scores_and_target(dtype, causal: bool):
+    """index_scores and attention_probability_sum (16 heads) on inputs drawn in float64."""
+    (iq, ik, iw), (q, k) = ([t.to(dtype) for t in make(16, torch.float64)]
+                            for make in (indexer_inputs, attention_inputs))
+    return (index_scores(iq, ik, iw, CAUSAL_ROWS, causal),
+            dsa.attention_probability_sum(q, k, CAUSAL_ROWS, 0.3, causal))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_blocks_give_the_one_block_results(monkeypatch, causal):
+    """A budget of 3 rows' worth splits SEQ = 20 query rows into 7 blocks; the scores and the
+    target equal the one-block call's to fp32 rounding (1e-6 relative; observed: bitwise for
+    non-causal blocks of several rows, ~1e-7 where the causal cut changes the matmul's key
+    count), to 1e-14 in float64, and the fp32 results the float64 ones to 1e-5."""
+    per_row = 2 * 16 * SEQ  # batch * heads * keys
+    assert len(dsa.query_blocks(SEQ, per_row, causal)) == (dsa.CAUSAL_BLOCKS if causal else 1)
+    dtypes = {torch.float32: 1e-6, torch.float64: 1e-14}
+    one = {dtype: scores_and_target(dtype, causal) for dtype in dtypes}
+    monkeypatch.setattr(dsa, "BLOCK_ELEMENTS", 3 * per_row)
+    assert len(dsa.query_blocks(SEQ, per_row, causal)) == 7
+    blocked = {dtype: scores_and_target(dtype, causal) for dtype in dtypes}
+    for dtype, tol in dtypes.items():
+        assert_same_scores(blocked[dtype][0], one[dtype][0], tol, f"{dtype} scores")
+        assert_matches(blocked[dtype][1], one[dtype][1], tol, f"{dtype} target")
+    assert_same_scores(one[torch.float32][0], one[torch.float64][0], 1e-5, "fp32 vs f64 scores")
+    assert_matches(one[torch.float32][1], one[torch.float64][1], 1e-5, "fp32 vs f64 target")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dsa_layer_with_row_blocks(monkeypatch, packed):
+    """The layer (float64, sparse, indexer trained; plain rows take the causal blocks) gives
+    the same output, loss and gradients with one-row blocks as with the default budget."""
+    layout, seq_idx, _ = token_layout(packed)
+    layer = randomize_(DeepSeekSparseAttention(dim=DIM, args=dsa_args(indexer_loss_coeff=0.5)),
+                       seed=9)
+    x, probe = inputs(seq_idx.shape[0])
+    params = dict(layer.named_parameters())
+
+    def run():
+        for param in params.values():
+            param.grad = None
+        return run_backward(params, lambda x: layer(x, layout), x, probe)
+    default = run()
+    monkeypatch.setattr(dsa, "BLOCK_ELEMENTS", 1)
+    assert len(dsa.query_blocks(SEQ, 2 * 7 * SEQ, causal=False)) == SEQ
+    blocked = run()
+    for what, i in (("output", 0), ("indexer loss", 1), ("input grad", 3)):
+        assert_matches(blocked[i], default[i], 1e-12, what)
+    assert default[1] > 0
+    for name, grad in default[2].items():
+        assert grad is not None and blocked[2][name] is not grad, name
+        assert_matches(blocked[2][name], grad, 1e-12, f"grad {name}")
 
 
 # ------------------------------------------------------------------------- transformers

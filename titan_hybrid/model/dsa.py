@@ -22,6 +22,11 @@ attention over all causal keys, the KL over all of them; `mode = "sparse"` atten
 with the KL over all causal keys (Megatron's default) or, with `sparse_loss`, over the top-k on
 both sides (the paper's sparse stage). Coefficient 0 (the default, as Megatron's None) leaves
 the indexer untrained. Freezing the main model during warm-up is left to the optimizer setup.
+
+Cost: the indexer's scores and its target take all heads in batched matmuls, over blocks of
+query rows that bound the intermediate (BLOCK_ELEMENTS); on plain causal rows each block (the
+sparse attention's too) stops at the keys up to its last row (CAUSAL_BLOCKS), so no call
+scores the whole key square. Dense mode, or no more keys than index_topk, is MLA's attention.
 """
 
 from __future__ import annotations
@@ -50,6 +55,20 @@ from titan_hybrid.model.mla import (
 
 INDEX_NORM_EPS = 1e-6  # DeepSeek's LayerNorm epsilon for the indexer key
 MODES = ("sparse", "dense")
+# The indexer's scores hold a [B, rows, index_n_heads, S] fp32 intermediate, its training
+# target a [B, n_heads, rows, S] one (and the softmax's output beside it): query rows go in
+# blocks whose intermediate stays within this many elements, 2**28 (1 GiB in fp32). At
+# dsa_hybrid_1b's sizes (32 indexer heads, 16 heads, seq 4096, batch 2: 2**30 and 2**29) that
+# is 4 and 2 blocks (4 each on plain causal rows, below), each one batched matmul of up to
+# 2**28 outputs, where a per-head loop took 32 and 16 steps that each re-read a [B, T, S]
+# block; far longer sequences get more, smaller blocks (down to one row) instead of running
+# out of memory. A training indexer's autograd still keeps each block's ReLU output (at most
+# [B, T, I, S] in all, as the per-head loop did).
+BLOCK_ELEMENTS = 2**28
+# Plain causal rows (the keys are the query rows themselves, in order) go in at least this
+# many blocks, each over the keys up to its last row: n blocks do (n + 1) / 2n of the full
+# square's work, 62.5% for 4, against MLA's causal kernel's 50% and a dense mask's 100%.
+CAUSAL_BLOCKS = 4
 
 
 @dataclass
@@ -90,50 +109,111 @@ class LightningIndexer(nn.Module):
         self.k_norm.reset_parameters()
 
 
+def query_blocks(n_rows: int, elements_per_row: int, causal: bool) -> list[tuple[int, int]]:
+    """[start, end) blocks of query rows, of near-equal size: as few as keep each block's
+    intermediate (`elements_per_row` per row) within BLOCK_ELEMENTS, at least one row each,
+    and at least CAUSAL_BLOCKS of them for `causal` rows (a block then needs only the keys up
+    to its last row)."""
+    rows_per_block = max(1, BLOCK_ELEMENTS // max(1, elements_per_row))
+    count = -(-n_rows // rows_per_block)
+    if causal:
+        count = min(max(count, CAUSAL_BLOCKS), n_rows)
+    size = -(-n_rows // count)
+    return [(start, min(start + size, n_rows)) for start in range(0, n_rows, size)]
+
+
+def _join_rows(blocks: list[torch.Tensor], n_keys: int, fill: float) -> torch.Tensor:
+    """The [B, rows, keys <= n_keys] blocks as one [B, T, n_keys], `fill` in the keys a
+    (causal) block left out."""
+    padded = [F.pad(b, (0, n_keys - b.shape[-1]), value=fill) if b.shape[-1] < n_keys else b
+              for b in blocks]
+    return padded[0] if len(padded) == 1 else torch.cat(padded, dim=1)
+
+
 def index_scores(q_BTIK: torch.Tensor, k_BSK: torch.Tensor, weights_BTI: torch.Tensor,
-                 allowed_BTS: torch.Tensor) -> torch.Tensor:
+                 allowed_BTS: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """[B, T, S] fp32 indexer scores, -inf where the key is not causal / in-document.
 
-    One indexer head at a time: without gradients (the indexer untrained) this holds one
-    [B, T, S] score block instead of one per head (64 heads in DeepSeek-V3.2)."""
+    All indexer heads at once, per block of query rows (query_blocks; one block at typical
+    sizes): one batched matmul gives the [B, rows * I, S] logits (scaled in its epilogue, so
+    each logit rounds as bmm-then-scale), ReLU in place, and a second batched matmul sums
+    the heads weighted by w. `causal`: the keys are the query rows themselves, in order
+    (plain causal rows), so a block scores only the keys up to its last row."""
     q, k_BKS, w = upcast(q_BTIK), upcast(k_BSK).transpose(1, 2), upcast(weights_BTI)
-    scale = q.shape[-1] ** -0.5
-    scores = None
-    for head in range(q.shape[2]):
-        term = F.relu(torch.bmm(q[:, :, head], k_BKS) * scale) * w[:, :, head, None]
-        scores = term if scores is None else scores + term
-    return scores.masked_fill(~allowed_BTS, float("-inf"))
+    (batch, seq_len, heads, head_dim), n_keys = q.shape, k_BKS.shape[-1]
+    no_offset = q.new_zeros(())
+    blocks = []
+    for start, end in query_blocks(seq_len, batch * heads * n_keys, causal):
+        rows, keys = end - start, (end if causal else n_keys)
+        logits = torch.baddbmm(no_offset, q[:, start:end].reshape(batch, rows * heads, head_dim),
+                               k_BKS[..., :keys], beta=0, alpha=head_dim ** -0.5)
+        relu = torch.relu_(logits).view(batch * rows, heads, keys)
+        weighted = torch.bmm(w[:, start:end].reshape(batch * rows, 1, heads), relu)
+        blocks.append(torch.where(allowed_BTS[:, start:end, :keys],
+                                  weighted.view(batch, rows, keys), float("-inf")))
+    return _join_rows(blocks, n_keys, float("-inf"))
 
 
 def top_keys(scores_BTS: torch.Tensor, k: int, key: TokenLayout) -> torch.Tensor:
-    """[B, T, k] indices of each row's k best keys. Equal scores (ReLU makes exact zeros
-    common) are ranked as in row order, whatever order the keys come in (context-parallel
-    shards gather them rank by rank), so every layout picks the same keys."""
+    """[B, T, k] indices of each row's k best keys, in no particular order (unsorted: the
+    set is what counts, and it is the sorted call's set). Equal scores (ReLU makes exact
+    zeros common) are ranked as in row order, whatever order the keys come in
+    (context-parallel shards gather them rank by rank), so every layout picks the same keys."""
     if key.positions is None:
-        return scores_BTS.topk(k, dim=-1).indices
+        return scores_BTS.topk(k, dim=-1, sorted=False).indices
     in_row_order = key.row_order(scores_BTS.shape[-1], scores_BTS.device).argsort(dim=-1)[:, None]
     in_row_order = in_row_order.expand(scores_BTS.shape[0], scores_BTS.shape[1], -1)
-    best = torch.take_along_dim(scores_BTS, in_row_order, dim=-1).topk(k, dim=-1).indices
-    return torch.take_along_dim(in_row_order, best, dim=-1)
+    best = torch.take_along_dim(scores_BTS, in_row_order, dim=-1).topk(k, dim=-1, sorted=False)
+    return torch.take_along_dim(in_row_order, best.indices, dim=-1)
 
 
 def attention_probability_sum(q_BTHK: torch.Tensor, k_BSHK: torch.Tensor,
-                              support_BTS: torch.Tensor, scale: float) -> torch.Tensor:
+                              support_BTS: torch.Tensor, scale: float,
+                              causal: bool = False) -> torch.Tensor:
     """[B, T, S] fp32 sum over (this rank's) heads of the softmax attention probabilities over
-    the keys in `support`, one head at a time (one [B, T, S] block, not one per head)."""
-    total = None
-    for head in range(q_BTHK.shape[2]):
-        logits = torch.bmm(upcast(q_BTHK[:, :, head]), upcast(k_BSHK[:, :, head]).transpose(1, 2))
-        probs = torch.softmax((logits * scale).masked_fill(~support_BTS, float("-inf")), dim=-1)
-        total = probs if total is None else total + probs
-    return total
+    the keys in `support`: all heads in one batched matmul per block of query rows
+    (query_blocks), the fp32 softmax of the [B, H, rows, S] logits, summed over heads.
+    `causal` as index_scores (the left-out keys get probability 0)."""
+    q_BHTK = upcast(q_BTHK).transpose(1, 2).contiguous()
+    k_BHSK = upcast(k_BSHK).transpose(1, 2).contiguous()
+    (batch, heads, seq_len, _), n_keys = q_BHTK.shape, k_BHSK.shape[2]
+    q, k = q_BHTK.flatten(0, 1), k_BHSK.flatten(0, 1)  # [B * H, T or S, K]
+    no_offset = q.new_zeros(())
+    blocks = []
+    for start, end in query_blocks(seq_len, batch * heads * n_keys, causal):
+        rows, keys = end - start, (end if causal else n_keys)
+        logits = torch.baddbmm(no_offset, q[:, start:end], k[:, :keys].transpose(1, 2),
+                               beta=0, alpha=scale).view(batch, heads, rows, keys)
+        logits.masked_fill_(~support_BTS[:, None, start:end, :keys], float("-inf"))
+        blocks.append(torch.softmax(logits, dim=-1).sum(1))
+    return _join_rows(blocks, n_keys, 0.0)
+
+
+def attend_selected(q_BTHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Tensor,
+                    used_BTS: torch.Tensor, scale: float, causal: bool,
+                    all_keys_rows: int) -> torch.Tensor:
+    """attend() over the keys in `used`. `causal` rows (index_scores) run in query_blocks,
+    each over the keys up to its last row only (the later ones are never used): the kernel
+    then skips most of the masked upper triangle, as MLA's causal call does, instead of
+    scoring every key; a first block whose rows keep all their causal keys (rows below
+    `all_keys_rows`) is MLA's plain causal call."""
+    if not causal:
+        return attend(q_BTHK, k_BSHK, v_BSHV, used_BTS[:, None], scale)
+    batch, seq_len, heads, _ = q_BTHK.shape
+    outs = []
+    for start, end in query_blocks(seq_len, batch * heads * seq_len, causal=True):
+        plain = start == 0 and end <= all_keys_rows  # is_causal: top-left aligned
+        mask = None if plain else used_BTS[:, None, start:end, :end]
+        outs.append(attend(q_BTHK[:, start:end], k_BSHK[:, :end], v_BSHV[:, :end], mask, scale))
+    return torch.cat(outs, dim=1)
 
 
 def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
                    support_BTS: torch.Tensor) -> torch.Tensor:
     """Mean over queries of KL(target || softmax(scores)) over the keys in `support`."""
-    log_q = torch.log_softmax(scores_BTS.masked_fill(~support_BTS, float("-inf")), dim=-1)
-    log_q = log_q.masked_fill(~support_BTS, 0.0)  # target is 0 there: no 0 * -inf
+    outside = ~support_BTS
+    log_q = torch.log_softmax(scores_BTS.masked_fill(outside, float("-inf")), dim=-1)
+    log_q = log_q.masked_fill(outside, 0.0)  # target is 0 there: no 0 * -inf
     kl = torch.xlogy(target_BTS, target_BTS) - target_BTS * log_q
     return kl.sum(-1).mean()
 
@@ -158,25 +238,31 @@ class SparseLatentAttentionCore(nn.Module):
                 key: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
         args, scale = self.args, softmax_scale(self.args)
         k, v = expand_latents(latent_BSC, k_rope_BSR, kv_up_weight, args)
+        causal = query is key and query.is_plain_causal()  # as MLA's core
         allowed = causal_document_mask(query, key, q_BTHK.shape[1], k.shape[1], k.device)
         allowed = allowed[:, 0].expand(q_BTHK.shape[0], -1, -1)
         train_indexer = trains_indexer(args)
-        if args.mode == "dense" and not train_indexer:  # the scores would go unused
-            return attend(q_BTHK, k, v, allowed[:, None], scale), q_BTHK.new_zeros(
-                (), dtype=torch.float32)
+        no_loss = q_BTHK.new_zeros((), dtype=torch.float32)
+        # Dense, or no more keys than the top-k: every causal key is used, so this is MLA's
+        # attention call (a plain causal one where MLA's is), and the scores serve the KL only.
+        keep_all = args.mode == "dense" or k.shape[1] <= args.index_topk
+        if keep_all:
+            out, used = attend(q_BTHK, k, v, None if causal else allowed[:, None], scale), allowed
+            if not train_indexer:
+                return out, no_loss
         with torch.set_grad_enabled(train_indexer):
-            scores = index_scores(index_q_BTIK, index_k_BSK, index_weights_BTI, allowed)
-        used = allowed
-        if args.mode == "sparse":
-            picked = top_keys(scores.detach(), min(args.index_topk, k.shape[1]), key)
+            scores = index_scores(index_q_BTIK, index_k_BSK, index_weights_BTI, allowed, causal)
+        if not keep_all:
+            picked = top_keys(scores.detach(), args.index_topk, key)
             # A row with fewer valid keys than k picks some -inf ones: the mask drops them.
-            used = torch.zeros_like(allowed).scatter(-1, picked, True) & allowed
-        out = attend(q_BTHK, k, v, used[:, None], scale)
-        if not train_indexer:
-            return out, out.new_zeros((), dtype=torch.float32)
+            used = torch.zeros_like(allowed).scatter_(-1, picked, True).logical_and_(allowed)
+            out = attend_selected(q_BTHK, k, v, used, scale, causal, args.index_topk)
+            if not train_indexer:
+                return out, no_loss
         support = used if args.sparse_loss else allowed
         with torch.no_grad():
-            target = self.head_sum(attention_probability_sum(q_BTHK, k, support, scale))
+            target = attention_probability_sum(q_BTHK, k, support, scale, causal)
+            target = self.head_sum(target)
             target = target / target.sum(-1, keepdim=True)
         return out, kl_from_target(target, scores, support)
 
