@@ -121,3 +121,10 @@ def test_train_step_bench_matches_sizes_and_counts_flops():
         assert 6 * row["non_embedding_params"] < row["flops_per_token"], row
         assert row["flops_per_token"] < 7 * row["non_embedding_params"], row
         assert 0 < row["mfu"] < 1.5 and row["tokens_per_s"] > 0
+
+
+def test_dsa_vs_mla_bench_runs_small():
+    from bench.dsa_vs_mla import compare
+
+    result = compare(64, 0.01, batch=1, repeats=1, device="cpu")
+    assert result["mla_ms"] > 0 and result["dsa_ms"] > 0 and result["ratio"] > 0
