@@ -81,6 +81,21 @@ def test_the_package_imports_have_no_circles():
     assert find_cycle(import_graph()) is None
 
 
+def test_the_pattern_grammar_reads_the_symbol_table_and_no_layer_code():
+    # model/args.py imports the grammar; the grammar must not import the layer modules (and
+    # through them ops/ and torch) back: it reads only the symbol table, which imports nothing.
+    graph = import_graph()
+    assert graph["titan_hybrid.pattern"] == {"titan_hybrid.model.symbols"}
+    assert graph["titan_hybrid.model.symbols"] == set()
+    # And at run time: importing the grammar loads neither torch nor any other of our modules.
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, titan_hybrid.pattern; print(*sorted(name for name in "
+         "sys.modules if name.split('.')[0] in ('torch', 'titan_hybrid')))"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["titan_hybrid", "titan_hybrid.model",
+                                   "titan_hybrid.model.symbols", "titan_hybrid.pattern"]
+
 def test_no_project_import_is_hidden_inside_a_function():
     hidden = []
     for path in PACKAGE.rglob("*.py"):

@@ -12,14 +12,21 @@ from titan_hybrid.checkpoint.state import _layers_by_kind
 from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.symbols import SYMBOLS
 from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS
-from titan_hybrid.pattern import SYMBOL_NAMES
 
 
 def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
     assert len({kind.name for kind in LAYER_KINDS.values()}) == len(LAYER_KINDS)
     assert all(symbol == kind.symbol for symbol, kind in LAYER_KINDS.items())
-    assert SYMBOL_NAMES == {symbol: kind.name for symbol, kind in LAYER_KINDS.items()}
+    # The grammar's table (model/symbols.py) and the kinds agree: the same symbols in the same
+    # order, and each kind's name, title and pattern rules are its symbol's entry.
+    assert list(LAYER_KINDS) == list(SYMBOLS)
+    for symbol, kind in LAYER_KINDS.items():
+        spec = SYMBOLS[symbol]
+        assert kind.spec is spec
+        assert (kind.name, kind.title, kind.closes_group, kind.excludes) == (
+            spec.name, spec.title, spec.closes_group, spec.excludes)
 
 
 @pytest.mark.parametrize("symbol", list(LAYER_KINDS))

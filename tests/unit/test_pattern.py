@@ -4,13 +4,8 @@ import re
 
 import pytest
 
-from titan_hybrid.pattern import (
-    SYMBOL_NAMES,
-    HybridPattern,
-    PipelineStage,
-    parse_hybrid_pattern,
-    physical_symbols,
-)
+from titan_hybrid.model.symbols import SYMBOLS
+from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern, physical_symbols
 
 
 def _raises(pattern, *fragments):
@@ -27,8 +22,9 @@ def _raises(pattern, *fragments):
 # --- parse results ------------------------------------------------------------
 
 def test_symbol_names():
-    assert SYMBOL_NAMES == {"M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa",
-                            "-": "mlp", "E": "moe"}
+    assert {symbol: spec.name for symbol, spec in SYMBOLS.items()} == {
+        "M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa", "-": "mlp",
+        "E": "moe"}
 
 
 def test_physical_symbols():
@@ -230,114 +226,3 @@ def test_empty_mtp_depth(pattern, pos):
 def test_non_string_rejected():
     with pytest.raises(TypeError):
         parse_hybrid_pattern(None)
-
-
-# --- pipeline stages ----------------------------------------------------------
-
-def _summary(stages):
-    return [(s.index, s.pp_rank, s.virtual_stage, s.items, s.first_logical_index,
-             s.first_physical_index) for s in stages]
-
-
-def test_pipe_segments_one_per_rank():
-    stages = parse_hybrid_pattern("M*|[M*]E").pipeline_stages(2)
-    assert all(isinstance(s, PipelineStage) for s in stages)
-    assert _summary(stages) == [
-        (0, 0, 0, ["M", "*"], 0, 0),
-        (1, 1, 0, [("M", "*"), "E"], 2, 2),
-    ]
-
-
-def test_pipe_segments_virtual_stages():
-    p = parse_hybrid_pattern("M[M*]|*|E|[GE]-")
-    assert _summary(p.pipeline_stages(2)) == [
-        (0, 0, 0, ["M", ("M", "*")], 0, 0),
-        (1, 1, 0, ["*"], 2, 3),
-        (2, 0, 1, ["E"], 3, 4),
-        (3, 1, 1, [("G", "E"), "-"], 4, 5),
-    ]
-    assert _summary(p.pipeline_stages(2, num_virtual_stages=2)) == _summary(
-        p.pipeline_stages(2))
-    # pp 1 with 4 segments: 4 virtual stages, all on rank 0.
-    stages = p.pipeline_stages(1)
-    assert [(s.pp_rank, s.virtual_stage) for s in stages] == [(0, 0), (0, 1), (0, 2), (0, 3)]
-
-
-def test_pipe_empty_segments_are_empty_stages():
-    stages = parse_hybrid_pattern("M||*|").pipeline_stages(4)
-    assert _summary(stages) == [
-        (0, 0, 0, ["M"], 0, 0),
-        (1, 1, 0, [], 1, 1),
-        (2, 2, 0, ["*"], 1, 1),
-        (3, 3, 0, [], 2, 2),
-    ]
-
-
-def test_pipe_segments_ignore_mtp():
-    stages = parse_hybrid_pattern("M|*/-/-").pipeline_stages(2)
-    assert [s.items for s in stages] == [["M"], ["*"]]
-
-
-def test_pipe_segments_not_divisible():
-    p = parse_hybrid_pattern("M|*|-")
-    with pytest.raises(ValueError, match=r"3 pipeline segments.*pp_size=2.*divisible"):
-        p.pipeline_stages(2)
-
-
-def test_pipe_segments_wrong_virtual_stages():
-    p = parse_hybrid_pattern("M|*|-|E")
-    with pytest.raises(ValueError, match=r"num_virtual_stages=1.*4 segments.*pp_size=2.*2"):
-        p.pipeline_stages(2, num_virtual_stages=1)
-
-
-def test_even_split():
-    stages = parse_hybrid_pattern("M*M-[M*]E-").pipeline_stages(2)
-    assert _summary(stages) == [
-        (0, 0, 0, ["M", "*", "M", "-"], 0, 0),
-        (1, 1, 0, [("M", "*"), "E", "-"], 4, 4),
-    ]
-
-
-def test_even_split_single_stage():
-    p = parse_hybrid_pattern("M[M*]-")
-    assert _summary(p.pipeline_stages(1)) == [(0, 0, 0, ["M", ("M", "*"), "-"], 0, 0)]
-
-
-def test_even_split_virtual_stages():
-    stages = parse_hybrid_pattern("MM[*E]-*G-").pipeline_stages(2, num_virtual_stages=2)
-    assert _summary(stages) == [
-        (0, 0, 0, ["M", "M"], 0, 0),
-        (1, 1, 0, [("*", "E")], 2, 2),
-        (2, 0, 1, ["-", "*"], 3, 4),
-        (3, 1, 1, ["G", "-"], 5, 6),
-    ]
-
-
-def test_even_split_uneven_error():
-    p = parse_hybrid_pattern("M*-M*")
-    with pytest.raises(ValueError, match=r"5 physical layers.*2 pipeline stages.*'\|'"):
-        p.pipeline_stages(2)
-    with pytest.raises(ValueError, match=r"5 physical layers.*6 pipeline stages"):
-        p.pipeline_stages(3, num_virtual_stages=2)
-
-
-def test_even_split_counts_physical_layers():
-    # 3 logical but 4 physical layers: splits by physical count.
-    stages = parse_hybrid_pattern("[M*]-E").pipeline_stages(2)
-    assert [s.items for s in stages] == [[("M", "*")], ["-", "E"]]
-    with pytest.raises(ValueError, match="4 physical layers"):
-        parse_hybrid_pattern("[M*]-E").pipeline_stages(3)
-
-
-def test_even_split_through_group_error():
-    p = parse_hybrid_pattern("M[M*]-")
-    with pytest.raises(ValueError, match=r"'\[' at position 1.*\|.*explicitly"):
-        p.pipeline_stages(2)
-
-
-def test_bad_pp_size():
-    p = parse_hybrid_pattern("M*")
-    with pytest.raises(ValueError, match="pp_size"):
-        p.pipeline_stages(0)
-    with pytest.raises(ValueError, match="num_virtual_stages"):
-        p.pipeline_stages(1, num_virtual_stages=0)

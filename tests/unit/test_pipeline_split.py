@@ -1,6 +1,7 @@
-"""Pipeline stages of a HybridModel: which modules each stage keeps, how many stages a rank
-runs for each schedule, the layout errors raised before any process group exists, and that a
-chain of stage copies computes exactly what the whole model computes (bitwise)."""
+"""Pipeline stages: how a pattern splits into stages, which modules of a HybridModel each stage
+keeps, how many stages a rank runs for each schedule, the layout errors raised before any process
+group exists, and that a chain of stage copies computes exactly what the whole model computes
+(bitwise)."""
 
 import copy
 import dataclasses
@@ -16,7 +17,9 @@ from titan_hybrid.loss import hybrid_loss
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
+from titan_hybrid.parallel.pipeline_split import PipelineStage, pipeline_stages
 from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.pattern import parse_hybrid_pattern
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid_moe.toml"
 
@@ -29,6 +32,119 @@ def model_args(pattern):
     return dataclasses.replace(hybrid_flavors["debug_moe"], pattern=pattern, dim=64,
                                vocab_size=128, max_seq_len=32)
 
+
+# --- stages of a pattern -----------------------------------------------------
+
+def _summary(stages):
+    return [(s.index, s.pp_rank, s.virtual_stage, s.items, s.first_logical_index,
+             s.first_physical_index) for s in stages]
+
+
+def test_pipe_segments_one_per_rank():
+    stages = pipeline_stages(parse_hybrid_pattern("M*|[M*]E"), 2)
+    assert all(isinstance(s, PipelineStage) for s in stages)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "*"], 0, 0),
+        (1, 1, 0, [("M", "*"), "E"], 2, 2),
+    ]
+
+
+def test_pipe_segments_virtual_stages():
+    p = parse_hybrid_pattern("M[M*]|*|E|[GE]-")
+    assert _summary(pipeline_stages(p, 2)) == [
+        (0, 0, 0, ["M", ("M", "*")], 0, 0),
+        (1, 1, 0, ["*"], 2, 3),
+        (2, 0, 1, ["E"], 3, 4),
+        (3, 1, 1, [("G", "E"), "-"], 4, 5),
+    ]
+    assert _summary(pipeline_stages(p, 2, num_virtual_stages=2)) == _summary(
+        pipeline_stages(p, 2))
+    # pp 1 with 4 segments: 4 virtual stages, all on rank 0.
+    stages = pipeline_stages(p, 1)
+    assert [(s.pp_rank, s.virtual_stage) for s in stages] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
+def test_pipe_empty_segments_are_empty_stages():
+    stages = pipeline_stages(parse_hybrid_pattern("M||*|"), 4)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M"], 0, 0),
+        (1, 1, 0, [], 1, 1),
+        (2, 2, 0, ["*"], 1, 1),
+        (3, 3, 0, [], 2, 2),
+    ]
+
+
+def test_pipe_segments_ignore_mtp():
+    stages = pipeline_stages(parse_hybrid_pattern("M|*/-/-"), 2)
+    assert [s.items for s in stages] == [["M"], ["*"]]
+
+
+def test_pipe_segments_not_divisible():
+    p = parse_hybrid_pattern("M|*|-")
+    with pytest.raises(ValueError, match=r"3 pipeline segments.*pp_size=2.*divisible"):
+        pipeline_stages(p, 2)
+
+
+def test_pipe_segments_wrong_virtual_stages():
+    p = parse_hybrid_pattern("M|*|-|E")
+    with pytest.raises(ValueError, match=r"num_virtual_stages=1.*4 segments.*pp_size=2.*2"):
+        pipeline_stages(p, 2, num_virtual_stages=1)
+
+
+def test_even_split():
+    stages = pipeline_stages(parse_hybrid_pattern("M*M-[M*]E-"), 2)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "*", "M", "-"], 0, 0),
+        (1, 1, 0, [("M", "*"), "E", "-"], 4, 4),
+    ]
+
+
+def test_even_split_single_stage():
+    p = parse_hybrid_pattern("M[M*]-")
+    assert _summary(pipeline_stages(p, 1)) == [(0, 0, 0, ["M", ("M", "*"), "-"], 0, 0)]
+
+
+def test_even_split_virtual_stages():
+    stages = pipeline_stages(parse_hybrid_pattern("MM[*E]-*G-"), 2, num_virtual_stages=2)
+    assert _summary(stages) == [
+        (0, 0, 0, ["M", "M"], 0, 0),
+        (1, 1, 0, [("*", "E")], 2, 2),
+        (2, 0, 1, ["-", "*"], 3, 4),
+        (3, 1, 1, ["G", "-"], 5, 6),
+    ]
+
+
+def test_even_split_uneven_error():
+    p = parse_hybrid_pattern("M*-M*")
+    with pytest.raises(ValueError, match=r"5 physical layers.*2 pipeline stages.*'\|'"):
+        pipeline_stages(p, 2)
+    with pytest.raises(ValueError, match=r"5 physical layers.*6 pipeline stages"):
+        pipeline_stages(p, 3, num_virtual_stages=2)
+
+
+def test_even_split_counts_physical_layers():
+    # 3 logical but 4 physical layers: splits by physical count.
+    stages = pipeline_stages(parse_hybrid_pattern("[M*]-E"), 2)
+    assert [s.items for s in stages] == [[("M", "*")], ["-", "E"]]
+    with pytest.raises(ValueError, match="4 physical layers"):
+        pipeline_stages(parse_hybrid_pattern("[M*]-E"), 3)
+
+
+def test_even_split_through_group_error():
+    p = parse_hybrid_pattern("M[M*]-")
+    with pytest.raises(ValueError, match=r"'\[' at position 1.*\|.*explicitly"):
+        pipeline_stages(p, 2)
+
+
+def test_bad_pp_size():
+    p = parse_hybrid_pattern("M*")
+    with pytest.raises(ValueError, match="pp_size"):
+        pipeline_stages(p, 0)
+    with pytest.raises(ValueError, match="num_virtual_stages"):
+        pipeline_stages(p, 1, num_virtual_stages=0)
+
+
+# --- stages of a model -------------------------------------------------------
 
 def test_stages_follow_segments_and_put_embedding_head_and_mtp_at_the_ends():
     names = module_names_per_stage(model_args("M*E|[ME]-/*-"), pp=2, virtual_stages=1)

@@ -126,7 +126,7 @@ def _core_flops(args: AttentionArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="*", name="attention", title="self-attention", args_type=AttentionArgs,
+    symbol="*", args_type=AttentionArgs,
     build=lambda args, dim, norm_eps: Attention(dim=dim, args=args),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     tensor_parallel_sizes=lambda args, dim: [("attention.n_heads", args.n_heads),

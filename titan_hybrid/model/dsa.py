@@ -327,9 +327,9 @@ def _core_flops(args: DSAArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="D", name="dsa", title="DeepSeek sparse attention", args_type=DSAArgs,
+    symbol="D", args_type=DSAArgs,
     build=lambda args, dim, norm_eps: DeepSeekSparseAttention(dim=dim, args=args),
-    mixes_sequence=True, has_aux_loss=True, excludes=("*",), validate=_validate,
+    mixes_sequence=True, has_aux_loss=True, validate=_validate,
     core_flops=_core_flops, tensor_parallel_sizes=tensor_parallel_sizes("dsa"),
     # The indexer's top-k must see every causal key: its keys are gathered with the latents.
     context_parallel=ContextParallelRule(core="core", gather=("latent_BSC", "k_rope_BSR",

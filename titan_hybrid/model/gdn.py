@@ -150,7 +150,7 @@ def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="G", name="gdn", title="gated DeltaNet", args_type=GDNArgs,
+    symbol="G", args_type=GDNArgs,
     build=lambda args, dim, norm_eps: GatedDeltaNet(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "dt_bias"),

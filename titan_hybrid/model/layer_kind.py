@@ -2,9 +2,10 @@
 
 Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with
 its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that
-differs between kinds outside the layer's own module is read from here: the pattern grammar,
-model building, shape validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face
-names.
+differs between kinds outside the layer's own module is read from here: model building, shape
+validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face names. A kind's name,
+title and pattern rules are its symbol's entry in `SYMBOLS` (symbols.py), which the pattern
+grammar reads without importing any layer module.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torch import nn
+
+from titan_hybrid.model.symbols import SYMBOLS, LayerSymbol
 
 
 def _no_checks(section: Any, dim: int) -> None:
@@ -56,18 +59,14 @@ class ContextParallelRule:
 @dataclass(frozen=True)
 class LayerKind:
     """One layer kind. `section` below is the kind's own args dataclass (`args_type`), found on
-    HybridModelArgs under the kind's `name`; `dim` is the model width."""
+    HybridModelArgs under the kind's `name`; `dim` is the model width. `name`, `title`,
+    `closes_group` and `excludes` are read from the symbol's entry in SYMBOLS."""
 
-    symbol: str  # its character in the hybrid pattern
-    name: str  # args section, submodule name and checkpoint-key word: layers.3.mamba.*
-    title: str  # for messages: "Mamba2"
+    symbol: str  # its character in the hybrid pattern, a key of SYMBOLS
     args_type: type
     build: Callable[[Any, int, float], nn.Module]  # (section, dim, norm_eps) -> mixer
     mixes_sequence: bool = False  # mixer(x, layout) instead of mixer(x)
     has_aux_loss: bool = False  # mixer returns (output, auxiliary loss)
-    closes_group: bool = False  # may only be the last symbol of a bracket group (MoE)
-    # Symbols that may not appear in the same part of a pattern (main part, MTP depth).
-    excludes: tuple[str, ...] = ()
     validate: Callable[[Any, int], None] = _no_checks  # ValueError for shapes that cannot work
     # Forward FLOPs per token of the sequence-mixing core that 6 * parameters misses.
     core_flops: Callable[[Any, int, int], int] = _no_core  # (section, dim, seq_len)
@@ -91,3 +90,23 @@ class LayerKind:
 
     def __deepcopy__(self, memo) -> "LayerKind":
         return self  # a registry entry: copies of a model share it
+
+    @property
+    def spec(self) -> LayerSymbol:
+        return SYMBOLS[self.symbol]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def title(self) -> str:
+        return self.spec.title
+
+    @property
+    def closes_group(self) -> bool:
+        return self.spec.closes_group
+
+    @property
+    def excludes(self) -> tuple[str, ...]:
+        return self.spec.excludes

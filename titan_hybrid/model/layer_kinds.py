@@ -1,7 +1,8 @@
 """The table of layer kinds: the one place a new kind is registered.
 
-Adding a kind: write its module under model/ (the mixer, its args dataclass and a `KIND =
-LayerKind(...)`, see layer_kind.py), add it to the tuple below, and give HybridModelArgs a
+Adding a kind: give its symbol an entry in SYMBOLS (symbols.py: name, title, pattern rules),
+write its module under model/ (the mixer, its args dataclass and a `KIND =
+LayerKind(symbol=...)`, see layer_kind.py), add it to the tuple below, and give HybridModelArgs a
 section of that name (model/args.py). A kind that mixes along the sequence states in its
 ContextParallelRule which core arguments CP all-gathers (or needs a wrapper of its own in
 parallel/context_parallel.py).

@@ -155,7 +155,7 @@ def _core_flops(args: MambaArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="M", name="mamba", title="Mamba2", args_type=MambaArgs,
+    symbol="M", args_type=MambaArgs,
     build=lambda args, dim, norm_eps: Mamba2Mixer(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "D", "dt_bias"),

@@ -238,9 +238,9 @@ def tensor_parallel_sizes(name: str):
 
 
 KIND = LayerKind(
-    symbol="+", name="mla", title="multi-latent attention", args_type=MLAArgs,
+    symbol="+", args_type=MLAArgs,
     build=lambda args, dim, norm_eps: MultiLatentAttention(dim=dim, args=args),
-    mixes_sequence=True, excludes=("*",), validate=validate_mla, core_flops=_core_flops,
+    mixes_sequence=True, validate=validate_mla, core_flops=_core_flops,
     tensor_parallel_sizes=tensor_parallel_sizes("mla"),
     # Queries stay local; the compressed latents and rotary keys are all-gathered.
     context_parallel=ContextParallelRule(core="core", gather=("latent_BSC", "k_rope_BSR")),

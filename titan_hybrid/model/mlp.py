@@ -69,7 +69,7 @@ def _validate(args: MLPArgs, dim: int) -> None:
 
 
 KIND = LayerKind(
-    symbol="-", name="mlp", title="MLP", args_type=MLPArgs,
+    symbol="-", args_type=MLPArgs,
     build=lambda args, dim, norm_eps: build_mlp(args, dim), validate=_validate,
     tensor_parallel_sizes=lambda args, dim: [("mlp.hidden_dim", args.hidden_dim)],
     hf_names={"nemotron_h": HFNames(

@@ -232,9 +232,9 @@ def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
 
 
 KIND = LayerKind(
-    symbol="E", name="moe", title="mixture of experts", args_type=MoEArgs,
+    symbol="E", args_type=MoEArgs,
     build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
-    has_aux_loss=True, closes_group=True, validate=_validate,
+    has_aux_loss=True, validate=_validate,
     tensor_parallel_sizes=_tensor_parallel_sizes,
     # The experts run eagerly: under EP their dispatch reads the token counts on the host, and
     # torch 2.13's tracing (fake) kernel of grouped_mm takes bf16 only, so fp32 cannot compile.

@@ -1,6 +1,6 @@
 """Pipeline parallelism: torchtitan's `pipelining_fn` for HybridModel.
 
-Stages come from the pattern (HybridPattern.pipeline_stages): with `|` segments, segment
+Stages come from the pattern (pipeline_split.pipeline_stages): with `|` segments, segment
 `virtual_stage * pp_size + pp_rank` is a stage; without them the layers are split evenly, never
 through a bracket group. The embedding lives on the first stage; the final norm, the LM head and
 the MTP depths on the last (the MTP depths' future-token embeddings are computed on the first
@@ -42,6 +42,7 @@ from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.moe import MoE
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
+from titan_hybrid.parallel.pipeline_split import pipeline_stages
 from titan_hybrid.parallel.tensor_parallel import record_param_layouts
 
 
@@ -86,7 +87,7 @@ def module_names_per_stage(model_args: HybridModelArgs, pp: int,
                            virtual_stages: int) -> list[list[str]]:
     """The model's module names that each pipeline stage keeps, in stage order."""
     pattern = model_args.parsed_pattern
-    stages = pattern.pipeline_stages(pp, virtual_stages)
+    stages = pipeline_stages(pattern, pp, virtual_stages)
     names = []
     for stage in stages:
         kept = [f"layers.{stage.first_logical_index + offset}" for offset in range(len(stage.items))]

@@ -1,0 +1,105 @@
+"""Pipeline stages of a hybrid pattern: which main-part layers each stage runs.
+
+With `|` separators segment s becomes stage s; without them the physical layers are split
+evenly, never through a bracket group. Stage `index = virtual_stage * pp_size + pp_rank`.
+parallel/pipeline.py turns the stages into module names and torch pipeline stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_hybrid.pattern import HybridPattern, Item, char_error, pattern_error, physical_symbols
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The layers of one pipeline stage; index = virtual_stage * pp_size + pp_rank.
+
+    An empty stage keeps the indices of the layer that would come next.
+    """
+
+    index: int
+    pp_rank: int
+    virtual_stage: int
+    items: list[Item]
+    first_logical_index: int
+    first_physical_index: int
+
+    def __hash__(self) -> int:  # the list field would make the generated hash fail
+        return hash((self.index, self.pp_rank, self.virtual_stage, tuple(self.items),
+                     self.first_logical_index, self.first_physical_index))
+
+
+def pipeline_stages(pattern: HybridPattern, pp_size: int,
+                    num_virtual_stages: int | None = None) -> list[PipelineStage]:
+    """Split the pattern's main layers into pp_size * num_virtual_stages stages."""
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+    if num_virtual_stages is not None and num_virtual_stages < 1:
+        raise ValueError(f"num_virtual_stages must be >= 1, got {num_virtual_stages}")
+    if len(pattern.segments) > 1:
+        chunks = _explicit_chunks(pattern, pp_size, num_virtual_stages)
+    else:
+        chunks = _even_chunks(pattern, pp_size * (num_virtual_stages or 1))
+    stages, logical, physical = [], 0, 0
+    for index, items in enumerate(chunks):
+        stages.append(PipelineStage(
+            index=index, pp_rank=index % pp_size, virtual_stage=index // pp_size,
+            items=list(items), first_logical_index=logical, first_physical_index=physical))
+        logical += len(items)
+        physical += sum(len(physical_symbols(item)) for item in items)
+    return stages
+
+
+def _explicit_chunks(pattern: HybridPattern, pp_size: int,
+                     num_virtual_stages: int | None) -> list[list[Item]]:
+    count = len(pattern.segments)
+    if count % pp_size:
+        raise pattern_error(pattern.text, f"{count} pipeline segments cannot be divided among "
+                            f"pp_size={pp_size} ranks; with '|' separators the number of "
+                            "segments must be divisible by pp_size")
+    implied = count // pp_size
+    if num_virtual_stages is not None and num_virtual_stages != implied:
+        raise pattern_error(pattern.text, f"num_virtual_stages={num_virtual_stages} does not "
+                            f"match the {count} segments / pp_size={pp_size} = {implied} "
+                            "virtual stages set by the '|' separators")
+    return pattern.segments
+
+
+def _even_chunks(pattern: HybridPattern, num_stages: int) -> list[list[Item]]:
+    total = pattern.num_physical_layers
+    if total % num_stages:
+        raise pattern_error(pattern.text, f"{total} physical layers cannot be split evenly "
+                            f"into {num_stages} pipeline stages; the layer count must be "
+                            "divisible by pp_size * num_virtual_stages, or place '|' "
+                            "separators to choose the split explicitly")
+    per_stage = total // num_stages
+    chunks, current, filled = [], [], 0
+    for item, pos in zip(pattern.main, _main_item_positions(pattern.text)):
+        size = len(physical_symbols(item))
+        # Only a group can overshoot, since filled < per_stage here.
+        if filled + size > per_stage:
+            raise char_error(pattern.text, pos, f"opens a group that an even split into "
+                             f"{num_stages} stages of {per_stage} physical layers "
+                             "would cut through; place '|' separators explicitly")
+        current.append(item)
+        filled += size
+        if filled == per_stage:
+            chunks.append(current)
+            current, filled = [], 0
+    return chunks
+
+
+def _main_item_positions(text: str) -> list[int]:
+    """Pattern position of each main item (a group counts at its '['); `text` is valid."""
+    positions, in_group = [], False
+    for pos, ch in enumerate(text):
+        if ch == "/":
+            break
+        if ch == "]":
+            in_group = False
+        elif ch != "|" and not in_group:
+            positions.append(pos)
+            in_group = ch == "["
+    return positions
