@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from titan_hybrid.checkpoint.hf_nemotron_h import check_nemotron_h_compatible
+from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.model.args import resolve_model_args
 from titan_hybrid.optimizer import OPTIMIZER_CLASSES
@@ -113,4 +113,4 @@ def check_job(config, world_size: int) -> None:
     if config.validation.enable:
         validate_validation_config(config)
     if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
-        check_nemotron_h_compatible(model_args)
+        check_hf_compatible(model_args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
-from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
+from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.data.loader import build_global_batch_dataloader
 from titan_hybrid.loss import build_hybrid_loss
 from titan_hybrid.metrics import build_hybrid_metrics_processor
@@ -33,7 +33,7 @@ def hybrid_train_spec() -> TrainSpec:
         build_loss_fn=build_hybrid_loss,
         build_metrics_processor_fn=build_hybrid_metrics_processor,
         build_validator_fn=build_hybrid_validator,
-        state_dict_adapter=NemotronHStateDictAdapter,
+        state_dict_adapter=hybrid_state_dict_adapter,  # Nemotron-H's or DeepSeek's, by kinds
     )
 
 

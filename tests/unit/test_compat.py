@@ -1,17 +1,23 @@
-"""Private torch / torchtitan names appear only in titan_hybrid/compat/, which refuses versions it
-was not checked on; the CPU runtime applies no patch that nothing needs.
+"""Private names of torch, torchtitan and the GPU kernel packages (mamba_ssm, fla, causal_conv1d)
+appear only in titan_hybrid/compat/, which refuses versions it was not checked on; the CPU
+runtime applies no patch that nothing needs.
 
 The rule (a private name is an identifier with ONE leading underscore; dunders are public
-protocol). Outside titan_hybrid/compat/, a titan_hybrid module must not:
-1. import a module under torch / torchtitan whose dotted path has a private component;
-2. import a private name from torch / torchtitan (`from torch.x import _y`);
+protocol; "foreign" is torch, torchtitan or a kernel package). Outside titan_hybrid/compat/, a
+titan_hybrid module must not:
+1. import a foreign module whose dotted path has a private component, by an import statement
+   or by name (`importlib.import_module("torch._dynamo")`, `__import__(...)`);
+2. import a private name from a foreign module (`from torch.x import _y`);
 3. read or write a private attribute of anything but `self` / `cls` (`x._y`, `super()._y`,
-   `getattr(x, "_y")`), unless `x` is a module imported from outside torch / torchtitan
-   (`os._exit` is the standard library's). The object's type is not known statically, so this
-   holds for titan_hybrid's own objects too: their private attributes stay inside their class;
-4. in a class derived from a torch / torchtitan class, define or use through `self` / `cls` a
-   private name that one of those base classes' source mentions (that is the base's private
-   member: an override of a private hook, or a call into one).
+   `getattr(x, "_y")`), unless `x` is a module imported from outside the foreign packages,
+   named directly (`os._exit` is the standard library's; `importlib.import_module(...)._y` is
+   not exempt). The object's type is not known statically, so this holds for titan_hybrid's
+   own objects too: their private attributes stay inside their class;
+4. in a class derived from a foreign class, define or use through `self` / `cls` a private name
+   that one of those base classes' source mentions (that is the base's private member: an
+   override of a private hook, or a call into one);
+5. import a kernel package at all: their launchers, public-named or not, are internals whose
+   versions titan_hybrid.compat.kernel_packages checks, and the ops reach them through it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import titan_hybrid
 from titan_hybrid import compat
 
 PACKAGE = Path(titan_hybrid.__file__).parent
-FOREIGN = ("torch", "torchtitan")
+KERNEL_PACKAGES = ("mamba_ssm", "fla", "causal_conv1d")
+FOREIGN = ("torch", "torchtitan", *KERNEL_PACKAGES)
+IMPORT_FUNCTIONS = ("import_module", "__import__")
 ATTRIBUTE_FUNCTIONS = ("getattr", "hasattr", "setattr", "delattr")
 
 
@@ -43,10 +51,22 @@ def _foreign(module: str) -> bool:
     return module.split(".")[0] in FOREIGN
 
 
+def _kernel_package(module: str) -> bool:
+    return module.split(".")[0] in KERNEL_PACKAGES
+
+
 def _root(node: ast.expr) -> str | None:
     """The name an attribute chain starts from (`a` in a.b().c[0].d), or None."""
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
         node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _dotted_root(node: ast.expr) -> str | None:
+    """The name a plain dotted name starts from (`os` in os.path), or None for anything else
+    (a call, a subscript: its value is not the module the name is bound to)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
     return node.id if isinstance(node, ast.Name) else None
 
 
@@ -62,15 +82,27 @@ def _imported_modules(tree: ast.Module) -> dict[str, str]:
 
 
 def _private_accesses(tree: ast.Module):
-    """(line, private name, root name) of every `x._y` and getattr(x, "_y")-like use."""
+    """(line, private name, root name, dotted root name) of every `x._y` and
+    getattr(x, "_y")-like use."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
-            yield node.lineno, node.attr, _root(node.value)
+            yield node.lineno, node.attr, _root(node.value), _dotted_root(node.value)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ATTRIBUTE_FUNCTIONS and len(node.args) >= 2
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
               and _private(node.args[1].value)):
-            yield node.lineno, node.args[1].value, _root(node.args[0])
+            yield (node.lineno, node.args[1].value, _root(node.args[0]),
+                   _dotted_root(node.args[0]))
+
+
+def _imported_by_name(node: ast.AST) -> str | None:
+    """The module a call `importlib.import_module("a.b")` / `__import__("a.b")` imports."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+    return node.args[0].value if name in IMPORT_FUNCTIONS else None
 
 
 def _import_violations(path: Path, tree: ast.Module) -> list[str]:
@@ -78,22 +110,27 @@ def _import_violations(path: Path, tree: ast.Module) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if _foreign(alias.name) and any(map(_private, alias.name.split("."))):
+                if _foreign(alias.name) and (any(map(_private, alias.name.split(".")))
+                                             or _kernel_package(alias.name)):
                     found.append(f"{path}:{node.lineno}: import {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.module and _foreign(node.module):
             names = [alias.name for alias in node.names]
-            if any(map(_private, node.module.split("."))) or any(map(_private, names)):
+            if (any(map(_private, node.module.split("."))) or any(map(_private, names))
+                    or _kernel_package(node.module)):
                 found.append(f"{path}:{node.lineno}: from {node.module} import {names}")
+        elif (module := _imported_by_name(node)) and _foreign(module) and (
+                any(map(_private, module.split("."))) or _kernel_package(module)):
+            found.append(f"{path}:{node.lineno}: imports {module!r} by name")
     return found
 
 
 def _attribute_violations(path: Path, tree: ast.Module) -> list[str]:
     modules = _imported_modules(tree)
     found = []
-    for line, name, root in _private_accesses(tree):
+    for line, name, root, dotted_root in _private_accesses(tree):
         if root in ("self", "cls"):
             continue  # rule 4
-        if root in modules and not _foreign(modules[root]):
+        if dotted_root in modules and not _foreign(modules[dotted_root]):
             continue
         found.append(f"{path}:{line}: {root}...{name}")
     return found
@@ -129,12 +166,11 @@ def _subclass_violations(path: Path, tree: ast.Module, module_name: str) -> list
                 names.add((node.lineno, node.name))
         for line, name in sorted(names):
             if any(re.search(rf"\b{re.escape(name)}\b", source) for source in sources):
-                found.append(f"{path}:{line}: {class_node.name} uses its torch / torchtitan "
-                             f"base's {name}")
+                found.append(f"{path}:{line}: {class_node.name} uses its foreign base's {name}")
     return found
 
 
-def test_private_torch_and_torchtitan_names_only_in_compat():
+def test_private_foreign_names_only_in_compat():
     violations = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE.parent)
@@ -145,8 +181,9 @@ def test_private_torch_and_torchtitan_names_only_in_compat():
         violations += _import_violations(relative, tree)
         violations += _attribute_violations(relative, tree)
         violations += _subclass_violations(relative, tree, module_name)
-    assert not violations, "private torch / torchtitan names outside titan_hybrid/compat/ " \
-        "(route them through compat, with a reason):\n" + "\n".join(violations)
+    assert not violations, "private torch / torchtitan / kernel-package names (or kernel " \
+        "packages) outside titan_hybrid/compat/ (route them through compat, with a reason):\n" \
+        + "\n".join(violations)
 
 
 def test_the_rule_sees_each_kind_of_private_use():
@@ -170,6 +207,35 @@ class C:
     assert len(imports) == 3
     assert sorted(v.rsplit(".", 1)[-1] for v in attributes) == [
         "_parameters", "_post_metadata_inference_cleanup", "_save_last_step"], attributes
+
+
+def test_the_rule_covers_kernel_packages_and_imports_by_name():
+    source = '''
+import importlib
+import os.path
+import fla.ops.gated_delta_rule.chunk as chunk
+from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
+from causal_conv1d.cpp_functions import causal_conv1d_fwd_function
+def f():
+    importlib.import_module("torch._dynamo")
+    importlib.import_module("mamba_ssm.ops.triton.layernorm_gated")._layer_norm_fwd
+    getattr(__import__("torch"), "_C")
+    chunk._private_helper
+    importlib.import_module("json")._default_encoder
+    os.path._joinrealpath
+'''
+    tree = ast.parse(source)
+    imports = [v.split(": ", 1)[1] for v in _import_violations(Path("x.py"), tree)]
+    assert imports == [
+        "import fla.ops.gated_delta_rule.chunk",
+        "from mamba_ssm.ops.triton.ssd_combined import ['_mamba_chunk_scan_combined_fwd']",
+        "from causal_conv1d.cpp_functions import ['causal_conv1d_fwd_function']",
+        "imports 'torch._dynamo' by name",
+        "imports 'mamba_ssm.ops.triton.layernorm_gated' by name"], imports
+    attributes = _attribute_violations(Path("x.py"), tree)
+    # A module imported by a call is not exempt, whatever it is; os.path (named) is.
+    assert sorted(v.rsplit(".", 1)[-1] for v in attributes) == [
+        "_C", "_default_encoder", "_layer_norm_fwd", "_private_helper"], attributes
 
 
 @pytest.mark.parametrize("torch_version, torchtitan_version", [
@@ -242,7 +308,32 @@ def state():
 before = state()
 import titan_hybrid.compat.dcp, titan_hybrid.compat.fsdp, titan_hybrid.compat.nn
 import titan_hybrid.compat.pipelining, titan_hybrid.compat.torchtitan
+import titan_hybrid.compat.kernel_packages
 assert state() == before, "importing titan_hybrid.compat patched something"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=PACKAGE.parent)
+
+
+def test_kernel_packages_are_imported_only_when_a_launcher_runs():
+    """In a fresh interpreter with the kernel packages importable (as inside kernels_on()):
+    importing compat.kernel_packages and the ops imports none of them; calling a launcher
+    imports its module."""
+    from tests.triton_kernels import KERNEL_SITE, STAND_INS
+
+    script = f"""
+import sys
+sys.path[:0] = {[str(KERNEL_SITE), str(STAND_INS)]!r}
+import torch
+from titan_hybrid.compat import kernel_packages
+import titan_hybrid.ops.conv, titan_hybrid.ops.gated_delta, titan_hybrid.ops.gated_norm
+import titan_hybrid.ops.ssd
+def loaded():
+    return sorted(name for name in sys.modules
+                  if name.split(".")[0] in ("mamba_ssm", "fla", "causal_conv1d"))
+assert loaded() == [], loaded()
+x, weight = torch.randn(1, 8, 5).transpose(1, 2).contiguous().transpose(1, 2), torch.randn(8, 4)
+kernel_packages.causal_conv1d_fwd(x, weight, None, None, None, None, True)
+assert loaded() == ["causal_conv1d", "causal_conv1d.cpp_functions"], loaded()
 """
     subprocess.run([sys.executable, "-c", script], check=True, cwd=PACKAGE.parent)
 

@@ -10,7 +10,14 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from titan_hybrid.checkpoint.hf_deepseek import deepseek_config, from_deepseek, to_deepseek
+from titan_hybrid.checkpoint.hf_deepseek import (
+    DeepSeekStateDictAdapter,
+    deepseek_config,
+    from_deepseek,
+    to_deepseek,
+)
+from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hybrid_state_dict_adapter
+from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
 from titan_hybrid.model.args import DSAArgs, MLAArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 
@@ -68,3 +75,42 @@ def test_logits_match_transformers_deepseek_on_converted_weights(pattern, mla_ch
 def test_models_the_format_cannot_hold_are_named(pattern, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         deepseek_config(tiny_args(pattern))
+
+
+def test_runs_pick_the_adapter_by_layer_kinds_and_it_renames_split_entries():
+    """What `--checkpoint.*_in_hf` uses: DeepSeek's adapter for MLA / DSA models, Nemotron-H's
+    for the others. It sees fc1 as its checkpoint components (`fc1.weight_w` / `_v`, as
+    SplitModelWrapper hands them out) and renames every entry, handing back the same objects."""
+    assert isinstance(hybrid_state_dict_adapter(tiny_args("M-*-"), None),
+                      NemotronHStateDictAdapter)
+    args = tiny_args("D-D-")
+    adapter = hybrid_state_dict_adapter(args, None)
+    assert isinstance(adapter, DeepSeekStateDictAdapter)
+    full = HybridModel(args).state_dict()
+    state = {}
+    for key, value in full.items():
+        if key.endswith("fc1.weight"):
+            state[key + "_w"], state[key + "_v"] = value.chunk(2)
+        else:
+            state[key] = value
+    hf = adapter.to_hf(state)
+    offline = to_deepseek(full, args)  # the same tensors as the offline conversion's
+    assert hf.keys() == offline.keys() and all(torch.equal(hf[k], offline[k]) for k in hf)
+    back = adapter.from_hf(hf)
+    assert back.keys() == state.keys() and all(back[key] is state[key] for key in state)
+    # A pipeline stage's share: only its own entries.
+    stage = {key: value for key, value in state.items() if key.startswith("layers.0.")}
+    assert set(adapter.to_hf(stage)) == {key for key in hf if key.startswith("model.layers.0.")
+                                         and "mlp" not in key and "post_attention" not in key}
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("M+-", "cannot use the HF DeepSeek-V3 / V3.2 format: hybrid.pattern 'M+-' must be"),
+    ("M-G-", "cannot use the HF Nemotron-H format: hybrid.pattern 'M-G-' has layer types"),
+])
+def test_a_model_its_format_cannot_hold_is_refused_with_the_rule(pattern, message):
+    with pytest.raises(ValueError) as raised:
+        check_hf_compatible(tiny_args(pattern))
+    assert message in str(raised.value)
+    assert "HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for " \
+        "models with MLA / DSA layers (+, D), Nemotron-H for the others" in str(raised.value)

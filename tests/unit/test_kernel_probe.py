@@ -3,14 +3,17 @@ one's module path and signatures, tests/stand_ins/), torch.compile(fullgraph=Tru
 through them, and the start-up probe that turns an unusable package into one warning line."""
 
 import dataclasses
+import importlib.metadata
 import sys
 
 import pytest
 import torch
 
 from tests.triton_kernels import STAND_INS, expect_custom_ops, outputs_and_grads
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops import kernels
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
+from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 from titan_hybrid.ops.kernels import fla_refusal, force_kernels, kernel_fallbacks
 
 
@@ -27,6 +30,13 @@ def stand_in_conv(monkeypatch):
     stand_in.calls.update(fwd=0, bwd=0)
     yield stand_in
     _forget_causal_conv1d()
+
+
+def _installed(monkeypatch, versions: dict[str, str]) -> None:
+    """importlib.metadata reports these distributions at these versions (others as they are)."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda distribution: versions.get(
+        distribution) or real(distribution))
 
 
 def _conv_inputs(channels=16, length=37):
@@ -95,6 +105,7 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     fla = kernels.KERNEL_PACKAGES["fla"]
     monkeypatch.setitem(kernels.KERNEL_PACKAGES, "fla", dataclasses.replace(
         fla, modules=(), refuses_runtime=lambda: fla_refusal((9, 0), "3.6.0")))
+    _installed(monkeypatch, {"fla-core": "0.6.0"})  # the checked version, or that is the reason
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
         with force_kernels():  # a fresh probe, forgotten afterwards
@@ -110,6 +121,51 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     assert "the torch path runs the Mamba2 / GDN causal convolution" in by_package["causal_conv1d"]
     assert "Hopper" in by_package["fla"] and "gated delta rule" in by_package["fla"]
     assert all("\n" not in line for line in lines)
+
+
+def test_a_version_other_than_the_checked_one_is_refused_by_version(monkeypatch, stand_in_conv):
+    """mamba_ssm at another version: one fallback line naming both versions; forced, the op
+    raises with the same reason. The version is refused before any import (mamba_ssm does not
+    import here: that would be the reason otherwise). causal_conv1d's stand-in has no
+    metadata: its `__version__` (the checked one) is read once imported, and it is usable."""
+    _installed(monkeypatch, {"mamba-ssm": "2.4.0"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = "mamba_ssm 2.4.0 installed, titan_hybrid's custom ops were checked on 2.3.2.post1"
+    with force_kernels():
+        assert kernels.probe_kernels()["mamba_ssm"] == reason
+        assert kernels.probe_kernels()["causal_conv1d"] is None
+        lines = kernel_fallbacks()
+        with pytest.raises(RuntimeError, match=f"mamba_ssm is unusable: {reason}"):
+            gated_group_rms_norm(*(torch.ones(2, 8),) * 2, torch.ones(8), group_size=4,
+                                 eps=1e-5)
+    by_package = {line.split()[2]: line for line in lines}
+    assert by_package["mamba_ssm"] == (f"kernel package mamba_ssm is not used: {reason}; the "
+                                       "torch path runs the Mamba2 SSD scan and gated RMS norm")
+    assert "causal_conv1d" not in by_package, lines
+
+
+@pytest.mark.parametrize("version, refused", [
+    ("2.3.2.post1", False), ("2.3.2.post1+cu12torch2.6cxx11abiTRUE", False), ("2.3.2", True),
+    ("2.3.3", True), ("2.4.0", True), (None, True)])
+def test_version_refusal(monkeypatch, version, refused):
+    monkeypatch.setattr(kernel_packages, "installed_version", lambda package: version)
+    reason = kernel_packages.version_refusal("mamba_ssm")
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert "titan_hybrid's custom ops were checked on 2.3.2.post1" in reason
+        assert (f"mamba_ssm {version} installed" if version else "version is unknown") in reason
+
+
+def test_checked_versions_are_the_gpu_extras_pins():
+    import tomllib
+
+    from tests.launch import REPO_ROOT
+
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    pins = dict(requirement.split("==") for requirement
+                in pyproject["project"]["optional-dependencies"]["gpu"] if "==" in requirement)
+    assert pins == {checked.distribution: checked.version
+                    for checked in kernel_packages.CHECKED_PACKAGES.values()}
 
 
 def test_no_fallback_lines_without_cuda(monkeypatch):

@@ -1,6 +1,8 @@
 """Hugging Face DeepSeek-V3 / V3.2 interop for models whose layers pair up as DeepSeek's dense
 decoder layers: patterns `+-+-...` (DeepseekV3ForCausalLM) or `D-D-...` (DeepseekV32ForCausalLM),
-SwiGLU MLPs, no MTP. Offline conversion of full (unsharded) state dicts, and config.json.
+SwiGLU MLPs, no MTP. The state-dict adapter of `--checkpoint.initial_load_in_hf` /
+`--checkpoint.last_save_in_hf` for such models (hf_formats.py picks it by the layer kinds),
+offline conversion of full (unsharded) state dicts, and config.json.
 
 HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`: the MLA / DSA layer,
 whose parameter names are transformers' already) and 2j + 1 (`post_attention_layernorm`,
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
@@ -66,6 +69,25 @@ def _key_map(args: HybridModelArgs) -> dict[str, str]:
         mapping[hf + "mlp.up_proj.weight"] = f"{mlp}mlp.fc1.weight_v"
         mapping[hf + "mlp.down_proj.weight"] = f"{mlp}mlp.fc2.weight"
     return mapping
+
+
+class DeepSeekStateDictAdapter(HFStateDictAdapter):
+    """The adapter sees SplitModelWrapper's state dict, where the fused fc1 is already its
+    components `fc1.weight_w` / `_v` in global coordinates: DeepSeek's gate_proj / up_proj as
+    they are. No MLA / DSA parameter is fused, so every HF tensor is one entry of ours under
+    another key: each rank writes or reads the pieces it holds under any TP / FSDP layout,
+    nothing is gathered, and a load lands in the very entries `to_hf` handed out."""
+
+    FORMAT_NAME = "DeepSeek-V3 / V3.2"
+
+    def to_hf(self, state_dict: dict) -> dict:
+        # A pipeline stage holds only its own layers.
+        return {hf_key: state_dict[ours] for hf_key, ours in _key_map(self.model_args).items()
+                if ours in state_dict}
+
+    def from_hf(self, hf_state_dict: dict) -> dict:
+        return {ours: hf_state_dict[hf_key] for hf_key, ours in _key_map(self.model_args).items()
+                if hf_key in hf_state_dict}
 
 
 def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:

@@ -16,21 +16,17 @@ Other models get a ValueError naming the field when the adapter is used.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import re
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
+from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
 from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kind import LayerKind
@@ -122,17 +118,11 @@ class HFFusedChunks(ComponentChunks):
         return super().__get_tensor_shard__(index)
 
 
-class NemotronHStateDictAdapter(BaseStateDictAdapter):
+class NemotronHStateDictAdapter(HFStateDictAdapter):
+    FORMAT_NAME = "Nemotron-H"
+
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        self.model_args = model_args
-        self.hf_assets_path = hf_assets_path
-        self.fqn_to_index_mapping = None
-        index_file = os.path.join(hf_assets_path or "", "model.safetensors.index.json")
-        if hf_assets_path and os.path.isfile(index_file):
-            with open(index_file) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.fqn_to_index_mapping = {key: int(re.search(r"\d+", file).group(0))
-                                         for key, file in weight_map.items()}
+        super().__init__(model_args, hf_assets_path)
         # HF key -> (fused value handed out by to_hf, {our key: component}) so that from_hf
         # returns the very components a load wrote into.
         self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
@@ -189,12 +179,6 @@ class NemotronHStateDictAdapter(BaseStateDictAdapter):
             pieces = value.split([sizes["." + part] for part in parts], dim=0)
             state_dict.update(zip(ours, pieces))
         return state_dict
-
-    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
-        if from_quantized:
-            raise ValueError("checkpoint.initial_load_in_hf_quantized: Nemotron-H checkpoints are "
-                             "read unquantized only")
-        return HuggingFaceStorageReader(path)
 
 
 # --------------------------------------------------------------------------- config.json

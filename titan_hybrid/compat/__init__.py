@@ -1,8 +1,10 @@
-"""Every private torch / torchtitan name titan_hybrid uses, in one fenced package.
+"""Every private torch / torchtitan / kernel-package name titan_hybrid uses, in one fenced
+package.
 
-Outside this package titan_hybrid uses only public names of torch and torchtitan
-(tests/unit/test_compat.py checks it). Each private use here says why no public API suffices
-and was checked on the versions below (torch 2.11-2.14, torchtitan 0.2.2); where a release
+Outside this package titan_hybrid uses only public names of torch, torchtitan and the GPU
+kernel packages mamba_ssm, fla and causal_conv1d (tests/unit/test_compat.py checks it). Each
+private use here says why no public API suffices and was checked on the versions below (torch
+2.11-2.14, torchtitan 0.2.2; the kernel packages' in kernel_packages.py); where a release
 differs, the module takes a path chosen by `TORCH_RELEASE`. Importing this package (or any
 module in it) on other versions raises ImportError before anything else happens: private names
 move between releases without notice, and a clear refusal beats a wrong result.
@@ -17,6 +19,10 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
     nn.py          nn.Module's own parameter registry
     pipelining.py  torch's pipelining runtime, for custom (overlapped) actions; schedules'
                    private fields; the hook after the first step's shape inference
+    kernel_packages.py  the kernel packages' forward / backward launchers (mamba_ssm's are
+                   private), imported when called. The kernel packages are optional, so a
+                   version other than the pinned one is not an ImportError here but a package
+                   the start-up probe (titan_hybrid.ops.kernels) reports unusable, by version
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.kernels import use_kernel
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -77,15 +78,16 @@ def causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C=None, *, seq_idx=None
 
 
 # ---- causal-conv1d's kernel as torch.library custom ops (opaque to torch.compile). Its forward
-# and backward functions (causal-conv1d 1.7's causal_conv1d.cpp_functions, what its own
-# CausalConv1dFn calls) are used directly. x and dout are [b, c, t] views of channels-last
-# tensors. A custom op cannot return None: an absent bias gradient is an empty tensor.
+# and backward functions (causal_conv1d.cpp_functions, what its own CausalConv1dFn calls;
+# through titan_hybrid.compat.kernel_packages, checked on causal-conv1d 1.7.0) are used
+# directly. x and dout are [b, c, t] views of channels-last tensors. A custom op cannot return
+# None: an absent bias gradient is an empty tensor.
 
 @torch.library.custom_op("titan_hybrid::causal_conv1d_fwd", mutates_args=())
 def _conv_fwd(x_BCT: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
               seq_idx_BT: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    from causal_conv1d.cpp_functions import causal_conv1d_fwd_function
-    return causal_conv1d_fwd_function(x_BCT, weight_CW, bias_C, seq_idx_BT, None, None, silu)
+    return kernel_packages.causal_conv1d_fwd(x_BCT, weight_CW, bias_C, seq_idx_BT, None, None,
+                                             silu)
 
 
 @_conv_fwd.register_fake
@@ -97,8 +99,7 @@ def _(x_BCT, weight_CW, bias_C, seq_idx_BT, silu):
 def _conv_bwd(dout_BCT: torch.Tensor, x_BCT: torch.Tensor, weight_CW: torch.Tensor,
               bias_C: torch.Tensor | None, seq_idx_BT: torch.Tensor | None,
               silu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from causal_conv1d.cpp_functions import causal_conv1d_bwd_function
-    dx, dweight, dbias, _ = causal_conv1d_bwd_function(
+    dx, dweight, dbias, _ = kernel_packages.causal_conv1d_bwd(
         x_BCT, weight_CW, bias_C, dout_BCT, seq_idx_BT, None, None, None, False, silu)
     return dx, dweight, x_BCT.new_empty(0) if dbias is None else dbias
 

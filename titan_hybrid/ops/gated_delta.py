@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.kernels import use_kernel
 
 CHUNK_SIZE = 64
@@ -229,16 +230,17 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 
 
 # ---- fla's kernel as torch.library custom ops (opaque to torch.compile; fla's own entry point is
-# marked torch.compiler.disable). The forward and backward are fla 0.6.0's
-# chunk_gated_delta_rule_fwd / _bwd and l2norm_fwd / _bwd, called as its
-# ChunkGatedDeltaRuleFunction calls them; the residuals it saves (l2-normalised q and k with
-# their reciprocal norms, the chunk-local cumulative decay, the WY matrix A) are extra outputs
-# of the forward op. Absent tensors travel as empty ones (a custom op cannot return None).
+# marked torch.compiler.disable). The forward and backward are fla's
+# chunk_gated_delta_rule_fwd / _bwd and l2norm_fwd / _bwd (internals, checked on fla 0.6.0:
+# titan_hybrid.compat.kernel_packages), called as its ChunkGatedDeltaRuleFunction calls them;
+# the residuals it saves (l2-normalised q and k with their reciprocal norms, the chunk-local
+# cumulative decay, the WY matrix A) are extra outputs of the forward op. Absent tensors travel as empty ones (a custom op cannot return None).
 
 
 def _chunk_indices(cu_seqlens):
-    from fla.ops.utils.index import prepare_chunk_indices
-    return None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
+    if cu_seqlens is None:
+        return None
+    return kernel_packages.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
 
 
 @torch.library.custom_op("titan_hybrid::fla_gated_delta_fwd", mutates_args=())
@@ -246,17 +248,15 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
              output_final_state: bool, cu_seqlens: torch.Tensor | None,
              use_qk_l2norm: bool) -> list[torch.Tensor]:
-    from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     def empty():  # a custom op's outputs may not alias each other
         return q.new_empty(0)
 
     residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
     if use_qk_l2norm:
-        q, q_rstd = l2norm_fwd(q)
-        k, k_rstd = l2norm_fwd(k)
+        q, q_rstd = kernel_packages.l2norm_fwd(q)
+        k, k_rstd = kernel_packages.l2norm_fwd(k)
         residuals = [q, k, q_rstd, k_rstd]
-    g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+    g_cum, o, A, final_state, _, _ = kernel_packages.gated_delta_rule_fwd(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
@@ -285,15 +285,14 @@ def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tenso
              q_rstd: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor, A: torch.Tensor,
              scale: float, cu_seqlens: torch.Tensor | None,
              use_qk_l2norm: bool) -> list[torch.Tensor]:
-    from fla.modules.norm.l2norm import l2norm_bwd
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     q_used, k_used = (q_normed, k_normed) if use_qk_l2norm else (q, k)
-    dq, dk, dv, dbeta, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+    dq, dk, dv, dbeta, dg, dh0, _, _ = kernel_packages.gated_delta_rule_bwd(
         q=q_used, k=k_used, v=v, g=g_cum, beta=beta, A=A, scale=scale,
         initial_state=initial_state, do=do.contiguous(), dht=dfinal_state,
         cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
     if use_qk_l2norm:
-        dq, dk = l2norm_bwd(q_used, q_rstd, dq), l2norm_bwd(k_used, k_rstd, dk)
+        dq = kernel_packages.l2norm_bwd(q_used, q_rstd, dq)
+        dk = kernel_packages.l2norm_bwd(k_used, k_rstd, dk)
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
     return grads + [q.new_empty(0) if dh0 is None else dh0.to(initial_state.dtype)]
 

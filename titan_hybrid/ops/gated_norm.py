@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.kernels import use_kernel
 
 
@@ -58,15 +59,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- mamba_ssm's kernel as torch.library custom ops (opaque to torch.compile). Its forward and
-# backward launchers (mamba_ssm 2.3.2's _layer_norm_fwd / _layer_norm_bwd, what its own
-# LayerNormFn calls) are used directly: the backward needs only y, z, weight and the saved rstd.
+# backward launchers (what its own LayerNormFn calls; private in mamba_ssm, so reached through
+# titan_hybrid.compat.kernel_packages) are used directly: the backward needs only y, z, weight
+# and the saved rstd.
 
 @torch.library.custom_op("titan_hybrid::gated_rms_norm_fwd", mutates_args=())
 def _norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
               group_size: int, norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_fwd
-    out, _, rstd = _layer_norm_fwd(y, weight, None, eps, z=z, group_size=group_size,
-                                   norm_before_gate=norm_before_gate, is_rms_norm=True)
+    out, _, rstd = kernel_packages.gated_rms_norm_fwd(
+        y, weight, None, eps, z=z, group_size=group_size, norm_before_gate=norm_before_gate,
+        is_rms_norm=True)
     return out, rstd
 
 
@@ -81,10 +83,9 @@ def _(y, z, weight, eps, group_size, norm_before_gate):
 def _norm_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
               rstd: torch.Tensor, eps: float, group_size: int,
               norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_bwd
-    dy, dweight, _, dz = _layer_norm_bwd(dout.contiguous(), y, weight, None, eps, None, rstd,
-                                         z=z, group_size=group_size,
-                                         norm_before_gate=norm_before_gate, is_rms_norm=True)
+    dy, dweight, _, dz = kernel_packages.gated_rms_norm_bwd(
+        dout.contiguous(), y, weight, None, eps, None, rstd, z=z, group_size=group_size,
+        norm_before_gate=norm_before_gate, is_rms_norm=True)
     return dy, dweight, dz
 
 

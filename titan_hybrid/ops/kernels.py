@@ -12,11 +12,12 @@ While forced, an unusable kernel package is an error rather than a silent fall-b
 path, so a kernel test cannot pass by accident. Dtypes the kernels do not take (float64) still use
 the torch path. Nothing here runs at import.
 
-Usable means: the modules our custom ops import do import (a package installed without its
-compiled extension fails here), and the package accepts this runtime (fla 0.6 raises in its
-backward on Hopper GPUs with triton >= 3.4, < 3.7.1). ``probe_kernels()`` decides this once per
-process, outside any traced code: dynamo cannot trace an import, and a failure found mid-step
-would kill the run. Entry points call it at start-up and log ``kernel_fallbacks()``, one line per
+Usable means: the package is the version our custom ops were checked on (they call launchers
+below the packages' public APIs: titan_hybrid.compat.kernel_packages), the modules they import
+do import (a package installed without its compiled extension fails here), and the package
+accepts this runtime (fla 0.6 raises in its backward on Hopper GPUs with triton >= 3.4,
+< 3.7.1). ``probe_kernels()`` decides this once per process, outside any traced code: dynamo
+cannot trace an import, and a failure found mid-step would kill the run. Entry points call it at start-up and log ``kernel_fallbacks()``, one line per
 unusable package; the ops it serves then take their torch paths.
 
 Each kernel call goes through a ``torch.library`` custom op (``titan_hybrid::...``, defined by
@@ -33,6 +34,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from titan_hybrid.compat import kernel_packages
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -63,19 +66,17 @@ def _fla_refuses_this_runtime() -> str | None:
 @dataclass(frozen=True)
 class KernelPackage:
     name: str
-    modules: tuple[str, ...]  # what the custom ops import
+    modules: tuple[str, ...]  # what the custom ops' launchers import
     serves: str  # the ops that fall back to their torch paths without it
     refuses_runtime: Callable[[], str | None] = lambda: None
 
 
 KERNEL_PACKAGES = {package.name: package for package in (
-    KernelPackage("mamba_ssm", ("mamba_ssm.ops.triton.ssd_combined",
-                                "mamba_ssm.ops.triton.layernorm_gated"),
+    KernelPackage("mamba_ssm", kernel_packages.launcher_modules("mamba_ssm"),
                   "the Mamba2 SSD scan and gated RMS norm"),
-    KernelPackage("fla", ("fla.ops.gated_delta_rule.chunk", "fla.modules.norm.l2norm",
-                          "fla.ops.utils.index"),
+    KernelPackage("fla", kernel_packages.launcher_modules("fla"),
                   "the gated delta rule", refuses_runtime=_fla_refuses_this_runtime),
-    KernelPackage("causal_conv1d", ("causal_conv1d.cpp_functions",),
+    KernelPackage("causal_conv1d", kernel_packages.launcher_modules("causal_conv1d"),
                   "the Mamba2 / GDN causal convolution"),
 )}
 
@@ -102,13 +103,20 @@ def kernels_forced() -> bool:
 
 
 def _why_unusable(package: KernelPackage) -> str | None:
+    # A version the metadata shows is checked before anything is imported (another version's
+    # modules may not import, or import with other launchers); a version that only the package
+    # itself states (`__version__`) is read once it is imported.
+    if kernel_packages.installed_version(package.name) is not None:
+        refusal = kernel_packages.version_refusal(package.name)
+        if refusal:
+            return refusal
     for module in package.modules:
         try:
             importlib.import_module(module)
         except Exception as error:  # a broken extension raises OSError / RuntimeError too
             first_line = (str(error).strip().splitlines() or [""])[0]
             return f"{module} does not import ({type(error).__name__}: {first_line})"
-    return package.refuses_runtime()
+    return kernel_packages.version_refusal(package.name) or package.refuses_runtime()
 
 
 def _probe(name: str) -> str | None:

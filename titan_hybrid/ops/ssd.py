@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.kernels import use_kernel
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -219,10 +220,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # ---- mamba_ssm's kernel as torch.library custom ops (opaque to torch.compile). Its forward and
-# backward launchers (mamba_ssm 2.3.2's _mamba_chunk_scan_combined_fwd / _bwd, what its own
-# MambaChunkScanCombinedFn calls) are used directly: the backward needs only the inputs and the
-# output before the z gate, so nothing is recomputed. Absent gradients travel as empty tensors
-# (a custom op cannot return None).
+# backward launchers (what its own MambaChunkScanCombinedFn calls; private in mamba_ssm, so
+# reached through titan_hybrid.compat.kernel_packages) are used directly: the backward needs
+# only the inputs and the output before the z gate, so nothing is recomputed. Absent gradients
+# travel as empty tensors (a custom op cannot return None).
 
 
 @torch.library.custom_op("titan_hybrid::mamba_ssd_fwd", mutates_args=())
@@ -231,8 +232,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
              seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float, dt_max: float,
              final_states_used: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_fwd
-    y, y_before_gate, _, _, _, final_states = _mamba_chunk_scan_combined_fwd(
+    y, y_before_gate, _, _, _, final_states = kernel_packages.ssd_scan_fwd(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
     return y, final_states, (x.new_empty(0) if z is None else y_before_gate)
@@ -253,8 +253,7 @@ def _ssd_bwd(dy: torch.Tensor, dfinal_states: torch.Tensor | None, y_before_gate
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
              seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float,
              dt_max: float) -> list[torch.Tensor]:
-    from mamba_ssm.ops.triton.ssd_combined import _mamba_chunk_scan_combined_bwd
-    grads = _mamba_chunk_scan_combined_bwd(
+    grads = kernel_packages.ssd_scan_bwd(
         dy, x, dt, A, B, C, y_before_gate, chunk_size, D=D, z=z, dt_bias=dt_bias,
         initial_states=initial_states, dfinal_states=dfinal_states, seq_idx=seq_idx,
         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))

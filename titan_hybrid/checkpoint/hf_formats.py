@@ -1,0 +1,71 @@
+"""Which Hugging Face format a model's HF checkpoints take (`--checkpoint.initial_load_in_hf`,
+`--checkpoint.last_save_in_hf`): the one its layer kinds belong to.
+
+    DeepSeek-V3 / V3.2   models with MLA (`+`) or DSA (`D`) layers: hf_deepseek.py
+    Nemotron-H           all others: hf_nemotron_h.py
+
+A model the chosen format cannot hold is refused when the job is checked, before anything is
+built, with the format's first unmet condition and this rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
+from titan_hybrid.checkpoint.hf_deepseek import (
+    ARCHITECTURES,
+    DeepSeekStateDictAdapter,
+    check_deepseek_compatible,
+    deepseek_config,
+)
+from titan_hybrid.checkpoint.hf_nemotron_h import (
+    NemotronHStateDictAdapter,
+    check_nemotron_h_compatible,
+    nemotron_h_config,
+)
+from titan_hybrid.model.args import HybridModelArgs
+
+RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
+        f"models with MLA / DSA layers ({', '.join(ARCHITECTURES)}), Nemotron-H for the others")
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    adapter: type[HFStateDictAdapter]
+    check: Callable[[HybridModelArgs], object]  # ValueError naming what the format cannot hold
+    config: Callable[[HybridModelArgs], dict]  # the config.json of an export
+
+
+NEMOTRON_H = HFFormat(NemotronHStateDictAdapter, check_nemotron_h_compatible, nemotron_h_config)
+DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config)
+
+
+def hf_format_of(args: HybridModelArgs) -> HFFormat:
+    """The format of the model's layer kinds (RULE), whether or not it can hold the model."""
+    symbols = set(args.parsed_pattern.physical_layer_symbols(include_mtp=True))
+    return DEEPSEEK if symbols & set(ARCHITECTURES) else NEMOTRON_H
+
+
+def check_hf_compatible(args: HybridModelArgs) -> HFFormat:
+    """The model's HF format; ValueError naming its first unmet condition, and RULE."""
+    hf_format = hf_format_of(args)
+    try:
+        hf_format.check(args)
+    except ValueError as error:
+        raise ValueError(f"{error} ({RULE})") from None
+    return hf_format
+
+
+def hf_config(args: HybridModelArgs) -> dict:
+    """The config.json that `transformers` reads with the model's HF checkpoint."""
+    return check_hf_compatible(args).config(args)
+
+
+def hybrid_state_dict_adapter(model_args: HybridModelArgs,
+                              hf_assets_path: str | None) -> HFStateDictAdapter:
+    """The TrainSpec's `state_dict_adapter` (torchtitan calls it with these two arguments on
+    every run): the adapter of the model's format. A model the format cannot hold fails only
+    when the adapter is used, and job_checks refuses such a job before that."""
+    return hf_format_of(model_args).adapter(model_args, hf_assets_path)
