@@ -17,8 +17,9 @@ below the packages' public APIs: titan_hybrid.compat.kernel_packages), the modul
 do import (a package installed without its compiled extension fails here), and the package
 accepts this runtime (fla 0.6 raises in its backward on Hopper GPUs with triton >= 3.4,
 < 3.7.1). ``probe_kernels()`` decides this once per process, outside any traced code: dynamo
-cannot trace an import, and a failure found mid-step would kill the run. Entry points call it at start-up and log ``kernel_fallbacks()``, one line per
-unusable package; the ops it serves then take their torch paths.
+cannot trace an import, and a failure found mid-step would kill the run. Entry points call it
+at start-up and log ``kernel_fallbacks()``, one line per unusable package; the ops it serves
+then take their torch paths.
 
 Each kernel call goes through a ``torch.library`` custom op (``titan_hybrid::...``, defined by
 the op modules), so ``torch.compile`` with ``fullgraph=True`` sees one opaque node per kernel
