@@ -58,6 +58,14 @@ def test_compile_composes_with(tmp_path, reference_run, layout):
 MOE = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2")
 
 
+def test_bf16_moe_compiles_as_one_graph_per_layer_under_fsdp(tmp_path, reference_run):
+    """bf16 FSDP2 without EP: each MoE layer is one graph, grouped GEMMs included (graphs
+    counted in tests/unit/test_compile.py), inside the trainer with FSDP's hooks around it."""
+    compiled, eager = compiled_and_eager(tmp_path, reference_run, *MOE, *BF16, nproc=2,
+                                         config="hybrid_moe.toml")
+    assert compiled == eager
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["EP2", "EP2 overlapped"])
 def test_compile_composes_with_expert_parallel(tmp_path, reference_run, overlap):

@@ -113,3 +113,24 @@ def test_packed_documents_compile_for_mamba_attention_mlp():
     assert torch.equal(compiled_loss, loss)
     for name, grad in grads.items():
         assert torch.equal(compiled_grads[name], grad), name
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_is_one_graph_in_bf16_without_expert_parallelism(expert_parallel):
+    """In bf16 (grouped_mm traces there) and without EP's host-side dispatch, a MoE layer is
+    one graph, its grouped GEMMs included; with EP (or in fp32, the test above) it compiles
+    its norm and router and runs the experts eagerly."""
+    eager = tiny_model("M*E-").to(torch.bfloat16)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(compiled, AOT, bf16_compute=True, expert_parallel=expert_parallel)
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
+    loss, grads = loss_and_grads(eager, tokens)
+    compiled_loss, compiled_grads = loss_and_grads(compiled, tokens)
+    # one graph per layer; under EP the MoE layer's norm, router and shared expert instead
+    assert counters["stats"]["unique_graphs"] == (6 if expert_parallel else 4)
+    assert not counters["graph_break"]
+    assert torch.equal(compiled_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(compiled_grads[name], grad), name

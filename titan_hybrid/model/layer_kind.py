@@ -78,6 +78,10 @@ class LayerKind:
     # to compile on their own instead (the rest then runs eagerly): for layers whose shapes
     # depend on the data, such as MoE's tokens per expert.
     compiled_parts: tuple[str, ...] | None = None
+    # ... except when the layers compute in bf16 and expert parallelism is off: then a kind
+    # with this flag is one graph after all (MoE: only EP's dispatch reads its counts on the
+    # host, and grouped_mm's tracing kernel takes bf16 only).
+    one_graph_in_bf16: bool = False
     # False: with packed documents (hybrid.document_masking) the layer's torch path splits
     # the batch by the documents' lengths, data that torch.compile cannot trace; the job is
     # refused rather than compiled with a break in the middle of every such layer.

@@ -236,7 +236,7 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
     has_aux_loss=True, validate=_validate,
     tensor_parallel_sizes=_tensor_parallel_sizes,
-    # The experts run eagerly: under EP their dispatch reads the token counts on the host, and
-    # torch 2.13's tracing (fake) kernel of grouped_mm takes bf16 only, so fp32 cannot compile.
-    compiled_parts=("router", "shared_expert"),
+    # The experts run eagerly under EP (their dispatch reads the token counts on the host) and
+    # in fp32 (grouped_mm's tracing kernel takes bf16 only); otherwise the layer is one graph.
+    compiled_parts=("router", "shared_expert"), one_graph_in_bf16=True,
 )

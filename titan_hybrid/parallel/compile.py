@@ -13,7 +13,9 @@ slowdown) unless it holds a layer that compiles in parts: then each of its layer
 on its own, and such a layer compiles its norm and some parts of its mixer while the rest runs
 eagerly, as torchtitan does for its MoE blocks. In parts are compiled
 - a layer whose kind names `compiled_parts` (layer_kind.py): MoE's router and shared expert,
-  while its data-dependent expert dispatch runs eagerly;
+  while its experts and their dispatch run eagerly; unless the kind is `one_graph_in_bf16`
+  and the layers compute in bf16 without expert parallelism (MoE: no host sync left, and
+  grouped_mm traces in bf16), where the layer is one graph, grouped GEMMs included;
 - with `split_precision` (data parallelism computing in bf16, parallel/data_parallel.py), a
   layer whose kind keeps `full_precision_params`: its projections are then an FSDP unit of their
   own inside the layer, and FSDP's hooks cannot run inside a graph, so the mixer's own
@@ -35,9 +37,11 @@ def _compile(module: nn.Module, config: Compile) -> None:
     module.forward = torch.compile(module.forward, backend=config.backend, fullgraph=True)
 
 
-def _compiled_parts(layer: HybridLayer, split_precision: bool) -> tuple[str, ...] | None:
+def _compiled_parts(layer: HybridLayer, split_precision: bool,
+                    whole_in_bf16: bool) -> tuple[str, ...] | None:
     """The mixer's submodules that the layer compiles instead of itself (None: itself)."""
-    if layer.kind.compiled_parts is not None:
+    if layer.kind.compiled_parts is not None and not (whole_in_bf16
+                                                      and layer.kind.one_graph_in_bf16):
         return layer.kind.compiled_parts
     if split_precision and layer.kind.full_precision_params:
         # titan_hybrid's own modules; torch's Linear / Conv1d are one op each, or not called
@@ -46,8 +50,9 @@ def _compiled_parts(layer: HybridLayer, split_precision: bool) -> tuple[str, ...
     return None
 
 
-def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool) -> None:
-    parts = _compiled_parts(layer, split_precision)
+def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool,
+                   whole_in_bf16: bool) -> None:
+    parts = _compiled_parts(layer, split_precision, whole_in_bf16)
     if parts is None:
         _compile(layer, config)
         return
@@ -58,13 +63,14 @@ def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool) -
             _compile(part, config)
 
 
-def _compile_unit(unit: nn.Module, config: Compile, split_precision: bool) -> None:
+def _compile_unit(unit: nn.Module, config: Compile, split_precision: bool,
+                  whole_in_bf16: bool) -> None:
     layers = [module for module in unit.modules() if isinstance(module, HybridLayer)]
-    if all(_compiled_parts(layer, split_precision) is None for layer in layers):
+    if all(_compiled_parts(layer, split_precision, whole_in_bf16) is None for layer in layers):
         _compile(unit, config)
         return
     for layer in layers:
-        _compile_layer(layer, config, split_precision)
+        _compile_layer(layer, config, split_precision, whole_in_bf16)
 
 
 def compile_units(model: nn.Module) -> list[nn.Module]:
@@ -76,8 +82,12 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = False) -> None:
+def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = False,
+                  bf16_compute: bool = False, expert_parallel: bool = False) -> None:
+    """`bf16_compute`: the layers compute in bf16 (bf16 data-parallel parameters, or bf16
+    autocast on one device); `expert_parallel`: EP's dispatch hooks are on the experts."""
     if torch.cuda.is_available():
         probe_kernels()  # imports the kernel packages here: dynamo cannot trace an import
+    whole_in_bf16 = bf16_compute and not expert_parallel
     for unit in compile_units(model):
-        _compile_unit(unit, config, split_precision)
+        _compile_unit(unit, config, split_precision, whole_in_bf16)

@@ -74,7 +74,10 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
         split_precision = (parallel_dims.dp_cp_enabled
                            and job_config.training.mixed_precision_param != "float32")
-        apply_compile(model, job_config.compile, split_precision=split_precision)
+        # bf16 parameters under data parallelism, bf16 autocast on one device (torchtitan)
+        bf16_compute = job_config.training.mixed_precision_param == "bfloat16"
+        apply_compile(model, job_config.compile, split_precision=split_precision,
+                      bf16_compute=bf16_compute, expert_parallel=parallel_dims.ep_enabled)
         logger.info(f"Compiled each layer / bracket group (backend {job_config.compile.backend})")
     if parallel_dims.dp_cp_enabled:
         strategy, dp_mesh = data_parallel_plan(
