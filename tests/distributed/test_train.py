@@ -3,6 +3,8 @@
 import math
 import re
 
+import pytest
+
 from tests.launch import REPO_ROOT, run_training
 
 STEPS = ("--training.steps", "4")
@@ -38,17 +40,21 @@ def test_pattern_override_and_moe_mtp_job(tmp_path):
     assert len(moe.losses) == 6 and moe.losses[-1] < moe.losses[0] - 0.5
 
 
-def test_stock_torchtitan_entry_with_custom_import(tmp_path):
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_stock_torchtitan_entry_with_custom_import(tmp_path, pipeline):
     # A user's own torchtitan job: `python -m torchtitan.train` with only
-    # --experimental.custom_import; no titan_hybrid job-config extension.
+    # --experimental.custom_import; no titan_hybrid job-config extension. PP2: the pipeline's
+    # loss gets no token count from torchtitan's trainer (pipeline.GlobalTokenScaledLoss).
     toml = (REPO_ROOT / "train_configs" / "hybrid.toml").read_text()
     toml = toml.replace('custom_config_module = "titan_hybrid.job_config"', "")
     toml = toml.split("[hybrid]")[0] + "[optimizer]" + toml.split("[optimizer]")[1]
     config = tmp_path / "plain.toml"
     config.write_text(toml)
-    result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2", "--training.seq_len", "128",
+    result = run_training(tmp_path, "--job.config_file", str(config), "--training.steps", "2",
+                          "--training.seq_len", "128",
+                          "--parallelism.pipeline_parallel_degree", str(pipeline),
                           "--experimental.custom_import", "titan_hybrid.torchtitan_plugin",
-                          module="torchtitan.train")
+                          module="torchtitan.train", nproc=pipeline)
     result.check()
     assert "step:  2" in result.output
 

@@ -100,14 +100,18 @@ def module_names_per_stage(model_args: HybridModelArgs, pp: int,
 
 
 class GlobalTokenScaledLoss:
-    """The per-microbatch loss divided by the step's global valid-token count."""
+    """The per-microbatch loss divided by the step's global valid-token count, which
+    HybridTrainer sets each step. torchtitan's own trainer sets none: there the microbatch
+    losses pass through undivided, as with torchtitan's own pipeline loss (it divides their
+    sum afterwards)."""
 
     def __init__(self, loss_fn) -> None:
         self.loss_fn = loss_fn
         self.global_valid_tokens: torch.Tensor | None = None
 
     def __call__(self, pred, labels):
-        return self.loss_fn(pred, labels) / self.global_valid_tokens
+        loss = self.loss_fn(pred, labels)
+        return loss if self.global_valid_tokens is None else loss / self.global_valid_tokens
 
 
 def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:
