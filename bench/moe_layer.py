@@ -35,7 +35,7 @@ MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::_grouped_mm", "aten::mat
 def moe_forward_loop(moe: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe`'s forward as it was before grouped GEMM (without the router statistics)."""
     x_XD = x_BTD.flatten(0, 1)
-    weights_XA, experts_XA, aux_loss = moe.router(x_XD)
+    weights_XA, experts_XA, _, aux_loss = moe.router(x_XD)
     slot_order = experts_XA.flatten().argsort(stable=True)
     token_of_slot = slot_order // moe.args.top_k
     tokens_per_expert = torch.bincount(experts_XA.flatten(), minlength=moe.args.num_experts)

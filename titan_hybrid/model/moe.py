@@ -44,8 +44,10 @@ class TopKRouter(nn.Module):
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
-    def forward(self, x_XD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (weights [N, K], expert ids [N, K], load-balancing loss)."""
+    def forward(self, x_XD: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (weights [N, K], expert ids [N, K], slots per expert [E] (count_slots),
+        load-balancing loss)."""
         # Routing in fp32: near-ties between experts flip under bf16 logits.
         logits = upcast(self.gate(x_XD))
         if self.args.score_func == "softmax":
@@ -58,10 +60,10 @@ class TopKRouter(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
         num_experts = self.args.num_experts
-        slot_share = count_slots(experts, num_experts).to(scores.dtype)
-        slot_share = slot_share / experts.numel()
+        slots_E = count_slots(experts, num_experts)
+        slot_share = slots_E.to(scores.dtype) / experts.numel()
         aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
-        return weights, experts, aux_loss
+        return weights, experts, slots_E, aux_loss
 
 
 def count_slots(experts_XA: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -182,13 +184,12 @@ class MoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output, this layer's load-balancing loss times its coefficient)."""
         x_XD = x_BTD.flatten(0, 1)
-        weights_XA, experts_XA, aux_loss = self.router(x_XD)
+        weights_XA, experts_XA, tokens_per_expert, aux_loss = self.router(x_XD)
         top_k = self.args.top_k
         # Dropless dispatch: sort the X*A (token, choice) slots by expert, run each expert on
         # its contiguous block, gather each token's A outputs back and sum them weighted.
         slot_order = experts_XA.flatten().argsort(stable=True)
         slot_position = inverse_permutation(slot_order)  # slot -> its row in sorted order
-        tokens_per_expert = count_slots(experts_XA, self.args.num_experts)
         with torch.no_grad():
             self.routed_tokens += tokens_per_expert
             aux_value = aux_loss.detach().to(self.aux_loss_sum.dtype)

@@ -234,7 +234,8 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # chunk_gated_delta_rule_fwd / _bwd and l2norm_fwd / _bwd (internals, checked on fla 0.6.0:
 # titan_hybrid.compat.kernel_packages), called as its ChunkGatedDeltaRuleFunction calls them;
 # the residuals it saves (l2-normalised q and k with their reciprocal norms, the chunk-local
-# cumulative decay, the WY matrix A) are extra outputs of the forward op. Absent tensors travel as empty ones (a custom op cannot return None).
+# cumulative decay, the WY matrix A) are extra outputs of the forward op. Absent tensors travel
+# as empty ones (a custom op cannot return None).
 
 
 def _chunk_indices(cu_seqlens):

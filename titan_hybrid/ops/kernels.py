@@ -107,17 +107,18 @@ def _why_unusable(package: KernelPackage) -> str | None:
     # A version the metadata shows is checked before anything is imported (another version's
     # modules may not import, or import with other launchers); a version that only the package
     # itself states (`__version__`) is read once it is imported.
-    if kernel_packages.installed_version(package.name) is not None:
-        refusal = kernel_packages.version_refusal(package.name)
-        if refusal:
-            return refusal
+    version_known = kernel_packages.installed_version(package.name) is not None
+    if version_known and (refusal := kernel_packages.version_refusal(package.name)):
+        return refusal
     for module in package.modules:
         try:
             importlib.import_module(module)
         except Exception as error:  # a broken extension raises OSError / RuntimeError too
             first_line = (str(error).strip().splitlines() or [""])[0]
             return f"{module} does not import ({type(error).__name__}: {first_line})"
-    return kernel_packages.version_refusal(package.name) or package.refuses_runtime()
+    if not version_known and (refusal := kernel_packages.version_refusal(package.name)):
+        return refusal
+    return package.refuses_runtime()
 
 
 def _probe(name: str) -> str | None:
