@@ -32,7 +32,7 @@ from titan_hybrid.checkpoint.state import fused_parameters, split_optimizer_stat
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
-from titan_hybrid.parallel.tensor_parallel import record_param_layouts
+from titan_hybrid.parallel.plan import ParallelPlan
 
 
 def build(flavor: str, dim: int):
@@ -40,10 +40,10 @@ def build(flavor: str, dim: int):
     args.dim = dim
     with torch.device("meta"):
         model = HybridModel(args)
-    record_param_layouts(model)
     model.to_empty(device="cpu")
     model.init_weights()
-    optimizers = build_hybrid_optimizers([model], OptimizerConfig(), None)
+    optimizers = build_hybrid_optimizers([model], OptimizerConfig(),
+                                         ParallelPlan.unparallelized([model]))
     tokens = torch.randint(0, args.vocab_size, (2, 64))
     out = model(tokens)
     (out[0] if isinstance(out, tuple) else out).float().mean().backward()
@@ -67,14 +67,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args()
     model, optimizers = build(options.flavor, options.dim)
-    fused = fused_parameters([model])
+    layouts = ParallelPlan.unparallelized([model]).layouts
+    fused = fused_parameters([model], layouts)
 
     def plain_state():
         optim = OptimizersContainer.state_dict(optimizers)
         return {**get_model_state_dict(model), **{f"optimizer.{k}": v for k, v in optim.items()}}
 
     def split_state():
-        optim, _ = split_optimizer_state(OptimizersContainer.state_dict(optimizers), [model])
+        optim, _ = split_optimizer_state(OptimizersContainer.state_dict(optimizers), [model],
+                                         layouts)
         model_sd = split_state_dict(get_model_state_dict(model), fused)
         return {**model_sd, **{f"optimizer.{k}": v for k, v in optim.items()}}
 

@@ -52,24 +52,25 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
     from titan_hybrid.optimizer import build_hybrid_optimizers
     from titan_hybrid.parallel.data_parallel import apply_data_parallel
     from titan_hybrid.parallel.init import full_tensor_materializer
+    from titan_hybrid.parallel.plan import ParallelPlan
     from titan_hybrid.runtime.cpu import peak_rss_bytes
 
     torch.manual_seed(0)
     args = hybrid_flavors[flavor]
     with torch.device("meta"):
-        model = HybridModel(args)
+        model = HybridModel(args, init_materializer=full_tensor_materializer)
+    plan = ParallelPlan.unparallelized([model])
     if strategy is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
         apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.float32,
                             reduce_dtype=torch.float32)
-        model.zero1_mesh = mesh if strategy == "optim" else None
-        model.init_materializer = full_tensor_materializer
+        plan.zero1_mesh = mesh if strategy == "optim" else None
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
-    optimizers = build_hybrid_optimizers([model], OptimizerConfig(), None)
+    optimizers = build_hybrid_optimizers([model], OptimizerConfig(), plan)
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len))
 
     def forward_backward():

@@ -53,9 +53,11 @@ def time_config(config: str, *, microbatches: int, repeats: int, rows: int, seq:
 
     args = model_args(config)
     args.max_seq_len = seq
-    models = {overlap: build_parallel(args, strategy="optim_grads_params",
-                                      activation_checkpoint=False, overlap=overlap)
-              for overlap in (False, True)}
+    built = {overlap: build_parallel(args, strategy="optim_grads_params",
+                                     activation_checkpoint=False, overlap=overlap)
+             for overlap in (False, True)}
+    models = {overlap: model for overlap, (model, _) in built.items()}
+    coordinators = {overlap: coordinator for overlap, (_, coordinator) in built.items()}
     generator = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randint(0, args.vocab_size, (rows, seq), generator=generator)
                for _ in range(microbatches)]
@@ -79,7 +81,7 @@ def time_config(config: str, *, microbatches: int, repeats: int, rows: int, seq:
         dist.barrier()
         start = time.perf_counter()
         if overlap:
-            schedule = CombinedOneFOneB(model, microbatches)
+            schedule = CombinedOneFOneB(model, coordinators[overlap], microbatches)
             for tokens in batches:
                 schedule(lambda tokens=tokens: loss_of(model, tokens))
         else:

@@ -10,18 +10,22 @@ From a TOML job to a stepping trainer, in order:
  1. launch.py (run_train.sh) parses the job with job_config.py (torchtitan's JobConfig plus
     `[hybrid]` and our `[parallelism]` / `[checkpoint]` fields) and checks all of it in one
     process (job_checks.py; the layout in parallel/validate.py), then starts torchrun workers.
- 2. train.py, in each worker: torchtitan_plugin.activate(), the job parsed and checked again,
-    the kernel packages probed once (ops/kernels.py), then trainer.HybridTrainer.
- 3. HybridTrainer is torchtitan's Trainer, built from the TrainSpec (train_spec.py): tokenizer
-    (tokenizer.py), global-batch data loader (data/loader.py), the flavor's model args
+ 2. train.py, in each worker: torchtitan_plugin.activate(), the job parsed and checked again
+    (the check resolves the run's model args), the kernel packages probed once
+    (ops/kernels.py), then trainer.HybridTrainer.
+ 3. HybridTrainer is torchtitan's Trainer, built from this run's TrainSpec, a
+    train_spec.HybridBuild that holds what the builders share (job, model args, plan):
+    tokenizer (tokenizer.py), global-batch data loader (data/loader.py), the model args
     (model/args.py; the pattern parsed by pattern.py from model/symbols.py) and HybridModel on
     the meta device (model/model.py: one layer per pattern symbol, each kind from
     model/layer_kinds.py).
  4. parallel/parallelize.py (or parallel/pipeline.py, one call per pipeline stage) applies
-    TP -> CP -> EP -> activation checkpointing -> compile -> data parallelism; parallel/init.py
-    initialises the weights the same way under every layout.
- 5. optimizer.py, loss.py, metrics.py, validation.py, and checkpoint/manager.py (verified saves;
-    fused tensors split by checkpoint/split.py and state.py, HF formats by checkpoint/hf_*.py).
+    TP -> CP -> EP -> activation checkpointing -> compile -> data parallelism and returns the
+    ParallelPlan (parallel/plan.py); parallel/init.py initialises the weights the same way
+    under every layout.
+ 5. optimizer.py (with the plan), loss.py, metrics.py (kind_statistics.py collects the kinds'
+    statistics), validation.py, and checkpoint/manager.py (verified saves; fused tensors split
+    by the plan's layouts in checkpoint/split.py and state.py, HF formats by hf_*.py).
  6. Each step: batch.py lays out the tokens (packed documents, this CP rank's zigzag shard), the
     layers run their ops (ops/: GPU kernels through custom ops, or the torch paths), the loss
     and backward, divergence.py's check, then the optimizer step, metrics and checkpoints.

@@ -12,7 +12,7 @@ import os
 
 from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
-from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.tokenizer import build_hybrid_tokenizer
@@ -93,8 +93,9 @@ def check_metrics(metrics) -> None:
     _require(metrics.log_freq >= 1, "metrics.log_freq", metrics.log_freq, "must be >= 1")
 
 
-def check_job(config, world_size: int) -> None:
-    """Every cheap check of the job; raises ValueError on the first user error."""
+def check_job(config, world_size: int) -> HybridModelArgs:
+    """Every cheap check of the job, the layout's included; raises ValueError on the first
+    user error. Returns the job's model args, resolved and checked (the run's own)."""
     check_training(config.training)
     check_optimizer(config.optimizer, config.lr_scheduler)
     check_checkpoint(config.checkpoint)
@@ -114,3 +115,4 @@ def check_job(config, world_size: int) -> None:
         validate_validation_config(config)
     if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
         check_hf_compatible(model_args)
+    return model_args

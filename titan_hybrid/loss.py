@@ -19,8 +19,6 @@ import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import JobConfig
 
-from titan_hybrid.model.args import resolve_model_args
-
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
@@ -45,8 +43,9 @@ def hybrid_loss(pred, labels: torch.Tensor, *, mtp_loss_coeff: float = 0.1) -> t
     return loss
 
 
-def build_hybrid_loss(job_config: JobConfig, **kwargs):
-    loss_fn = partial(hybrid_loss, mtp_loss_coeff=resolve_model_args(job_config).mtp_loss_coeff)
+def build_hybrid_loss(job_config: JobConfig, *, mtp_loss_coeff: float):
+    """`mtp_loss_coeff`: the run's model args' (train_spec.HybridBuild passes them)."""
+    loss_fn = partial(hybrid_loss, mtp_loss_coeff=mtp_loss_coeff)
     if job_config.compile.enable and "loss" in job_config.compile.components:
         loss_fn = torch.compile(loss_fn, backend=job_config.compile.backend)
     return loss_fn

@@ -12,8 +12,9 @@ torchtitan's placeholder -1); `log` sums the loss over the pipeline group with z
 other stages, so every rank, rank 0 included, logs and writes the real value whichever pp rank
 holds the last stage (the V-shaped schedules put it on pp rank 0).
 
-MoE router statistics since the last log are added to the logged metrics (TensorBoard / W&B,
-a console line, and the curve file): `moe/max_expert_load` and `moe/min_expert_load` (slots an
+The layer kinds' statistics since the last log (LayerKind.statistics, collected by
+titan_hybrid.kind_statistics) are added to the logged metrics (TensorBoard / W&B, a console
+line, and the curve file). MoE: `moe/max_expert_load` and `moe/min_expert_load` (slots an
 expert received over the mean per expert, worst layer; 1.0 is perfect balance) and
 `moe/aux_loss` (the load-balancing loss before its coefficient, mean over layers). Counts are
 summed over the data-parallel ranks, so they describe the global batch whatever the layout.
@@ -31,59 +32,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.job_config import hybrid_job
-from titan_hybrid.model.dsa import DeepSeekSparseAttention
-from titan_hybrid.model.moe import MoE
+from titan_hybrid.job_config import JobConfig
+from titan_hybrid.kind_statistics import StatisticsCollector
 
 
 def _as_float(value) -> float:
     return value.item() if isinstance(value, torch.Tensor) else float(value)
 
 
-def router_statistics(model_parts, batch_group) -> dict[str, float]:
-    """Read and reset the MoE layers' routing counters (see MoE.routed_tokens)."""
-    moes = [module for part in model_parts for module in part.modules() if isinstance(module, MoE)]
-    if not moes:
-        return {}
-    counts_LE = torch.stack([moe.routed_tokens for moe in moes]).double()
-    aux_L2 = torch.stack([moe.aux_loss_sum for moe in moes]).double()
-    if batch_group is not None:
-        packed = torch.cat((counts_LE.flatten(), aux_L2.flatten()))
-        dist.all_reduce(packed, group=batch_group)
-        counts_LE, aux_L2 = packed.split((counts_LE.numel(), aux_L2.numel()))
-        counts_LE, aux_L2 = counts_LE.view(len(moes), -1), aux_L2.view(len(moes), 2)
-    for moe in moes:
-        moe.reset_router_statistics()
-    load_LE = counts_LE / counts_LE.mean(dim=1, keepdim=True).clamp(min=1)
-    return {"moe/max_expert_load": load_LE.max().item(),
-            "moe/min_expert_load": load_LE.min().item(),
-            "moe/aux_loss": (aux_L2[:, 0] / aux_L2[:, 1].clamp(min=1)).mean().item()}
-
-
-def indexer_statistics(model_parts, groups) -> dict[str, float]:
-    """Read and reset the DSA layers' indexer-loss counters (DeepSeekSparseAttention
-    .indexer_loss_sum), summed over `groups` (data / context and pipeline ranks): the KL
-    before its coefficient, averaged over layers and microbatches, as Megatron logs it."""
-    layers = [m for part in model_parts for m in part.modules()
-              if isinstance(m, DeepSeekSparseAttention)]
-    device = next(model_parts[0].parameters()).device  # a stage may hold no DSA layer
-    total = sum((layer.indexer_loss_sum.double() for layer in layers),
-                torch.zeros(2, dtype=torch.float64, device=device))
-    for group in groups:
-        dist.all_reduce(total, group=group)
-    for layer in layers:
-        layer.reset_indexer_statistics()
-    loss_sum, count = total.tolist()
-    return {"dsa/indexer_loss": loss_sum / count} if count else {}
-
-
 def loss_curve_path(job_config: JobConfig) -> Path | None:
     """hybrid.loss_curve_file, a relative path taken under job.dump_folder; None if unset."""
-    path = hybrid_job(job_config).hybrid.loss_curve_file
+    path = job_config.hybrid.loss_curve_file
     if not path:
         return None
     path = Path(path).expanduser()
@@ -115,14 +77,9 @@ def perplexity(loss: float) -> float:
 class HybridMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag=None) -> None:
         super().__init__(job_config, parallel_dims, tag)
-        self.batch_group = (parallel_dims.get_mesh("batch").get_group()
-                            if parallel_dims.dp_enabled else None)
         self.pp_group = (parallel_dims.get_mesh("pp").get_group()
                          if parallel_dims.pp_enabled else None)
-        # Every rank that may hold other tokens or other layers (DSA statistics).
-        self.statistics_groups = [group for group in (
-            parallel_dims.get_mesh("loss").get_group() if parallel_dims.dp_cp_enabled else None,
-            self.pp_group) if group is not None]
+        self.statistics = StatisticsCollector(parallel_dims)
         self.loss_curve_file = loss_curve_path(job_config)
         self._curve_started = False
 
@@ -153,18 +110,14 @@ class HybridMetricsProcessor(MetricsProcessor):
         if self.pp_group is not None:  # all ranks log at the same steps: a safe collective
             global_avg_loss, global_max_loss = self._from_last_stage(global_avg_loss,
                                                                      global_max_loss)
-        parts = getattr(self, "model_parts", None) or []
-        router = router_statistics(parts, self.batch_group)
-        model_args = getattr(parts[0], "model_args", None) if parts else None
-        if model_args is not None and "D" in model_args.symbols():  # the same on every rank
-            router |= indexer_statistics(parts, self.statistics_groups)
+        statistics = self.statistics.collect(getattr(self, "model_parts", None) or [])
         super().log(step, global_avg_loss, global_max_loss, grad_norm,
-                    {**(extra_metrics or {}), **router})
-        if router:
+                    {**(extra_metrics or {}), **statistics})
+        if statistics:
             logger.info("step: %2d  " % step + "  ".join(
-                f"{name}: {value:.4f}" for name, value in router.items()))
+                f"{name}: {value:.4f}" for name, value in statistics.items()))
         self.write_curve({"step": step, "loss": _as_float(global_avg_loss),
-                          "grad_norm": _as_float(grad_norm), **router})
+                          "grad_norm": _as_float(grad_norm), **statistics})
 
     def log_validation(self, loss, step, extra_metrics=None):
         """`loss` is the same on every rank (titan_hybrid.validation); adds its perplexity."""

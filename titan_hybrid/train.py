@@ -28,7 +28,7 @@ def run(job_args: list[str]) -> None:
     init_logger()
     try:
         config = parse_job(job_args)
-        check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+        model_args = check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         report_and_exit(error)
     # Probed once here, before any model is traced; every rank falls back alike, one reports.
@@ -37,7 +37,7 @@ def run(job_args: list[str]) -> None:
             logger.warning(line)
     trainer = None
     try:
-        trainer = HybridTrainer(config)
+        trainer = HybridTrainer(config, model_args)
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:

@@ -7,6 +7,9 @@
 - inputs: packed-document layout (`hybrid.document_masking`) and this CP rank's zigzag shard;
 - EP-overlap at PP = 1: each microbatch's forward runs with the previous one's backward;
 - the end: all ranks meet at a barrier instead of rank 0 sleeping 2 s (compat.torchtitan).
+
+The TrainSpec is this run's own HybridBuild (train_spec.py), so the ParallelPlan it keeps is
+this run's: the checkpointer and the EP-overlap schedule take it from there.
 """
 
 from __future__ import annotations
@@ -16,21 +19,38 @@ import warnings
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.train import Trainer
 
 from titan_hybrid.batch import prepare_batch
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.compat.torchtitan import without_final_sleep
 from titan_hybrid.divergence import DivergenceGuard
+from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.tokenizer import resolve_assets_path
+from titan_hybrid.train_spec import HybridBuild
 
 
 class HybridTrainer(Trainer):
     ep_overlap: CombinedOneFOneB | None = None
 
-    def __init__(self, job_config) -> None:
+    # torchtitan's constructor assigns the TrainSpec registered under `model.name` to
+    # `self.train_spec`; this trainer uses its own build of that spec instead.
+    @property
+    def train_spec(self) -> TrainSpec:
+        return self._train_spec
+
+    @train_spec.setter
+    def train_spec(self, registered: TrainSpec) -> None:
+        # check_job has made sure that `model.name` is "hybrid".
+        self._train_spec = self.build.train_spec()
+
+    def __init__(self, job_config, model_args: HybridModelArgs | None = None) -> None:
+        """`model_args`: the job's, resolved by the pre-flight check (job_checks.check_job,
+        which validated the layout too); without them the build resolves and checks them."""
+        self.build = HybridBuild(job_config, model_args)
         self.document_masking = job_config.hybrid.document_masking
         with warnings.catch_warnings():
             # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
@@ -42,7 +62,7 @@ class HybridTrainer(Trainer):
                                                 self.gradient_accumulation_steps)
         # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
         if job_config.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
-            self.ep_overlap = CombinedOneFOneB(self.model_parts[0],
+            self.ep_overlap = CombinedOneFOneB(self.model_parts[0], self.build.plan.overlap,
                                                self.gradient_accumulation_steps)
 
     def train(self) -> None:
@@ -67,6 +87,7 @@ class HybridTrainer(Trainer):
             model_args=self.model_args,
             job_config=job_config,
             tokenizer_folder=str(resolve_assets_path(job_config.model.hf_assets_path)),
+            layouts=self.build.plan.layouts,
         )
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):

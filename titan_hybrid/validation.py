@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator
-from torchtitan.config import JobConfig
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
@@ -43,8 +42,8 @@ from titan_hybrid.data.loader import (
     validation_dataset_name,
 )
 from titan_hybrid.errors import JobError
-from titan_hybrid.job_config import hybrid_job
-from titan_hybrid.model.moe import MoE
+from titan_hybrid.job_config import JobConfig
+from titan_hybrid.kind_statistics import statistics_set_aside
 from titan_hybrid.parallel.pipeline import scaled_loss_of
 
 
@@ -111,19 +110,6 @@ def _no_gradient_handoff(schedule):
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-@contextmanager
-def _router_statistics_kept(model_parts):
-    """Validation forwards must not count in the next training log's MoE router statistics."""
-    moes = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
-    saved = [(m.routed_tokens.clone(), m.aux_loss_sum.clone()) for m in moes]
-    try:
-        yield
-    finally:
-        for moe, (routed, aux) in zip(moes, saved):
-            moe.routed_tokens.copy_(routed)
-            moe.aux_loss_sum.copy_(aux)
-
-
 class HybridValidator(BaseValidator):
     def __init__(self, *, job_config, dp_world_size, dp_rank, tokenizer, parallel_dims,
                  validation_context, maybe_enable_amp, metrics_processor, pp_schedule=None,
@@ -140,7 +126,7 @@ class HybridValidator(BaseValidator):
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage = pp_has_first_stage
         self.pp_has_last_stage = pp_has_last_stage
-        self.document_masking = hybrid_job(job_config).hybrid.document_masking
+        self.document_masking = job_config.hybrid.document_masking
         # One batch is enough to know the set is not too small (and cheap for any dataset).
         if next(iter(self.loader), None) is None:
             v = job_config.validation
@@ -205,7 +191,8 @@ class HybridValidator(BaseValidator):
 
     @torch.no_grad()
     def validate(self, model_parts, step: int) -> None:
-        with _router_statistics_kept(model_parts):
+        # Validation forwards do not count in the next training log's layer statistics.
+        with statistics_set_aside(model_parts):
             for part in model_parts:
                 part.eval()
             try:

@@ -25,7 +25,6 @@ from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB, install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.tensor_parallel import record_param_layouts
 
 MICROBATCHES, ROWS, SEQ = 2, 2, 32
 
@@ -41,20 +40,17 @@ def build_parallel(args, *, strategy: str, activation_checkpoint: bool, overlap:
     dense_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
     sparse_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("efsdp", "ep"))
     with torch.device("meta"):
-        model = HybridModel(args)
-    record_param_layouts(model)
-    apply_expert_parallel(model, sparse_mesh["ep"])
+        model = HybridModel(args, init_materializer=full_tensor_materializer)
+    dispatchers = apply_expert_parallel(model, sparse_mesh["ep"])
     if activation_checkpoint:
         for key, layer in list(model.layers.items()):
             model.layers[key] = checkpoint_wrapper(layer)
     apply_data_parallel(model, dense_mesh, strategy=strategy, param_dtype=torch.float32,
                         reduce_dtype=torch.float32, expert_mesh=sparse_mesh["efsdp"])
-    if overlap:
-        install_overlap_hooks(model)
-    model.init_materializer = full_tensor_materializer
+    coordinator = install_overlap_hooks([model], dispatchers.values()) if overlap else None
     model.to_empty(device="cpu")
     model.init_weights()
-    return model
+    return model, coordinator
 
 
 def main() -> None:
@@ -82,12 +78,12 @@ def main() -> None:
 
     results = {}
     for overlap in (False, True):
-        model = build_parallel(args, strategy=options.strategy,
-                               activation_checkpoint=bool(options.activation_checkpoint),
-                               overlap=overlap)
+        model, coordinator = build_parallel(
+            args, strategy=options.strategy,
+            activation_checkpoint=bool(options.activation_checkpoint), overlap=overlap)
         mine = blocks[MICROBATCHES * rank:MICROBATCHES * (rank + 1)]
         if overlap:
-            schedule = CombinedOneFOneB(model, MICROBATCHES)
+            schedule = CombinedOneFOneB(model, coordinator, MICROBATCHES)
             losses = [schedule(lambda block=block: loss_of(model(block), block)).item()
                       for block in mine]
         else:

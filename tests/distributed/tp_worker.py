@@ -18,22 +18,20 @@ from torch.distributed.tensor import DTensor
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.tensor_parallel import (
     apply_tensor_parallel,
     deinterleave_from_tp,
-    record_param_layouts,
 )
 
 
 def logical(model: torch.nn.Module, name: str, tensor: torch.Tensor, tp: int) -> torch.Tensor:
     """Full logical value of a (possibly sharded, possibly interleaved) parameter or grad."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    module_name, _, param_name = name.rpartition(".")
-    layout = getattr(model.get_submodule(module_name), "param_layouts", {}).get(param_name)
-    return full if layout is None else deinterleave_from_tp(full, layout, tp)
+    return deinterleave_from_tp(full, tensor_parallel_layouts(model)[name], tp)
 
 
 def main() -> None:
@@ -60,14 +58,23 @@ def main() -> None:
         tp_mesh = init_device_mesh("cpu", (options.tp,), mesh_dim_names=("tp",))
         dp_mesh = None
     with torch.device("meta"):
-        model = HybridModel(args)
-    record_param_layouts(model)
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=bool(options.sequence_parallel),
-                          loss_parallel=False)
+        model = HybridModel(args, init_materializer=full_tensor_materializer)
+    layouts = tensor_parallel_layouts(model)
+    partial = apply_tensor_parallel(model, tp_mesh, layouts,
+                                    sequence_parallel=bool(options.sequence_parallel),
+                                    loss_parallel=False)
+    # What the plan reports as partial over the TP group: replicated parameters only, among
+    # them GDN's norm shared by all heads; with sequence parallelism every replicated one.
+    assert set(partial.values()) <= {"tp"}
+    assert all(layouts[name].shard_dim is None for name in partial), partial
+    assert all(name in partial for name, layout in layouts.items() if layout.partial_grad)
+    if options.sequence_parallel:
+        assert set(partial) == {name for name, layout in layouts.items()
+                                if layout.shard_dim is None
+                                and not name.startswith(("tok_embeddings", "output"))}
     if dp_mesh is not None:
         apply_data_parallel(model, dp_mesh, strategy="optim_grads_params",
                             param_dtype=torch.float32, reduce_dtype=torch.float32)
-    model.init_materializer = full_tensor_materializer
     model.to_empty(device="cpu")
     model.init_weights()
 

@@ -20,9 +20,10 @@ import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU ru
 from titan_hybrid.mimo import PackedSeqParams, PartitionAdapter
 from titan_hybrid.mimo.vision_language import VisionLanguageModel
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, MambaArgs, MLPArgs, hybrid_flavors
+from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, record_param_layouts
+from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
 IMAGE_TOKEN, VISION_DIM, SEQ = 3, 10, 32
 
@@ -33,11 +34,11 @@ def build(args, tp_mesh):
         model.init_weights()
         return model
     with torch.device("meta"):
-        model = VisionLanguageModel(args, vision_dim=VISION_DIM, image_token_id=IMAGE_TOKEN)
-    record_param_layouts(model.language_model)
-    apply_tensor_parallel(model.language_model, tp_mesh, sequence_parallel=True,
+        model = VisionLanguageModel(args, vision_dim=VISION_DIM, image_token_id=IMAGE_TOKEN,
+                                    init_materializer=full_tensor_materializer)
+    apply_tensor_parallel(model.language_model, tp_mesh,
+                          tensor_parallel_layouts(model.language_model), sequence_parallel=True,
                           loss_parallel=False)
-    model.language_model.init_materializer = full_tensor_materializer
     model.to_empty(device="cpu")
     model.init_weights()
     return model

@@ -26,8 +26,8 @@ from titan_hybrid.checkpoint.hf_nemotron_h import (
 )
 from titan_hybrid.checkpoint.state import SplitModelWrapper
 from titan_hybrid.model.args import AttentionArgs, MambaArgs, MLPArgs, hybrid_flavors
+from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.parallel.tensor_parallel import record_param_layouts
 
 VOCAB, SEQ = 96, 20  # SEQ is not a multiple of the chunk size: both pad the last chunk
 
@@ -45,7 +45,6 @@ def small_args(pattern="M-M*-[M-]"):
 def our_model(args):
     model = HybridModel(args)
     model.init_weights()
-    record_param_layouts(model)  # what parallelize does: fused tensors become components
     return model
 
 
@@ -67,7 +66,7 @@ def test_our_checkpoint_in_hf_format_loads_into_transformers(tmp_path):
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
     adapter = NemotronHStateDictAdapter(args, None)
-    hf_state_dict = adapter.to_hf(SplitModelWrapper([model]).state_dict())
+    hf_state_dict = adapter.to_hf(SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict())
     assert "backbone.layers.0.mixer.in_proj.weight" in hf_state_dict
     assert "backbone.layers.6.mixer.up_proj.weight" in hf_state_dict  # the group's 2nd layer
     dcp.save(hf_state_dict, storage_writer=HuggingFaceStorageWriter(
@@ -99,7 +98,7 @@ def test_transformers_checkpoint_loads_into_our_model(tmp_path):
     assert args.pattern == "M-*M-" and args.mlp.activation == "relu2"
     args = dataclasses.replace(args, max_seq_len=64)
     model = our_model(args)
-    wrapper = SplitModelWrapper([model])
+    wrapper = SplitModelWrapper([model], tensor_parallel_layouts(model))
     adapter = NemotronHStateDictAdapter(args, str(tmp_path))
     hf_state_dict = adapter.to_hf(wrapper.state_dict())
     dcp.load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(str(tmp_path)))

@@ -25,6 +25,7 @@ from titan_hybrid.model.args import (
     hybrid_flavors,
 )
 from titan_hybrid.model.attention import Attention, rotary_tables
+from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
@@ -403,17 +404,21 @@ def test_packed_documents_equal_separate_runs(layer):
     assert not torch.allclose(m(x, alone), m(x, packed))
 
 
-# ------------------------------------------------------------------ tensor-parallel annotations
+# ------------------------------------------------------------------ tensor-parallel layouts
 
 
-def _annotation(param):
-    return (getattr(param, "tensor_model_parallel", None), getattr(param, "partition_dim", None),
-            getattr(param, "partition_sizes", None))
+def _layout(module, name):
+    return tensor_parallel_layouts(module)[name]
+
+
+def _split(module, name):
+    layout = _layout(module, name)
+    return layout.shard_dim, layout.partition_sizes
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_parameter_annotations(device):
-    """The TP plan reads these from the parameters (before to_empty, on the meta model as
+def test_declared_tensor_parallel_layouts(device):
+    """Each layer module declares how TP splits its parameters, by name (on the meta model as
     torchtitan parallelises it); name heuristics would get Mamba's norm weight wrong."""
     args = tiny_args()
     a, g = args.mamba, args.gdn
@@ -424,28 +429,32 @@ def test_parameter_annotations(device):
         mlp = SwiGLU(dim=DIM, hidden_dim=24)
         moe = MoE(dim=DIM, args=args.moe)
 
-    assert _annotation(mamba.in_proj.weight) == (True, 0, (d_inner, d_inner, GN, GN, n_heads))
-    assert _annotation(mamba.conv1d.weight) == (True, 0, (d_inner, GN, GN))
-    assert _annotation(mamba.conv1d.bias) == (True, 0, (d_inner, GN, GN))
-    for param in (mamba.A_log, mamba.D, mamba.dt_bias, mamba.norm.weight):
-        assert param.tensor_model_parallel is True and param.partition_dim == 0
-    assert _annotation(mamba.out_proj.weight)[:2] == (True, 1)
+    assert _split(mamba, "in_proj.weight") == (0, (d_inner, d_inner, GN, GN, n_heads))
+    assert _split(mamba, "conv1d.weight") == (0, (d_inner, GN, GN))
+    assert _split(mamba, "conv1d.bias") == (0, (d_inner, GN, GN))
+    for name in ("A_log", "D", "dt_bias", "norm.weight"):
+        assert _layout(mamba, name) == TPLayout(0)
+    assert _layout(mamba, "out_proj.weight") == TPLayout(1)
     assert mamba.A_log.dtype == torch.float32 and mamba.D.dtype == torch.float32
 
     key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
-    assert _annotation(gdn.in_proj.weight) == (
-        True, 0, (key, key, value, value, g.n_value_heads, g.n_value_heads))
-    assert _annotation(gdn.conv1d.weight) == (True, 0, (key, key, value))
-    for param in (gdn.A_log, gdn.dt_bias):
-        assert param.tensor_model_parallel is True and param.partition_dim == 0
-    assert _annotation(gdn.out_proj.weight)[:2] == (True, 1)
-    # Shared by all heads: replicated, so it must carry NO tensor-parallel attribute.
+    assert _split(gdn, "in_proj.weight") == (
+        0, (key, key, value, value, g.n_value_heads, g.n_value_heads))
+    assert _split(gdn, "conv1d.weight") == (0, (key, key, value))
+    for name in ("A_log", "dt_bias"):
+        assert _layout(gdn, name) == TPLayout(0)
+    assert _layout(gdn, "out_proj.weight") == TPLayout(1)
+    # Shared by all heads: replicated, with each rank's gradient a partial sum.
     assert gdn.norm.weight.shape == (g.value_head_dim,)
-    assert not hasattr(gdn.norm.weight, "tensor_model_parallel")
-    assert not hasattr(gdn.norm.weight, "partition_dim")
+    assert _layout(gdn, "norm.weight") == TPLayout(None, partial_grad=True)
 
-    assert _annotation(mlp.fc1.weight) == (True, 0, (24, 24))
-    assert _annotation(mlp.fc2.weight)[:2] == (True, 1)
+    assert _split(mlp, "fc1.weight") == (0, (24, 24))
+    assert _layout(mlp, "fc2.weight") == TPLayout(1)
     hidden = args.moe.hidden_dim
-    assert _annotation(moe.experts.fc1) == (True, 1, (hidden, hidden))
-    assert _annotation(moe.experts.fc2)[:2] == (True, 2)
+    assert _split(moe, "experts.fc1") == (1, (hidden, hidden))
+    assert _layout(moe, "experts.fc2") == TPLayout(2)
+    # Undeclared parameters are replicated; nothing is written on the parameters.
+    assert _layout(moe, "router.gate.weight") == TPLayout(None)
+    for module in (mamba, gdn, mlp, moe):
+        for param in module.parameters():
+            assert not {"tensor_model_parallel", "partition_dim"} & set(vars(param))

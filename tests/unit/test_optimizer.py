@@ -9,6 +9,7 @@ import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU ru
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.optimizer import build_hybrid_optimizers
+from titan_hybrid.parallel.plan import ParallelPlan
 
 
 def build_model():
@@ -22,7 +23,8 @@ def build_model():
 
 def test_param_groups_split_by_role():
     model = build_model()
-    optimizers = build_hybrid_optimizers([model], OptimizerConfig(weight_decay=0.1), None)
+    optimizers = build_hybrid_optimizers([model], OptimizerConfig(weight_decay=0.1),
+                                         ParallelPlan.unparallelized([model]))
     (optimizer,) = optimizers.optimizers
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -43,7 +45,8 @@ def test_param_groups_split_by_role():
 def test_no_decay_parameters_are_untouched_by_decay_alone():
     model = build_model()
     optimizers = build_hybrid_optimizers(
-        [model], OptimizerConfig(lr=0.1, weight_decay=0.5, implementation="for-loop"), None)
+        [model], OptimizerConfig(lr=0.1, weight_decay=0.5, implementation="for-loop"),
+        ParallelPlan.unparallelized([model]))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

@@ -16,8 +16,12 @@ import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU ru
 from titan_hybrid.loss import hybrid_loss
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
-from titan_hybrid.parallel.pipeline_split import PipelineStage, pipeline_stages
+from titan_hybrid.parallel.pipeline_split import (
+    PipelineStage,
+    module_names_per_stage,
+    pipeline_stages,
+    stages_per_rank,
+)
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.pattern import parse_hybrid_pattern
 

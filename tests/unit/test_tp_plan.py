@@ -1,4 +1,5 @@
-"""The TP classifier reads parameter annotations first; fused layouts interleave per rank."""
+"""TP layouts come from the layer modules' declarations, by FQN; fused layouts interleave per
+rank."""
 
 import copy
 
@@ -8,13 +9,9 @@ from torch import nn
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.common import TPLayout, sharded, tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.parallel.tensor_parallel import (
-    TPLayout,
-    classify_parameter,
-    deinterleave_from_tp,
-    interleave_for_tp,
-)
+from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, interleave_for_tp
 from titan_hybrid.parallel.validate import validate_tensor_parallel
 
 
@@ -23,14 +20,12 @@ def layouts(pattern):
     args.pattern = pattern
     with torch.device("meta"):
         model = HybridModel(args)
-    result = {}
-    for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            result[f"{module_name}.{name}"] = classify_parameter(param)
+    result = tensor_parallel_layouts(model)
+    assert set(result) == {name for name, _ in model.named_parameters()}
     return args, result
 
 
-def test_mamba_parameters_are_sharded_by_their_own_annotations():
+def test_mamba_parameters_are_sharded_by_their_own_declarations():
     args, plan = layouts("M")
     d_inner, heads = args.mamba_d_inner, args.mamba_n_heads
     gn = args.mamba.n_groups * args.mamba.d_state
@@ -41,7 +36,7 @@ def test_mamba_parameters_are_sharded_by_their_own_annotations():
     assert plan["layers.0.mamba.conv1d.bias"] == conv
     for name in ("A_log", "D", "dt_bias"):
         assert plan[f"layers.0.mamba.{name}"] == TPLayout(0)
-    # A norm by class name (GatedGroupRMSNorm), yet sharded: the annotation must win.
+    # A norm by class name (GatedGroupRMSNorm), yet sharded: the declaration decides.
     assert plan["layers.0.mamba.norm.weight"] == TPLayout(0)
     assert plan["layers.0.mamba.out_proj.weight"] == TPLayout(1)
     # The residual-stream norm in front of the mixer is replicated.
@@ -53,8 +48,9 @@ def test_mla_with_a_full_rank_query_splits_q_proj_by_heads():
     args.pattern, args.mla.q_lora_rank = "+", None
     with torch.device("meta"):
         layer = HybridModel(args).layers["0"].mla
-    assert not hasattr(layer, "q_a_proj") and classify_parameter(layer.q_proj.weight) == TPLayout(0)
-    assert classify_parameter(layer.kv_a_proj_with_mqa.weight).shard_dim is None
+    plan = tensor_parallel_layouts(layer)
+    assert not hasattr(layer, "q_a_proj") and plan["q_proj.weight"] == TPLayout(0)
+    assert plan["kv_a_proj_with_mqa.weight"].shard_dim is None
 
 
 def test_attention_mlp_gdn_moe_layouts():
@@ -79,16 +75,25 @@ def test_attention_mlp_gdn_moe_layouts():
     assert plan["layers.3.moe.router.gate.weight"].shard_dim is None
 
 
-def test_unannotated_parameters_are_replicated_and_annotations_decide():
+def test_undeclared_parameters_are_replicated_and_declarations_decide():
     class VendorProjection(nn.Linear):
         pass
 
-    plain = VendorProjection(4, 8)
-    assert classify_parameter(plain.weight) == TPLayout(None)
-    plain.weight.tensor_model_parallel, plain.weight.partition_dim = True, 1
-    assert classify_parameter(plain.weight) == TPLayout(1)
-    plain.bias.tensor_parallel_partial_grad = True
-    assert classify_parameter(plain.bias) == TPLayout(None, partial_grad=True)
+    class Declared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = VendorProjection(4, 8)
+
+        def tensor_parallel_layouts(self):
+            return {"proj.weight": sharded(1)}
+
+    assert tensor_parallel_layouts(VendorProjection(4, 8)) == {"weight": TPLayout(None),
+                                                               "bias": TPLayout(None)}
+    outer = nn.Sequential(Declared())
+    assert tensor_parallel_layouts(outer) == {"0.proj.weight": TPLayout(1),
+                                              "0.proj.bias": TPLayout(None)}
+    # A pipeline stage is a deep copy: the declarations come with the class.
+    assert tensor_parallel_layouts(copy.deepcopy(outer)) == tensor_parallel_layouts(outer)
 
 
 def test_interleave_puts_each_ranks_slice_of_every_component_together():

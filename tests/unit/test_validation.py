@@ -16,8 +16,9 @@ from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_split
 from titan_hybrid.data.loader import validation_dataset_name
 from titan_hybrid.errors import JobError
 from titan_hybrid.metrics import drop_records_from, loss_curve_path, perplexity
-from titan_hybrid.model.args import MoEArgs
-from titan_hybrid.model.moe import MoE
+from titan_hybrid.model.args import HybridModelArgs, MoEArgs
+from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.moe import KIND as MOE_KIND
 from titan_hybrid.validation import (
     HybridValidator,
     next_token_loss_sum,
@@ -41,14 +42,19 @@ class TinyMoELM(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.moe = MoE(dim=DIM, args=MoEArgs(num_experts=4, top_k=2, hidden_dim=16))
-        self.moe.init_weights(init_std=0.5, out_std=0.5)
+        args = HybridModelArgs(dim=DIM, moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=16))
+        self.layer = HybridLayer(MOE_KIND.symbol, args)  # the statistics are found by kind
+        self.layer.init_weights(init_std=0.5, out_std=0.5)
         self.head = nn.Linear(DIM, VOCAB)
         self.seen_training_mode = []
 
+    @property
+    def moe(self) -> nn.Module:
+        return self.layer.mixer
+
     def forward(self, tokens):
         self.seen_training_mode.append(self.training)
-        h, aux = self.moe(self.embed(tokens))
+        h, aux = self.layer(self.embed(tokens), torch.zeros(()), None)
         logits = self.head(h)
         return logits, aux + 100.0, logits.flip(-1)
 

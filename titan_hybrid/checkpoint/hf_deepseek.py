@@ -17,22 +17,29 @@ import torch
 
 from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.dsa import KIND as DSA
+from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.mla import KIND as MLA
+from titan_hybrid.model.mlp import KIND as MLP
 
-ARCHITECTURES = {"+": ("DeepseekV3ForCausalLM", "deepseek_v3"),
-                 "D": ("DeepseekV32ForCausalLM", "deepseek_v32")}
+# (architecture, model_type) of the decoder layer's attention kind: MLA or DSA, by kind name.
+ARCHITECTURES = {MLA.name: ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                 DSA.name: ("DeepseekV32ForCausalLM", "deepseek_v32")}
+ATTENTION_KINDS = [kind for kind in LAYER_KINDS.values() if kind.name in ARCHITECTURES]
 
 
-def check_deepseek_compatible(args: HybridModelArgs) -> str:
-    """The attention symbol ('+' or 'D') of a model the format can hold; ValueError naming
+def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
+    """The attention kind (MLA or DSA) of a model the format can hold; ValueError naming
     the first field it cannot."""
     pattern = args.parsed_pattern
     symbols = pattern.physical_layer_symbols()
-    attention = symbols[0] if symbols else ""
+    attention = LAYER_KINDS[symbols[0]] if symbols else None
     problems = []
-    if (attention not in ARCHITECTURES or len(symbols) % 2
-            or symbols != [attention, "-"] * (len(symbols) // 2)):
-        problems.append(f"hybrid.pattern '{args.pattern}' must be '+-' or 'D-' repeated "
+    if (attention is None or attention.name not in ARCHITECTURES or len(symbols) % 2
+            or symbols != [attention.symbol, MLP.symbol] * (len(symbols) // 2)):
+        decoder_layers = " or ".join(f"'{kind.symbol}{MLP.symbol}'" for kind in ATTENTION_KINDS)
+        problems.append(f"hybrid.pattern '{args.pattern}' must be {decoder_layers} repeated "
                         "(DeepSeek's dense decoder layers)")
     if any(isinstance(item, tuple) for item in pattern.main):
         problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups")
@@ -45,8 +52,7 @@ def check_deepseek_compatible(args: HybridModelArgs) -> str:
     return attention
 
 
-def _attention_parameter_names(args: HybridModelArgs, symbol: str) -> list[str]:
-    kind = LAYER_KINDS[symbol]
+def _attention_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[str]:
     with torch.device("meta"):
         layer = kind.build(args.section(kind), args.dim, args.norm_eps)
     return list(layer.state_dict())
@@ -54,11 +60,11 @@ def _attention_parameter_names(args: HybridModelArgs, symbol: str) -> list[str]:
 
 def _key_map(args: HybridModelArgs) -> dict[str, str]:
     """HF key -> our key; the MLP's gate / up halves map to our fc1 with a suffix _w / _v."""
-    symbol = check_deepseek_compatible(args)
-    name = LAYER_KINDS[symbol].name
+    kind = check_deepseek_compatible(args)
+    name = kind.name
     mapping = {"model.embed_tokens.weight": "tok_embeddings.weight",
                "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-    attention_names = _attention_parameter_names(args, symbol)
+    attention_names = _attention_parameter_names(args, kind)
     for j in range(args.parsed_pattern.num_physical_layers // 2):
         hf, mixer, mlp = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
         mapping[hf + "input_layernorm.weight"] = f"{mixer}{name}_norm.weight"
@@ -120,9 +126,9 @@ def from_deepseek(hf_state_dict: dict[str, torch.Tensor], args: HybridModelArgs)
 
 def deepseek_config(args: HybridModelArgs) -> dict:
     """The config.json transformers' DeepseekV3ForCausalLM / DeepseekV32ForCausalLM needs."""
-    symbol = check_deepseek_compatible(args)
-    architecture, model_type = ARCHITECTURES[symbol]
-    mla = args.section(LAYER_KINDS[symbol])
+    kind = check_deepseek_compatible(args)
+    architecture, model_type = ARCHITECTURES[kind.name]
+    mla = args.section(kind)
     rope = {"rope_type": "default", "rope_theta": mla.rope_theta}
     if mla.yarn_factor != 1.0:
         rope.update(rope_type="yarn", factor=mla.yarn_factor,
@@ -142,7 +148,7 @@ def deepseek_config(args: HybridModelArgs) -> dict:
         "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
     }
-    if symbol == "+":
+    if kind is MLA:
         config["rope_interleave"] = mla.rope_interleave
     else:
         if not mla.rope_interleave:

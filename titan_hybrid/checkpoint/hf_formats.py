@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
 from titan_hybrid.checkpoint.hf_deepseek import (
     ARCHITECTURES,
+    ATTENTION_KINDS,
     DeepSeekStateDictAdapter,
     check_deepseek_compatible,
     deepseek_config,
@@ -28,7 +29,8 @@ from titan_hybrid.checkpoint.hf_nemotron_h import (
 from titan_hybrid.model.args import HybridModelArgs
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
-        f"models with MLA / DSA layers ({', '.join(ARCHITECTURES)}), Nemotron-H for the others")
+        f"models with MLA / DSA layers ({', '.join(kind.symbol for kind in ATTENTION_KINDS)}), "
+        "Nemotron-H for the others")
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,8 @@ DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepsee
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:
     """The format of the model's layer kinds (RULE), whether or not it can hold the model."""
-    symbols = set(args.parsed_pattern.physical_layer_symbols(include_mtp=True))
-    return DEEPSEEK if symbols & set(ARCHITECTURES) else NEMOTRON_H
+    kinds = {kind.name for kind in args.kinds()}
+    return DEEPSEEK if kinds & set(ARCHITECTURES) else NEMOTRON_H
 
 
 def check_hf_compatible(args: HybridModelArgs) -> HFFormat:

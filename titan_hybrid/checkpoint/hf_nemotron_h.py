@@ -28,17 +28,22 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
 from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.mamba import fused_component_sizes
 from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
 
 FORMAT = "nemotron_h"  # the key of this format's names in LayerKind.hf_names
 # hybrid_override_pattern symbols: the kinds this format names.
 HF_BLOCK_TYPES = {symbol: kind.hf_names[FORMAT].block_type
                   for symbol, kind in LAYER_KINDS.items() if FORMAT in kind.hf_names}
-HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "mamba": "M",
-                  "attention": "*"}
+# layers_block_type words (configs without hybrid_override_pattern) -> our symbols: each
+# kind's block type, and the other words transformers uses for the same layers.
+_BLOCK_TYPE_ALIASES = {"linear_attention": mamba.KIND, "full_attention": attention.KIND}
+HF_LAYER_TYPES = {**{block_type: symbol for symbol, block_type in HF_BLOCK_TYPES.items()},
+                  **{word: kind.symbol for word, kind in _BLOCK_TYPE_ALIASES.items()}}
 
 
 def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
@@ -48,15 +53,15 @@ def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
     problems = []
     if unsupported:
         problems.append(f"hybrid.pattern '{args.pattern}' has layer types {unsupported}; the "
-                        "format holds only M, * and -")
+                        f"format holds only {', '.join(HF_BLOCK_TYPES)}")
     if pattern.mtp_depths:
         problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths; the format has none")
-    symbols = set(pattern.physical_layer_symbols(include_mtp=True))
-    if "-" in symbols and args.mlp.activation != "relu2":
+    kinds = {kind.name for kind in args.kinds()}
+    if mlp.KIND.name in kinds and args.mlp.activation != "relu2":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'relu2'")
-    if "*" in symbols and args.attention.use_rope:
+    if attention.KIND.name in kinds and args.attention.use_rope:
         problems.append("attention.use_rope=True: Nemotron-H attention has no position embedding")
-    if "M" in symbols and args.mamba.dt_limit[1] != float("inf"):
+    if mamba.KIND.name in kinds and args.mamba.dt_limit[1] != float("inf"):
         problems.append(f"mamba.dt_limit={args.mamba.dt_limit} must have no upper bound")
     if problems:
         raise ValueError("model cannot use the HF Nemotron-H format: " + "; ".join(problems))
@@ -76,12 +81,6 @@ def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, LayerKind]
             prefix = f"layers.{index}." if unique else f"layers.{index}.layers.{inner}."
             layers.append((prefix, LAYER_KINDS[symbol]))
     return layers
-
-
-def _mamba_component_sizes(args: HybridModelArgs) -> dict[str, int]:
-    group_state = args.mamba.n_groups * args.mamba.d_state
-    return {".z": args.mamba_d_inner, ".x": args.mamba_d_inner, ".B": group_state,
-            ".C": group_state, ".dt": args.mamba_n_heads}
 
 
 class HFFusedChunks(ComponentChunks):
@@ -162,7 +161,10 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
-        sizes = _mamba_component_sizes(self.model_args)
+        # Rows of each component (the same for a component wherever it is fused).
+        sizes = {part: rows for parts in fused_component_sizes(self.model_args.mamba,
+                                                               self.model_args.dim).values()
+                 for part, rows in parts.items()}
         state_dict = {}
         for hf_key, ours in self._key_map().items():
             if hf_key not in hf_state_dict:

@@ -43,6 +43,7 @@ from titan_hybrid.checkpoint.state import (
 )
 from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
 from titan_hybrid.errors import JobError
+from titan_hybrid.model.common import TPLayout
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
 
@@ -52,7 +53,9 @@ def holds_training_state(metadata) -> bool:
 
 
 class HybridCheckpointManager(CheckpointManagerHooks):
-    def __init__(self, *, model_args, job_config, tokenizer_folder: str | None, **kwargs) -> None:
+    def __init__(self, *, model_args, job_config, tokenizer_folder: str | None,
+                 layouts: dict[str, TPLayout], **kwargs) -> None:
+        """`layouts`: the run's ParallelPlan.layouts (fused tensors are saved as components)."""
         super().__init__(**kwargs)
         self.model_args = model_args
         self.tokenizer_folder = tokenizer_folder
@@ -60,7 +63,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
         self.verified: set[str] = set()
         if self.enable:
-            self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model)
+            self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
 
     # ---- saving -------------------------------------------------------------------------
 

@@ -20,23 +20,24 @@ from torch import nn
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
 from titan_hybrid.compat.torchtitan import ModelWrapperHooks
 from titan_hybrid.errors import JobError
+from titan_hybrid.model.common import TPLayout
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.parallel.tensor_parallel import TPLayout
 
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
 _GROUPED_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\.layers\.\d+\.")
 FINAL_NORM_ALIASES = {"norm.weight": "final_layernorm.weight"}
 
 
-def fused_parameters(model_parts: list[nn.Module]) -> dict[str, tuple[TPLayout, object]]:
-    """fqn -> (layout, parameter) for every fused parameter (layouts recorded by parallelize)."""
+def fused_parameters(model_parts: list[nn.Module],
+                     layouts: dict[str, TPLayout]) -> dict[str, tuple[TPLayout, object]]:
+    """fqn -> (layout, parameter) for every fused parameter of `model_parts`, by the plan's
+    `layouts` (ParallelPlan.layouts)."""
     fused = {}
     for part in model_parts:
-        for module_name, module in part.named_modules():
-            for name, layout in getattr(module, "param_layouts", {}).items():
-                if layout.partition_names:
-                    fqn = f"{module_name}.{name}" if module_name else name
-                    fused[fqn] = (layout, module.get_parameter(name))
+        for fqn, param in part.named_parameters():
+            layout = layouts.get(fqn)
+            if layout is not None and layout.partition_names:
+                fused[fqn] = (layout, param)
     return fused
 
 
@@ -70,11 +71,17 @@ def physical_keys(state_dict: dict, originals: dict[str, str]) -> dict:
 
 
 class SplitModelWrapper(ModelWrapperHooks):
-    """torchtitan's ModelWrapper with fused tensors as components and logical keys."""
+    """torchtitan's ModelWrapper with fused tensors as components and logical keys; `layouts`:
+    the run's ParallelPlan.layouts."""
+
+    def __init__(self, model, layouts: dict[str, TPLayout]) -> None:
+        self.layouts = layouts  # before torchtitan's constructor builds the state dict
+        super().__init__(model)
 
     def _logical_state_dict(self) -> tuple[dict, dict[str, str]]:
         """(the model's state dict split and logically keyed, {logical key: model key})."""
-        split = split_state_dict(super().build_state_dict(), fused_parameters(self.model))
+        split = split_state_dict(super().build_state_dict(),
+                                 fused_parameters(self.model, self.layouts))
         return logical_keys(split)
 
     def build_state_dict(self) -> dict:
@@ -93,8 +100,10 @@ class SplitModelWrapper(ModelWrapperHooks):
         super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
 
 
-def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module]) -> tuple[dict, dict]:
-    split = split_state_dict(state_dict, fused_parameters(model_parts), key_of=optimizer_key)
+def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module],
+                          layouts: dict[str, TPLayout]) -> tuple[dict, dict]:
+    split = split_state_dict(state_dict, fused_parameters(model_parts, layouts),
+                             key_of=optimizer_key)
     return logical_keys(split)
 
 

@@ -22,15 +22,19 @@ from titan_hybrid.model.model import HybridModel
 
 
 class VisionLanguageModel(nn.Module):
-    def __init__(self, lm_args: HybridModelArgs, *, vision_dim: int, image_token_id: int) -> None:
+    def __init__(self, lm_args: HybridModelArgs, *, vision_dim: int, image_token_id: int,
+                 **language_model_options) -> None:
+        """`language_model_options`: HybridModel's keywords (its init materializer)."""
         super().__init__()
-        if "E" in lm_args.symbols():
-            raise ValueError(f"VisionLanguageModel: pattern '{lm_args.pattern}' has MoE layers; "
-                             "this example feeds the LM hidden states only (no aux loss input)")
+        if lm_args.has_aux_loss:
+            kinds = ", ".join(kind.title for kind in lm_args.kinds() if kind.has_aux_loss)
+            raise ValueError(f"VisionLanguageModel: pattern '{lm_args.pattern}' has layers with "
+                             f"an auxiliary loss ({kinds}); this example feeds the LM hidden "
+                             "states only (no aux loss input) and reads logits alone")
         self.image_token_id = image_token_id
         self.tok_embeddings = nn.Embedding(lm_args.vocab_size, lm_args.dim)
         self.vision_projection = nn.Linear(vision_dim, lm_args.dim, bias=False)
-        self.language_model = HybridModel(lm_args)
+        self.language_model = HybridModel(lm_args, **language_model_options)
         self.language_model.tok_embeddings = None  # the front end embeds, full length
 
     @torch.no_grad()

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_hybrid.job_config import hybrid_job
 from titan_hybrid.model.attention import AttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
@@ -90,9 +89,12 @@ class HybridModelArgs(BaseModelArgs):
             kind.validate(self.section(kind), self.dim)
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        job_config = hybrid_job(job_config)
-        if job_config.hybrid.pattern:
-            self.pattern = job_config.hybrid.pattern
+        """The job's pattern, sequence length and seed (torchtitan calls this on the run's
+        args, resolve_model_args too; applying it twice changes nothing). A plain torchtitan
+        job has no [hybrid] section: the flavor's pattern stays."""
+        hybrid = getattr(job_config, "hybrid", None)
+        if hybrid is not None and hybrid.pattern:
+            self.pattern = hybrid.pattern
         self.max_seq_len = job_config.training.seq_len
         if job_config.debug.seed is not None:
             self.init_seed = job_config.debug.seed

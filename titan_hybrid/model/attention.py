@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
+from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 
@@ -87,10 +87,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
-        for column_parallel in (self.wq, self.wk, self.wv):  # split by (kv) heads
-            annotate_tensor_parallel(column_parallel.weight, partition_dim=0)
-        annotate_tensor_parallel(self.wo.weight, partition_dim=1)
         self.core = CausalAttentionCore()
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        # Query / key / value projections split by (kv) heads, the output projection by rows.
+        return {"wq.weight": sharded(0), "wk.weight": sharded(0), "wv.weight": sharded(0),
+                "wo.weight": sharded(1)}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         batch, seq_len, _ = x_BTD.shape

@@ -1,36 +1,62 @@
-"""Helpers shared by the layer modules: parameter layout annotations and init."""
+"""Helpers shared by the layer modules: tensor-parallel layout declarations and init."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-def annotate_tensor_parallel(
-    param: nn.Parameter, *, partition_dim: int = 0, components: dict[str, int] | None = None
-) -> None:
-    """Record on the PARAMETER how tensor parallelism splits it (Megatron's attribute names).
+@dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism lays out one parameter (Megatron's per-parameter layouts).
 
-    `components` lists the parts of a fused tensor along `partition_dim`, by checkpoint-key
-    suffix and size (e.g. {"_w": H, "_v": H}): each TP rank holds its own slice of every part,
-    so the plan splits each part separately (`partition_sizes`), and checkpoints store each
-    part under its own key (`partition_names`). The TP plan reads these attributes first.
-    """
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    if components is not None:
-        assert sum(components.values()) == param.shape[partition_dim], (components, param.shape)
-        param.partition_sizes = tuple(components.values())
-        param.partition_names = tuple(components)
+    `shard_dim` None: replicated on every TP rank. A fused tensor lists its parts along
+    `shard_dim` (`partition_sizes`, by checkpoint-key suffix `partition_names`, e.g. "_w" /
+    "_v"): each TP rank holds its own slice of every part, and checkpoints store each part
+    under its own key. `partial_grad`: replicated, but applied to each rank's own shard of the
+    activations (one norm weight shared by all heads), so each rank's gradient is a partial sum
+    that the TP plan must sum over the group."""
+
+    shard_dim: int | None
+    partition_sizes: tuple[int, ...] | None = None
+    partial_grad: bool = False
+    partition_names: tuple[str, ...] | None = None
 
 
-def annotate_replicated_on_local_shards(param: nn.Parameter) -> None:
-    """A parameter that tensor parallelism replicates but applies to each rank's own shard of
-    the activations (e.g. one norm weight shared by all heads): each rank's gradient is only a
-    partial sum, and the TP plan must sum it over the group."""
-    param.tensor_parallel_partial_grad = True
+REPLICATED = TPLayout(None)
+REPLICATED_ON_LOCAL_SHARDS = TPLayout(None, partial_grad=True)
+
+
+def sharded(dim: int = 0, components: dict[str, int] | None = None) -> TPLayout:
+    """Split along `dim`; `components`: the parts of a fused tensor by key suffix and size."""
+    if components is None:
+        return TPLayout(dim)
+    return TPLayout(dim, tuple(components.values()), partition_names=tuple(components))
+
+
+def tensor_parallel_layouts(root: nn.Module) -> dict[str, TPLayout]:
+    """Every parameter of `root` by FQN -> its TPLayout.
+
+    A layer module declares the layouts of the parameters it splits, by name relative to itself,
+    in a `tensor_parallel_layouts()` method (as torchtitan's plans name modules); every other
+    parameter is replicated. Declarations are part of the module's class, so deep copies
+    (pipeline stages) and wrapped modules (FSDP, compile, activation checkpointing) keep them.
+    FQNs are those of `root.named_parameters()`, which torch's wrappers keep free of their
+    own prefixes (the state dict's keys)."""
+    declared = {}  # id(parameter) -> layout
+    for module in root.modules():
+        if callable(getattr(type(module), "tensor_parallel_layouts", None)):
+            for name, layout in module.tensor_parallel_layouts().items():
+                param = module.get_parameter(name)
+                if layout.partition_sizes is not None:
+                    assert sum(layout.partition_sizes) == param.shape[layout.shard_dim], (
+                        type(module).__name__, name, layout)
+                declared[id(param)] = layout
+    return {name: declared.get(id(param), REPLICATED)
+            for name, param in root.named_parameters(remove_duplicate=False)}
 
 
 def init_linear(linear: nn.Linear, *, std: float) -> None:

@@ -39,7 +39,14 @@ from torch import nn
 
 from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
 from titan_hybrid.model.common import TensorParallelHeadSum, init_linear, upcast
-from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
+from titan_hybrid.model.layer_kind import (
+    CONTEXT,
+    DATA,
+    PIPELINE,
+    ContextParallelRule,
+    KindStatistics,
+    LayerKind,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mla import (
     MLAArgs,
@@ -273,8 +280,8 @@ class DeepSeekSparseAttention(MultiLatentAttention):
     def __init__(self, *, dim: int, args: DSAArgs) -> None:
         super().__init__(dim=dim, args=args)
         self.indexer = LightningIndexer(dim=dim, args=args)
-        # The indexer's KL (before its coefficient) summed over the forwards that trained it,
-        # and their count, since titan_hybrid.metrics last read them.
+        # The indexer's KL (before its coefficient) summed over the forwards that computed
+        # it, and their count, since the metrics last read them (KIND.statistics).
         self.register_buffer("indexer_loss_sum", torch.zeros(2), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +293,8 @@ class DeepSeekSparseAttention(MultiLatentAttention):
         index_q, index_k, weights = self.indexer(x_BTD.detach(), query_latent.detach(), cos, sin)
         out, kl = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k, weights,
                             layout, layout)
+        # Only a forward that computed the KL has one to record. Which forwards count in the
+        # log (not validation's) is titan_hybrid.kind_statistics' rule, the same for every kind.
         if trains_indexer(self.args):
             with torch.no_grad():
                 value = kl.detach().to(self.indexer_loss_sum.dtype)
@@ -326,6 +335,13 @@ def _core_flops(args: DSAArgs, dim: int, seq_len: int) -> int:
     return mla_core_flops(args, keys) // 2 + seq_len * args.index_n_heads * args.index_head_dim
 
 
+def _indexer_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The indexer's KL before its coefficient, averaged over layers and microbatches (as
+    Megatron logs it), from the counters summed over layers and ranks."""
+    loss_sum, count = sums["indexer_loss_sum"].tolist()
+    return {"dsa/indexer_loss": loss_sum / count} if count else {}
+
+
 KIND = LayerKind(
     symbol="D", args_type=DSAArgs,
     build=lambda args, dim, norm_eps: DeepSeekSparseAttention(dim=dim, args=args),
@@ -334,4 +350,8 @@ KIND = LayerKind(
     # The indexer's top-k must see every causal key: its keys are gathered with the latents.
     context_parallel=ContextParallelRule(core="core", gather=("latent_BSC", "k_rope_BSR",
                                                               "index_k_BSK")),
+    # Summed over every rank that may hold other tokens or other layers.
+    statistics=KindStatistics(counters=("indexer_loss_sum",),
+                              summed_over=(DATA, CONTEXT, PIPELINE), per_layer=False,
+                              log=_indexer_log),
 )

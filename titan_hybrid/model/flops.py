@@ -7,8 +7,9 @@ sequence as torchtitan counts it; MLA and DSA causally, as Megatron's hybrid FLO
 them, MLA T * heads * (qk_head_dim + v_head_dim), DSA min(T, 2 * top-k) * heads *
 (qk_head_dim + v_head_dim) + T * indexer heads * indexer head dim; the chunked SSD and
 gated-delta scans).
-Backward is counted as twice the forward for the cores too. MoE layers count only the top_k
-routed experts a token visits, and the LM head counts once more per MTP depth.
+Backward is counted as twice the forward for the cores too. Parameters a token does not use
+are left out (`LayerKind.inactive_params`: MoE layers count only the top_k routed experts a
+token visits), and the LM head counts once more per MTP depth.
 """
 
 from __future__ import annotations
@@ -16,26 +17,19 @@ from __future__ import annotations
 from torch import nn
 
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.model.moe import MoE
 
 
 def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[int, int]:
     """(parameters, training FLOPs per token) of a HybridModel built from `args`."""
     total_params = sum(p.numel() for p in model.parameters())
     embedding_params = sum(p.numel() for p in model.tok_embeddings.parameters())
-    # MoE layers run only top_k of their routed experts per token.
-    inactive_expert_params = 0
-    for module in model.modules():
-        if isinstance(module, MoE):
-            per_expert = (module.experts.fc1.numel() + module.experts.fc2.numel()) // args.moe.num_experts
-            inactive_expert_params += per_expert * (args.moe.num_experts - args.moe.top_k)
-    active_matmul_params = total_params - embedding_params - inactive_expert_params
-
     pattern = args.parsed_pattern
     # The LM head runs once more per MTP depth.
-    active_matmul_params += pattern.mtp_depths * model.output.weight.numel()
+    active_matmul_params = (total_params - embedding_params
+                            + pattern.mtp_depths * model.output.weight.numel())
     core = 0
     for symbol in pattern.physical_layer_symbols(include_mtp=True):
         kind = LAYER_KINDS[symbol]
+        active_matmul_params -= kind.inactive_params(args.section(kind), args.dim)
         core += kind.core_flops(args.section(kind), args.dim, seq_len)
     return total_params, 6 * active_matmul_params + 3 * core

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import (
-    annotate_replicated_on_local_shards,
-    annotate_tensor_parallel,
+    REPLICATED_ON_LOCAL_SHARDS,
+    TPLayout,
     init_depthwise_conv,
     init_linear,
     init_ssm_decay,
+    sharded,
     upcast,
 )
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
@@ -86,6 +87,7 @@ class GatedDeltaNet(nn.Module):
         in_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim, ".z": value_dim,
                     ".beta": args.n_value_heads, ".alpha": args.n_value_heads}
         conv_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim}
+        self.fused_parts = {"in_proj.weight": in_parts, "conv1d.weight": conv_parts}
         in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
 
         self.in_proj = nn.Linear(dim, in_size, bias=False)
@@ -96,13 +98,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
 
-        annotate_tensor_parallel(self.in_proj.weight, components=in_parts)
-        annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
-        annotate_tensor_parallel(self.conv1d.weight, components=conv_parts)
-        annotate_tensor_parallel(self.A_log)
-        annotate_tensor_parallel(self.dt_bias)
-        annotate_replicated_on_local_shards(self.norm.weight)
         self.conv_and_delta_rule = ConvAndDeltaRule(args)
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        # Heads split; the output norm is one weight shared by all heads, applied to each
+        # rank's own heads.
+        return {**{name: sharded(0, parts) for name, parts in self.fused_parts.items()},
+                "out_proj.weight": sharded(1), "A_log": sharded(0), "dt_bias": sharded(0),
+                "norm.weight": REPLICATED_ON_LOCAL_SHARDS}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args

@@ -3,9 +3,9 @@
 Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with
 its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that
 differs between kinds outside the layer's own module is read from here: model building, shape
-validation, FLOPs, the TP / CP rules, checkpoint keys and Hugging Face names. A kind's name,
-title and pattern rules are its symbol's entry in `SYMBOLS` (symbols.py), which the pattern
-grammar reads without importing any layer module.
+validation, FLOPs, the TP / CP / EP rules, checkpoint keys, Hugging Face names and the
+statistics a kind logs. A kind's name, title and pattern rules are its symbol's entry in
+`SYMBOLS` (symbols.py), which the pattern grammar reads without importing any layer module.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from titan_hybrid.model.symbols import SYMBOLS, LayerSymbol
@@ -28,6 +29,10 @@ def _no_core(section: Any, dim: int, seq_len: int) -> int:
 
 def _nothing_to_split(section: Any, dim: int) -> list[tuple[str, int]]:
     return []
+
+
+def _all_active(section: Any, dim: int) -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -46,14 +51,45 @@ class ContextParallelRule:
     `core` is the mixer's submodule that runs along the sequence; parallel/context_parallel.py
     wraps it. Either the core's queries stay local and the arguments named in `gather` (keys,
     values, latents: [B, S, ...] tensors) are all-gathered along the sequence together with its
-    `key` TokenLayout argument; or (`gather` empty) the kind's own wrapper, registered by the
-    kind's name, exchanges heads for sequence. `head_groups(section, dim)` gives
-    ((heads field, heads), (groups field, groups)) for such kinds: each CP rank takes whole
-    groups' heads or whole heads of one group."""
+    `key` TokenLayout argument; or (`gather` empty) the kind's own wrapper, registered under
+    this rule (parallel/context_parallel.py), exchanges heads for sequence.
+    `head_groups(section, dim)` gives ((heads field, heads), (groups field, groups)) for such
+    kinds: each CP rank takes whole groups' heads or whole heads of one group."""
 
     core: str
     gather: tuple[str, ...] = ()
     head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
+
+
+# The parallel dimensions over which a kind's statistics add up (KindStatistics.summed_over).
+DATA, CONTEXT, PIPELINE = "dp", "cp", "pp"
+
+
+@dataclass(frozen=True)
+class KindStatistics:
+    """Counters that a kind's mixer accumulates over its forwards, and what the training log
+    shows of them. The mixer keeps each counter as a non-persistent buffer that every forward
+    adds to; titan_hybrid.kind_statistics does the rest for every kind alike: it reads, reduces
+    and resets them when the metrics log, and sets aside what the forwards that must not count
+    added (validation passes, the pipeline's shape inference).
+
+    `summed_over`: the parallel dimensions whose ranks' counters add up (DATA: other tokens of
+    the same layers; CONTEXT: other parts of the same sequences; PIPELINE: other layers).
+    `per_layer`: each layer's counters are reduced separately and `log` gets them stacked,
+    [layers, *counter shape]; a rank holding no layer of the kind logs nothing of it (so
+    PIPELINE cannot be in `summed_over`). Otherwise the counters are summed over the kind's
+    layers first, `log` gets [*counter shape], and every rank takes part (with zeros where it
+    holds no such layer). `log` maps the reduced float64 counters, by name, to the logged
+    metrics ({} when there is nothing to log)."""
+
+    counters: tuple[str, ...]  # the mixer's buffers
+    summed_over: tuple[str, ...]  # of DATA, CONTEXT, PIPELINE
+    per_layer: bool
+    log: Callable[[dict[str, torch.Tensor]], dict[str, float]]
+
+    def __post_init__(self) -> None:
+        assert set(self.summed_over) <= {DATA, CONTEXT, PIPELINE}, self.summed_over
+        assert not (self.per_layer and PIPELINE in self.summed_over), "stages hold other layers"
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,13 @@ class LayerKind:
     # The layer's nn.Linear weights then form a low-precision unit of their own
     # (parallel/data_parallel.py); everything else in the layer stays fp32.
     full_precision_params: tuple[str, ...] = ()
+    # The mixer's submodule of routed experts, if it has one (MoE: "experts"): expert
+    # parallelism shards it over the EP ranks, data parallelism makes it a unit of its own.
+    routed_experts: str | None = None
+    # Mixer parameters a token does not use (MoE: the routed experts beyond its top_k), which
+    # the FLOPs leave out of 6 * parameters.
+    inactive_params: Callable[[Any, int], int] = _all_active  # (section, dim)
+    statistics: KindStatistics | None = None  # counters for the training log, if any
 
     def __deepcopy__(self, memo) -> "LayerKind":
         return self  # a registry entry: copies of a model share it

@@ -5,7 +5,9 @@ write its module under model/ (the mixer, its args dataclass and a `KIND =
 LayerKind(symbol=...)`, see layer_kind.py), add it to the tuple below, and give HybridModelArgs a
 section of that name (model/args.py). A kind that mixes along the sequence states in its
 ContextParallelRule which core arguments CP all-gathers (or needs a wrapper of its own in
-parallel/context_parallel.py).
+parallel/context_parallel.py, registered under that rule). A kind whose mixer counts something
+for the training log names its counters, their reduction and its metrics in `statistics`
+(KindStatistics); titan_hybrid.kind_statistics collects them for every kind alike.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from titan_hybrid.model.common import (
-    annotate_tensor_parallel,
+    TPLayout,
     init_depthwise_conv,
     init_linear,
     init_ssm_decay,
+    sharded,
     upcast,
 )
 from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
@@ -45,6 +46,20 @@ class MambaArgs:
 
     def n_heads(self, dim: int) -> int:
         return self.d_inner(dim) // self.head_dim
+
+
+# The fused parameters' components, in order: in_proj [z | x | B | C | dt], conv [x | B | C].
+FUSED_COMPONENTS = {"in_proj.weight": (".z", ".x", ".B", ".C", ".dt"),
+                    "conv1d.weight": (".x", ".B", ".C"), "conv1d.bias": (".x", ".B", ".C")}
+
+
+def fused_component_sizes(args: MambaArgs, dim: int) -> dict[str, dict[str, int]]:
+    """{fused parameter: {component: rows}} (FUSED_COMPONENTS with their sizes): the one
+    definition that the layer, its TP layout and the Hugging Face format read."""
+    group_state = args.n_groups * args.d_state
+    rows = {".z": args.d_inner(dim), ".x": args.d_inner(dim), ".B": group_state,
+            ".C": group_state, ".dt": args.n_heads(dim)}
+    return {name: {part: rows[part] for part in parts} for name, parts in FUSED_COMPONENTS.items()}
 
 
 class ConvAndScan(nn.Module):
@@ -90,11 +105,9 @@ class Mamba2Mixer(nn.Module):
         self.args = args
         self.d_inner = args.expand * dim
         self.n_heads = self.d_inner // args.head_dim
-        group_state = args.n_groups * args.d_state
-        in_parts = {".z": self.d_inner, ".x": self.d_inner, ".B": group_state,
-                    ".C": group_state, ".dt": self.n_heads}
-        conv_parts = {".x": self.d_inner, ".B": group_state, ".C": group_state}
-        in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
+        self.fused_parts = fused_component_sizes(args, dim)
+        in_size, conv_size = (sum(self.fused_parts[name].values())
+                              for name in ("in_proj.weight", "conv1d.weight"))
 
         self.in_proj = nn.Linear(dim, in_size, bias=False)
         self.conv1d = nn.Conv1d(conv_size, conv_size, args.conv_width, groups=conv_size,
@@ -106,15 +119,14 @@ class Mamba2Mixer(nn.Module):
                                       eps=norm_eps)
         self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
 
-        # Every per-channel / per-head tensor is split with the heads under TP, including the
-        # norm weight (a norm by name, but sharded).
-        annotate_tensor_parallel(self.in_proj.weight, components=in_parts)
-        annotate_tensor_parallel(self.out_proj.weight, partition_dim=1)
-        annotate_tensor_parallel(self.conv1d.weight, components=conv_parts)
-        annotate_tensor_parallel(self.conv1d.bias, components=conv_parts)
-        for param in (self.A_log, self.D, self.dt_bias, self.norm.weight):
-            annotate_tensor_parallel(param)
         self.conv_and_scan = ConvAndScan(args)
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        # Every per-channel / per-head tensor is split with the heads, including the norm
+        # weight (a norm by name, but sharded).
+        return {**{name: sharded(0, parts) for name, parts in self.fused_parts.items()},
+                "out_proj.weight": sharded(1),
+                **{name: sharded(0) for name in ("A_log", "D", "dt_bias", "norm.weight")}}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         # Local sizes derive from the local tensors, so the same code runs on a TP shard.
@@ -169,6 +181,5 @@ KIND = LayerKind(
         block_type="mamba",
         renames={name: name for name in ("A_log", "D", "dt_bias", "norm.weight",
                                          "out_proj.weight")},
-        fused={"in_proj.weight": (".z", ".x", ".B", ".C", ".dt"),
-               "conv1d.weight": (".x", ".B", ".C"), "conv1d.bias": (".x", ".B", ".C")})},
+        fused=FUSED_COMPONENTS)},  # HF fuses the same components in the same order
 )

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
+from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
@@ -155,23 +155,23 @@ class MultiLatentAttention(nn.Module):
         q_out = args.n_heads * args.qk_head_dim
         if args.q_lora_rank is None:
             self.q_proj = nn.Linear(dim, q_out, bias=False)
-            query_up = self.q_proj
         else:
             self.q_a_proj = nn.Linear(dim, args.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(args.q_lora_rank, q_out, bias=False)
-            query_up = self.q_b_proj
         self.kv_a_proj_with_mqa = nn.Linear(dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(args.kv_lora_rank,
                                    args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.v_head_dim, dim, bias=False)
+        self.core = self.core_type(args)
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Tensor parallelism splits the heads (rows are head-major, so a plain dim-0 split
         # gives whole heads); the down-projections and latent norms are replicated (Megatron).
-        for column_parallel in (query_up, self.kv_b_proj):
-            annotate_tensor_parallel(column_parallel.weight, partition_dim=0)
-        annotate_tensor_parallel(self.o_proj.weight, partition_dim=1)
-        self.core = self.core_type(args)
+        query_up = "q_proj" if self.args.q_lora_rank is None else "q_b_proj"
+        return {f"{query_up}.weight": sharded(0), "kv_b_proj.weight": sharded(0),
+                "o_proj.weight": sharded(1)}
 
     def query_latent(self, x_BTD: torch.Tensor) -> torch.Tensor | None:
         """The normed low-rank query (None without q_lora_rank)."""

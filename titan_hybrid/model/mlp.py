@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear
+from titan_hybrid.model.common import TPLayout, init_linear, sharded
 from titan_hybrid.model.layer_kind import HFNames, LayerKind
 
 ACTIVATIONS = ("swiglu", "relu2")
@@ -26,10 +26,12 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=False)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.hidden_dim = hidden_dim
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Column parallel, each rank holding [W_local ; V_local]; the plan splits both parts.
-        annotate_tensor_parallel(self.fc1.weight, partition_dim=0,
-                                 components={"_w": hidden_dim, "_v": hidden_dim})
-        annotate_tensor_parallel(self.fc2.weight, partition_dim=1)
+        return {"fc1.weight": sharded(0, {"_w": self.hidden_dim, "_v": self.hidden_dim}),
+                "fc2.weight": sharded(1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
@@ -47,8 +49,9 @@ class SquaredReLUMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim, bias=False)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
-        annotate_tensor_parallel(self.fc1.weight, partition_dim=0)
-        annotate_tensor_parallel(self.fc2.weight, partition_dim=1)
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        return {"fc1.weight": sharded(0), "fc2.weight": sharded(1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.relu(self.fc1(x)).square())

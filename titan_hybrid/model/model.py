@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,9 +111,21 @@ class MTPDepth(nn.Module):
         self.block.init_weights(init_std=init_std, out_std=out_std)
 
 
+UnitInitContext = Callable[[nn.Module], contextlib.AbstractContextManager]
+
+
+def _plain_init(unit: nn.Module) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 class HybridModel(ModelProtocol):
-    def __init__(self, model_args: HybridModelArgs) -> None:
+    def __init__(self, model_args: HybridModelArgs, *,
+                 init_materializer: UnitInitContext = _plain_init) -> None:
+        """`init_materializer(unit)`: the context each unit's init runs in. Parallel code
+        builds the model with one that lets the init run on full tensors
+        (titan_hybrid.parallel.init); model code itself stays single-device."""
         super().__init__(model_args)
+        self.init_materializer = init_materializer
         model_args.validate()
         self.model_args = model_args
         pattern = model_args.parsed_pattern
@@ -130,10 +143,6 @@ class HybridModel(ModelProtocol):
         args = self.model_args
         return rotary_tables(head_dim=args.attention.head_dim, max_seq_len=args.max_seq_len,
                              theta=args.attention.rope_theta)
-
-    # Parallel code replaces this with a context manager that lets a unit's init run on full
-    # tensors (see titan_hybrid.parallel.init); model code itself stays single-device.
-    init_materializer = staticmethod(lambda unit: contextlib.nullcontext())
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import annotate_tensor_parallel, init_linear, upcast
-from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
+from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
 from titan_hybrid.model.mlp import SwiGLU
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -141,9 +141,12 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.fc1 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
         self.fc2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        annotate_tensor_parallel(self.fc1, partition_dim=1,
-                                 components={"_w": hidden_dim, "_v": hidden_dim})
-        annotate_tensor_parallel(self.fc2, partition_dim=2)
+        self.hidden_dim = hidden_dim
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        # Each expert split like the dense SwiGLU: hidden units, [W_local ; V_local] per rank.
+        return {"fc1": sharded(1, {"_w": self.hidden_dim, "_v": self.hidden_dim}),
+                "fc2": sharded(2)}
 
     def forward(self, x_sorted_XD: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """`x_sorted_XD`: each expert's rows in one contiguous block, expert by expert;
@@ -176,7 +179,7 @@ class MoE(nn.Module):
                                       num_experts=args.num_experts)
         self.shared_expert = (SwiGLU(dim=dim, hidden_dim=args.shared_expert_hidden_dim)
                               if args.shared_expert_hidden_dim > 0 else None)
-        # Router statistics since the metrics last read them (titan_hybrid.metrics): slots
+        # Router statistics since the metrics last read them (KIND.statistics): slots
         # routed to each expert, and the summed load-balancing loss with its forward count.
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)
@@ -232,6 +235,23 @@ def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
     return sizes
 
 
+def _inactive_params(args: MoEArgs, dim: int) -> int:
+    """The routed experts a token does not visit: num_experts - top_k of them, each
+    fc1 [2 * hidden, dim] and fc2 [dim, hidden]."""
+    return (args.num_experts - args.top_k) * 3 * args.hidden_dim * dim
+
+
+def _router_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The logged router statistics (titan_hybrid.metrics) from each layer's counters summed
+    over the data-parallel ranks: slots an expert received over the mean per expert, worst
+    layer, and the load-balancing loss before its coefficient, mean over layers."""
+    counts_LE, aux_L2 = sums["routed_tokens"], sums["aux_loss_sum"]
+    load_LE = counts_LE / counts_LE.mean(dim=1, keepdim=True).clamp(min=1)
+    return {"moe/max_expert_load": load_LE.max().item(),
+            "moe/min_expert_load": load_LE.min().item(),
+            "moe/aux_loss": (aux_L2[:, 0] / aux_L2[:, 1].clamp(min=1)).mean().item()}
+
+
 KIND = LayerKind(
     symbol="E", args_type=MoEArgs,
     build=lambda args, dim, norm_eps: MoE(dim=dim, args=args),
@@ -240,4 +260,8 @@ KIND = LayerKind(
     # The experts run eagerly under EP (their dispatch reads the token counts on the host) and
     # in fp32 (grouped_mm's tracing kernel takes bf16 only); otherwise the layer is one graph.
     compiled_parts=("router", "shared_expert"), one_graph_in_bf16=True,
+    routed_experts="experts", inactive_params=_inactive_params,
+    # Counts describe the global batch of each layer: summed over the data-parallel ranks.
+    statistics=KindStatistics(counters=("routed_tokens", "aux_loss_sum"), summed_over=(DATA,),
+                              per_layer=True, log=_router_log),
 )

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_hybrid.model import gdn, mamba
+from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
@@ -209,11 +211,11 @@ class ContextParallelConvAndDeltaRule(nn.Module):
         return exchange.to_sequence(o)
 
 
-# The wrapper of the sequence-mixing core of each kind whose CP exchanges heads for sequence
-# (kinds whose ContextParallelRule names arguments to gather need none).
-CONTEXT_PARALLEL_WRAPPERS: dict[str, type[nn.Module]] = {
-    "mamba": ContextParallelConvAndScan,
-    "gdn": ContextParallelConvAndDeltaRule,
+# The wrapper of the sequence-mixing core of each kind whose CP exchanges heads for sequence,
+# by the kind's ContextParallelRule (kinds whose rule names arguments to gather need none).
+CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
+    mamba.KIND.context_parallel: ContextParallelConvAndScan,
+    gdn.KIND.context_parallel: ContextParallelConvAndDeltaRule,
 }
 
 
@@ -225,7 +227,7 @@ def apply_context_parallel(model: nn.Module, cp_group) -> None:
         rule = layer.kind.context_parallel
         core = getattr(layer.mixer, rule.core)
         wrapped = (ContextParallelGatherCore(core, cp_group, rule.gather) if rule.gather
-                   else CONTEXT_PARALLEL_WRAPPERS[layer.kind.name](core, cp_group))
+                   else CONTEXT_PARALLEL_WRAPPERS[rule](core, cp_group))
         setattr(layer.mixer, rule.core, wrapped)
 
 

@@ -24,7 +24,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from titan_hybrid.compat.fsdp import replicate
 from titan_hybrid.model.model import HybridLayer
-from titan_hybrid.model.moe import MoE
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -41,8 +40,20 @@ def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     return units
 
 
+def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The routed experts of every layer whose kind has them (LayerKind.routed_experts), by
+    their modules' FQNs."""
+    found = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, HybridLayer) and layer.kind.routed_experts is not None:
+            prefix = f"{name}.{layer.kind.name}" if name else layer.kind.name
+            found[f"{prefix}.{layer.kind.routed_experts}"] = getattr(layer.mixer,
+                                                                     layer.kind.routed_experts)
+    return found
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    return [module.experts for module in model.modules() if isinstance(module, MoE)]
+    return list(routed_experts(model).values())
 
 
 def full_precision_layers(unit: nn.Module | list[nn.Module]) -> list[HybridLayer]:

@@ -159,11 +159,11 @@ def _mark(value, callback):
     return value
 
 
-def install_overlap_hooks(*models: nn.Module) -> OverlapCoordinator:
+def install_overlap_hooks(models: list[nn.Module], dispatchers) -> OverlapCoordinator:
     """Make `models` (one model, or the pipeline stages of one rank, whose forwards and
-    backwards pair across stages) overlap-capable with one shared coordinator, returned and
-    kept as each model's `ep_overlap`: their MoE dispatchers hand over at every all-to-all,
-    and their layers record which thread is inside them.
+    backwards pair across stages) overlap-capable with one shared coordinator, returned for
+    the ParallelPlan: their MoE `dispatchers` (apply_expert_parallel's) hand over at every
+    all-to-all, and their layers record which thread is inside them.
 
     Layer tracking is installed after parallelization, so the hooks wrap FSDP's: the forward
     checks a layer before FSDP gathers it; the backward marks entering a layer before FSDP's
@@ -172,17 +172,14 @@ def install_overlap_hooks(*models: nn.Module) -> OverlapCoordinator:
     autograd runs nodes in reverse creation order, so these markers bracket exactly that
     layer's backward."""
     coordinator = OverlapCoordinator()
+    for dispatcher in dispatchers:
+        dispatcher.overlap = coordinator
     for model in models:
         _install(model, coordinator)
-        model.ep_overlap = coordinator
     return coordinator
 
 
 def _install(model: nn.Module, coordinator: OverlapCoordinator) -> None:
-    for module in model.modules():
-        dispatcher = getattr(module, "ep_dispatcher", None)  # set by apply_expert_parallel
-        if dispatcher is not None:
-            dispatcher.overlap = coordinator
     units = [*model.layers.values(), *getattr(model, "mtp", [])]
     for unit in units:
         key = id(unit)
@@ -240,13 +237,13 @@ def run_forward_with_backward(coordinator: OverlapCoordinator,
 class CombinedOneFOneB:
     """Forward/backward of a step's microbatches, one call per microbatch (the trainer's
     gradient-accumulation loop): forward(0) alone, forward(i+1) with backward(i), and the
-    last microbatch's backward right after its forward. `model` has had install_overlap_hooks."""
+    last microbatch's backward right after its forward. `coordinator`: install_overlap_hooks'
+    for `model`."""
 
-    def __init__(self, model: nn.Module, num_microbatches: int) -> None:
-        if getattr(model, "ep_overlap", None) is None:
-            raise ValueError("CombinedOneFOneB needs a model prepared by install_overlap_hooks")
+    def __init__(self, model: nn.Module, coordinator: OverlapCoordinator,
+                 num_microbatches: int) -> None:
         self.model = model
-        self.coordinator = model.ep_overlap
+        self.coordinator = coordinator
         self.num_microbatches = num_microbatches
         self._pending: torch.Tensor | None = None
         self._done = 0

@@ -16,9 +16,9 @@ forward move the tokens:
 so the module computes on local experts only and the MoE's combine (gather back to tokens,
 weighting) is untouched. Both regroupings are gathers, forward and backward
 (moe.gather_rows). Backward is the same all-to-alls with the splits swapped (collectives.py).
-With the EP-overlap schedule, `install_overlap_hooks` gives each dispatcher (kept as the experts
-module's `ep_dispatcher`) the coordinator that lets the other microbatch run while they are in
-flight.
+With the EP-overlap schedule, `install_overlap_hooks` gives each dispatcher (returned by
+`apply_expert_parallel`, kept in the ParallelPlan) the coordinator that lets the other
+microbatch run while they are in flight.
 
 Expert gradients arrive already summed over the EP group (every rank's tokens reach the owning
 rank); data parallelism then shards experts over the ranks that hold the same experts
@@ -33,8 +33,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_hybrid.model.moe import MoE, gather_rows, inverse_permutation
+from titan_hybrid.model.moe import gather_rows, inverse_permutation
 from titan_hybrid.parallel.collectives import all_to_all
+from titan_hybrid.parallel.data_parallel import routed_experts
 from titan_hybrid.parallel.tensor_parallel import use_local_views
 
 
@@ -100,28 +101,27 @@ class ExpertDispatcher:
                           overlap=self.overlap)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> dict[str, ExpertDispatcher]:
     """Shard every MoE layer's experts over `ep_mesh` (dim 0) and route tokens with
     all-to-alls. Applied to the model on the meta device, after tensor parallelism and before
     data parallelism. With TP, `ep_mesh` is torchtitan's 2-D ("ep", "etp") mesh: experts keep
     their TP sharding (hidden units) on "etp", and each TP rank exchanges its (identical,
-    replicated) tokens with the EP ranks of the same TP index."""
+    replicated) tokens with the EP ranks of the same TP index. Returns the dispatchers by the
+    experts modules' FQNs."""
+    dispatchers = {}
     tensor_parallel = ep_mesh.ndim == 2
-    for moe in model.modules():
-        if not isinstance(moe, MoE):
-            continue
-        experts = moe.experts
+    for experts_name, experts in routed_experts(model).items():
         for name, param in list(experts.named_parameters(recurse=False)):
             placements = [Shard(0), *param.placements] if tensor_parallel else [Shard(0)]
             full = torch.empty(param.shape, dtype=param.dtype, device="meta")
             sharded = distribute_tensor(full, ep_mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
-        if not hasattr(experts, "tp_partial_grad"):  # set by TP
-            experts.tp_partial_grad = {}
         # Experts are their own FSDP unit, which gathers their parameters at their forward,
-        # after any outer region swapped in local views; so they swap their own.
-        use_local_views(experts, [experts])
+        # after any outer region swapped in local views; so they swap their own (sharded
+        # under TP, none has a partial gradient).
+        use_local_views(experts, [(experts, set())])
         dispatcher = ExpertDispatcher(ep_mesh["ep"] if tensor_parallel else ep_mesh)
         experts.register_forward_pre_hook(dispatcher.dispatch)
         experts.register_forward_hook(dispatcher.combine)
-        experts.ep_dispatcher = dispatcher
+        dispatchers[experts_name] = dispatcher
+    return dispatchers

@@ -1,5 +1,7 @@
-"""torchtitan's parallelize_fn for HybridModel: applies parallelisms in torchtitan's order
-(TP/SP -> CP -> EP -> activation checkpointing -> compile -> data parallel)."""
+"""Parallelizing a HybridModel: applies parallelisms in torchtitan's order
+(TP/SP -> CP -> EP -> activation checkpointing -> compile -> data parallel) and returns the
+ParallelPlan the builders after it take (the TrainSpec's parallelize_fn is train_spec.py's
+HybridBuild.parallelize, which keeps it)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,16 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.job_config import JobConfig, hybrid_job
+from titan_hybrid.job_config import JobConfig
+from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_hybrid.parallel.compile import apply_compile
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.data_parallel import apply_data_parallel
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
-from titan_hybrid.parallel.init import full_tensor_materializer
-from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel, record_param_layouts
-from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.parallel.plan import ParallelPlan
+from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -44,16 +46,16 @@ def expert_data_parallel_mesh(parallel_dims: ParallelDims):
 
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
-                       job_config: JobConfig) -> nn.Module:
-    job_config = hybrid_job(job_config)
-    validate_layout(job_config, model.model_args, parallel_dims.world_size)
+                       job_config: JobConfig) -> ParallelPlan:
+    """Parallelize `model` (a whole model or one pipeline stage, on the meta device) in place,
+    for a job whose layout has been validated (parallel/validate.py)."""
     sequence_parallel = not job_config.parallelism.disable_sequence_parallel
-    record_param_layouts(model)
+    plan = ParallelPlan(layouts=tensor_parallel_layouts(model))
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.
         plain_logits = not model.has_aux_loss and not len(model.mtp)
-        apply_tensor_parallel(
-            model, parallel_dims.get_mesh("tp"),
+        plan.partial_grads = apply_tensor_parallel(
+            model, parallel_dims.get_mesh("tp"), plan.layouts,
             sequence_parallel=sequence_parallel,
             loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
         logger.info(f"Applied tensor parallel (sequence parallel: "
@@ -63,7 +65,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag)")
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
-        apply_expert_parallel(model, ep_mesh)
+        plan.expert_dispatchers = apply_expert_parallel(model, ep_mesh)
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":
@@ -91,10 +93,10 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             cpu_offload=job_config.training.enable_cpu_offload,
             expert_mesh=expert_data_parallel_mesh(parallel_dims),
         )
-        # The optimizer builder reads this to shard optimizer state for ZeRO-1.
-        model.zero1_mesh = dp_mesh if strategy == "optim" else None
+        # The optimizer builder shards the optimizer state over it (ZeRO-1).
+        plan.zero1_mesh = dp_mesh if strategy == "optim" else None
         logger.info(f"Applied data parallel '{strategy}' over {dp_mesh.mesh_dim_names}")
     if job_config.parallelism.expert_parallel_overlap and not parallel_dims.pp_enabled:
-        install_overlap_hooks(model)  # under PP: pipeline_hybrid, once for all local stages
-    model.init_materializer = full_tensor_materializer
-    return model
+        # Under PP: pipeline_hybrid, once for all local stages.
+        plan.overlap = install_overlap_hooks([model], plan.expert_dispatchers.values())
+    return plan

@@ -21,13 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    ScheduleDualPipeV,
-    ScheduleZBVZeroBubble,
-    get_schedule_class,
-)
-from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.pipeline_parallel import (
     build_pipeline_schedule,
@@ -36,67 +29,14 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.compat import pipelining
-from titan_hybrid.job_config import hybrid_job
+from titan_hybrid.job_config import JobConfig
+from titan_hybrid.kind_statistics import reset_statistics
 from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.model.dsa import DeepSeekSparseAttention
-from titan_hybrid.model.moe import MoE
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
-from titan_hybrid.parallel.pipeline_split import pipeline_stages
-from titan_hybrid.parallel.tensor_parallel import record_param_layouts
-
-
-def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
-    """Virtual stages per rank: set by `|` segments when the pattern has them, else 1 for
-    single-stage schedules and 2 (V-shaped schedules: exactly 2) for looped ones, unless
-    parallelism.pipeline_parallel_layers_per_stage says otherwise."""
-    parallelism = job_config.parallelism
-    pp = parallelism.pipeline_parallel_degree
-    schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
-    single = issubclass(schedule, PipelineScheduleSingle)
-    pattern = model_args.parsed_pattern
-    if len(pattern.segments) > 1:
-        count = len(pattern.segments) // pp if len(pattern.segments) % pp == 0 else 0
-    elif parallelism.pipeline_parallel_layers_per_stage:
-        per_stage = parallelism.pipeline_parallel_layers_per_stage
-        count = pattern.num_physical_layers // (per_stage * pp)
-        if count * per_stage * pp != pattern.num_physical_layers:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_layers_per_stage={per_stage}: the "
-                f"{pattern.num_physical_layers} physical layers of '{model_args.pattern}' are not "
-                f"a multiple of layers_per_stage * pipeline_parallel_degree={per_stage * pp}")
-    else:
-        count = 1 if single else 2
-    if single and count != 1:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
-            f"runs one stage per rank, but the pattern / layers_per_stage give {count}; use a "
-            "looped schedule (e.g. Interleaved1F1B) or fewer '|' segments")
-    if schedule in (ScheduleZBVZeroBubble, ScheduleDualPipeV) and count != 2:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
-            f"needs exactly 2 stages per rank, the pattern gives {count}")
-    if not single and count < 2:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
-            f"needs at least 2 stages per rank, the pattern gives {count}")
-    return count
-
-
-def module_names_per_stage(model_args: HybridModelArgs, pp: int,
-                           virtual_stages: int) -> list[list[str]]:
-    """The model's module names that each pipeline stage keeps, in stage order."""
-    pattern = model_args.parsed_pattern
-    stages = pipeline_stages(pattern, pp, virtual_stages)
-    names = []
-    for stage in stages:
-        kept = [f"layers.{stage.first_logical_index + offset}" for offset in range(len(stage.items))]
-        if stage.index == 0:
-            kept.insert(0, "tok_embeddings")
-        if stage.index == len(stages) - 1:
-            kept += ["norm", "output"] + [f"mtp.{depth}" for depth in range(pattern.mtp_depths)]
-        names.append(kept)
-    return names
+from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
+from titan_hybrid.parallel.plan import ParallelPlan
 
 
 class GlobalTokenScaledLoss:
@@ -123,34 +63,25 @@ def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:
 
 def _forget_metadata_inference_routing(stage) -> None:
     """torch's first schedule step runs each stage once on the first microbatch to learn the
-    shapes it sends; that run must not count in the router (or DSA indexer) statistics of
-    step 1."""
-
-    def reset() -> None:
-        for module in stage.submod.modules():
-            if isinstance(module, MoE):
-                module.reset_router_statistics()
-            elif isinstance(module, DeepSeekSparseAttention):
-                module.reset_indexer_statistics()
-
-    pipelining.after_metadata_inference(stage, reset)
+    shapes it sends; that run must not count in the layer kinds' statistics of step 1
+    (titan_hybrid.kind_statistics)."""
+    pipelining.after_metadata_inference(stage, lambda: reset_statistics([stage.submod]))
 
 
 def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                    device: torch.device, model_args: HybridModelArgs, parallelize_fn,
-                    loss_fn):
-    job_config = hybrid_job(job_config)
+                    device: torch.device, model_args: HybridModelArgs, loss_fn):
+    """Split `model` into this rank's stages and parallelize each. Returns torchtitan's
+    (schedule, model parts, has first stage, has last stage) and this rank's ParallelPlan."""
     pp_mesh = parallel_dims.get_mesh("pp")
     virtual = stages_per_rank(job_config, model_args)
     names = module_names_per_stage(model_args, parallel_dims.pp, virtual)
     for index, stage_names in enumerate(names):
         logger.info(f"Pipeline stage {index}: {stage_names}")
-    record_param_layouts(model)  # before the stage copies lose the parameter annotations
     stages, model_parts = pipeline_module_split(
         model, pp_mesh, job_config.parallelism.pipeline_parallel_schedule, device, names)
-    for index, part in enumerate(model_parts):
-        model_parts[index] = parallelize_fn(part, parallel_dims, job_config)
-        stages[index].submod = model_parts[index]
+    plan = ParallelPlan()
+    for part in model_parts:
+        plan.add(parallelize_hybrid(part, parallel_dims, job_config))
     for stage in stages:
         _forget_metadata_inference_routing(stage)
     scaled_loss = GlobalTokenScaledLoss(loss_fn)
@@ -158,9 +89,9 @@ def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: J
     if job_config.parallelism.expert_parallel_overlap:
         # One coordinator for this rank's stages: a pair may be a forward of one stage and a
         # backward of another (parallelize_hybrid leaves this to us under PP).
-        coordinator = install_overlap_hooks(*model_parts)
+        plan.overlap = install_overlap_hooks(model_parts, plan.expert_dispatchers.values())
         schedule = overlap_pipeline_schedule(schedule, stages,
                                              job_config.parallelism.pipeline_parallel_schedule,
-                                             coordinator)
+                                             plan.overlap)
     return (schedule, model_parts, any(stage.is_first for stage in stages),
-            any(stage.is_last for stage in stages))
+            any(stage.is_last for stage in stages)), plan

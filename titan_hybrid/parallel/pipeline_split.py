@@ -2,13 +2,24 @@
 
 With `|` separators segment s becomes stage s; without them the physical layers are split
 evenly, never through a bracket group. Stage `index = virtual_stage * pp_size + pp_rank`.
-parallel/pipeline.py turns the stages into module names and torch pipeline stages.
+`module_names_per_stage` turns them into the model's module names that each stage keeps, and
+`stages_per_rank` reads the virtual stages per rank from the pattern and the schedule;
+parallel/pipeline.py builds torch's pipeline stages from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from torchtitan.config import JobConfig
+
+from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.pattern import HybridPattern, Item, char_error, pattern_error, physical_symbols
 
 
@@ -103,3 +114,56 @@ def _main_item_positions(text: str) -> list[int]:
             positions.append(pos)
             in_group = ch == "["
     return positions
+
+
+def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
+    """Virtual stages per rank: set by `|` segments when the pattern has them, else 1 for
+    single-stage schedules and 2 (V-shaped schedules: exactly 2) for looped ones, unless
+    parallelism.pipeline_parallel_layers_per_stage says otherwise."""
+    parallelism = job_config.parallelism
+    pp = parallelism.pipeline_parallel_degree
+    schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
+    single = issubclass(schedule, PipelineScheduleSingle)
+    pattern = model_args.parsed_pattern
+    if len(pattern.segments) > 1:
+        count = len(pattern.segments) // pp if len(pattern.segments) % pp == 0 else 0
+    elif parallelism.pipeline_parallel_layers_per_stage:
+        per_stage = parallelism.pipeline_parallel_layers_per_stage
+        count = pattern.num_physical_layers // (per_stage * pp)
+        if count * per_stage * pp != pattern.num_physical_layers:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_layers_per_stage={per_stage}: the "
+                f"{pattern.num_physical_layers} physical layers of '{model_args.pattern}' are not "
+                f"a multiple of layers_per_stage * pipeline_parallel_degree={per_stage * pp}")
+    else:
+        count = 1 if single else 2
+    if single and count != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"runs one stage per rank, but the pattern / layers_per_stage give {count}; use a "
+            "looped schedule (e.g. Interleaved1F1B) or fewer '|' segments")
+    if schedule in (ScheduleZBVZeroBubble, ScheduleDualPipeV) and count != 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"needs exactly 2 stages per rank, the pattern gives {count}")
+    if not single and count < 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule '{parallelism.pipeline_parallel_schedule}' "
+            f"needs at least 2 stages per rank, the pattern gives {count}")
+    return count
+
+
+def module_names_per_stage(model_args: HybridModelArgs, pp: int,
+                           virtual_stages: int) -> list[list[str]]:
+    """The model's module names that each pipeline stage keeps, in stage order."""
+    pattern = model_args.parsed_pattern
+    stages = pipeline_stages(pattern, pp, virtual_stages)
+    names = []
+    for stage in stages:
+        kept = [f"layers.{stage.first_logical_index + offset}" for offset in range(len(stage.items))]
+        if stage.index == 0:
+            kept.insert(0, "tok_embeddings")
+        if stage.index == len(stages) - 1:
+            kept += ["norm", "output"] + [f"mtp.{depth}" for depth in range(pattern.mtp_depths)]
+        names.append(kept)
+    return names

@@ -1,11 +1,12 @@
 """Tensor + sequence parallelism derived from per-parameter annotations.
 
-Layout. Every parameter becomes a DTensor on the TP mesh, placed by `classify_parameter` from
-the parameter's own `tensor_model_parallel` / `partition_dim` / `partition_sizes` annotations
-(set by the model code: Mamba's gated-norm weight is a norm by name but sharded); a parameter
-without them is replicated. A fused tensor (`partition_sizes`) is sharded so that each rank holds its own
-slice of every component: its global (DTensor) view is the per-rank concatenation
-[W_0; V_0; W_1; V_1], see `interleave_for_tp`.
+Layout. Every parameter becomes a DTensor on the TP mesh, placed by its TPLayout: the layer
+modules declare the layouts of the parameters they split, by name
+(`tensor_parallel_layouts()`, collected by model.common.tensor_parallel_layouts; Mamba's
+gated-norm weight is a norm by name but sharded); every other parameter is replicated. A fused
+tensor (`partition_sizes`) is sharded so that each rank holds its own slice of every
+component: its global (DTensor) view is the per-rank concatenation [W_0; V_0; W_1; V_1], see
+`interleave_for_tp`.
 
 Compute. Each mixer (attention, MLP, Mamba, GDN, MoE) is one TP region, as in Megatron:
 its input is replicated (or, with sequence parallelism, all-gathered from sequence shards) on
@@ -31,8 +32,6 @@ all-reduced here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,27 +46,12 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_hybrid.compat.nn import parameter_slots
-from titan_hybrid.model.common import TensorParallelHeadSum
+from titan_hybrid.model.common import TensorParallelHeadSum, TPLayout
 from titan_hybrid.model.model import HybridLayer
 
 
-@dataclass(frozen=True)
-class TPLayout:
-    shard_dim: int | None  # None: replicated
-    partition_sizes: tuple[int, ...] | None = None
-    partial_grad: bool = False  # replicated, but each rank's gradient is a partial sum
-    partition_names: tuple[str, ...] | None = None  # checkpoint-key suffix of each part
-
-    def placement(self) -> Placement:
-        return Replicate() if self.shard_dim is None else Shard(self.shard_dim)
-
-
-def classify_parameter(param: torch.Tensor) -> TPLayout:
-    """A parameter's layout from its annotations (model/common.py); none means replicated."""
-    if getattr(param, "tensor_model_parallel", False):
-        return TPLayout(param.partition_dim, getattr(param, "partition_sizes", None),
-                        partition_names=getattr(param, "partition_names", None))
-    return TPLayout(None, partial_grad=bool(getattr(param, "tensor_parallel_partial_grad", False)))
+def placement_of(layout: TPLayout) -> Placement:
+    return Replicate() if layout.shard_dim is None else Shard(layout.shard_dim)
 
 
 def tp_degree(tensor: torch.Tensor | None) -> int:
@@ -102,44 +86,31 @@ def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -
                      dim=layout.shard_dim)
 
 
-def record_param_layouts(model: nn.Module) -> None:
-    """Classify every parameter while its annotations still exist (on the meta model: to_empty
-    and fully_shard replace parameter objects) and keep the result on its module, where the
-    TP plan, the layout-independent init and the checkpoint split read it. Modules that
-    already hold layouts keep them: a pipeline stage is a deep copy, which keeps the module's
-    layouts but not the annotations on its parameters."""
-    for module in model.modules():
-        if "param_layouts" in module.__dict__:
-            continue
-        layouts = {name: classify_parameter(param)
-                   for name, param in module.named_parameters(recurse=False,
-                                                              remove_duplicate=False)}
-        if layouts:
-            module.__dict__["param_layouts"] = layouts
-
-
 # --------------------------------------------------------------------------- local views
-def use_local_views(root: nn.Module, owners: list[nn.Module]) -> None:
-    """During root's forward, the DTensor parameters of `owners` (root and/or its submodules,
-    which the model code may read directly, e.g. `self.conv1d.weight`) are their local views.
+def use_local_views(root: nn.Module, owners: list[tuple[nn.Module, set[str]]]) -> None:
+    """During root's forward, the DTensor parameters of each owner (root and/or its
+    submodules, which the model code may read directly, e.g. `self.conv1d.weight`) are their
+    local views; the owner's parameters named in its set take Partial gradients.
 
     Swaps nest: under EP x TP the MoE region swaps its experts, then the experts' own FSDP unit
     puts its gathered parameters back, and the experts' own swap replaces those."""
+    saved_stack: list[list[dict]] = []  # one entry per forward in flight (re-entrant AC)
 
     def swap(module, args):
-        for owner in owners:
+        saved_now = []
+        for owner, partial in owners:
             slots = parameter_slots(owner)  # a plain tensor in a parameter's slot: see compat
             saved = dict(slots)
-            owner.__dict__.setdefault("tp_saved_params", []).append(saved)
+            saved_now.append(saved)
             for name, param in saved.items():
                 if isinstance(param, DTensor):
-                    partial = owner.tp_partial_grad.get(name, False)
-                    grad = [Partial()] if partial else param.placements
+                    grad = [Partial()] if name in partial else param.placements
                     slots[name] = param.to_local(grad_placements=grad)
+        saved_stack.append(saved_now)
 
     def restore(module, args, output):
-        for owner in owners:
-            parameter_slots(owner).update(owner.tp_saved_params.pop())
+        for (owner, _), saved in zip(owners, saved_stack.pop()):
+            parameter_slots(owner).update(saved)
         return output
 
     root.register_forward_pre_hook(swap)
@@ -186,38 +157,57 @@ def _make_region(mixer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) ->
 
 
 # --------------------------------------------------------------------------- entry point
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, *, outside_regions: bool,
-                       sequence_parallel: bool) -> bool:
-    """Turn module's own parameters into TP DTensors; returns whether it has any."""
+def _distribute_params(module: nn.Module, prefix: str, layouts: dict[str, TPLayout],
+                       mesh: DeviceMesh, *, outside_regions: bool,
+                       sequence_parallel: bool) -> dict[str, bool] | None:
+    """Turn module's own parameters into TP DTensors; returns {name: partial gradient} (None
+    when it has no parameters of its own)."""
     partial_grad = {}
     for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
-        layout = module.param_layouts[name]
+        layout = layouts[prefix + name]
         # Outside the TP regions with sequence parallelism, every rank sees only its own
         # sequence shard, so replicated parameters there accumulate partial gradients too.
         partial_grad[name] = layout.partial_grad or (
             layout.shard_dim is None and (not outside_regions or sequence_parallel))
-        dtensor = distribute_tensor(param.data, mesh, [layout.placement()], src_data_rank=None)
-        setattr(module, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
-    module.tp_partial_grad = partial_grad
-    return bool(partial_grad)
+        dtensor = distribute_tensor(param.data, mesh, [placement_of(layout)], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+    return partial_grad or None
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
-                          loss_parallel: bool) -> None:
-    """Apply TP (+SP) to a HybridModel built on the meta device, after record_param_layouts."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[str, TPLayout],
+                          *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
+    """Apply TP (+SP) to a HybridModel built on the meta device, with `layouts` its
+    parameters' (model.common.tensor_parallel_layouts). Returns {parameter FQN: "tp"} for the
+    parameters whose gradients are partial sums over the TP group."""
+    partial_over_tp: dict[str, str] = {}
+
+    def distribute(module: nn.Module, *, outside_regions: bool) -> set[str] | None:
+        prefix = f"{names[id(module)]}." if names[id(module)] else ""
+        partial = _distribute_params(module, prefix, layouts, tp_mesh,
+                                     outside_regions=outside_regions,
+                                     sequence_parallel=sequence_parallel)
+        if partial is None:
+            return None
+        partial_over_tp.update({prefix + name: "tp" for name, is_partial in partial.items()
+                                if is_partial})
+        return {name for name, is_partial in partial.items() if is_partial}
+
+    names = {id(module): name for name, module in model.named_modules()}
     mixers = [layer.mixer for layer in model.modules() if isinstance(layer, HybridLayer)]
     inside = {id(m) for mixer in mixers for m in mixer.modules()}
     boundary = {id(model.tok_embeddings), id(model.output)}
     for module in model.modules():
         if id(module) in boundary or id(module) in inside:
             continue
-        if _distribute_params(module, tp_mesh, outside_regions=True,
-                              sequence_parallel=sequence_parallel):
-            use_local_views(module, [module])
+        partial = distribute(module, outside_regions=True)
+        if partial is not None:
+            use_local_views(module, [(module, partial)])
     for mixer in mixers:
-        owners = [m for m in mixer.modules()
-                  if _distribute_params(m, tp_mesh, outside_regions=False,
-                                        sequence_parallel=sequence_parallel)]
+        owners = []
+        for module in mixer.modules():
+            partial = distribute(module, outside_regions=False)
+            if partial is not None:
+                owners.append((module, partial))
         use_local_views(mixer, owners)
         _make_region(mixer, tp_mesh, sequence_parallel)
 
@@ -239,6 +229,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                                         if getattr(model, name) is not None})
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_local_copy)
+    return partial_over_tp
 
 
 def _local_copy(module, args, output: DTensor) -> torch.Tensor:

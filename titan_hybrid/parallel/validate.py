@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from titan_hybrid.job_config import JobConfig, hybrid_job
+from titan_hybrid.job_config import JobConfig
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS, check_head_split
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
-from titan_hybrid.parallel.pipeline import module_names_per_stage, stages_per_rank
+from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
 
 
 def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
@@ -78,9 +79,12 @@ def validate_pipeline(job_config: JobConfig, model_args: HybridModelArgs) -> Non
 def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
                              strategy: str) -> None:
     ep = p.expert_parallel_degree
-    if "E" not in model_args.symbols():
+    if not any(kind.routed_experts for kind in model_args.kinds()):
+        kinds = ", ".join(f"{kind.title} ('{kind.symbol}')" for kind in LAYER_KINDS.values()
+                          if kind.routed_experts)
         raise ValueError(f"parallelism.expert_parallel_degree={ep} but the pattern "
-                         f"'{model_args.pattern}' has no MoE ('E') layer")
+                         f"'{model_args.pattern}' has no MoE layer (of a kind with routed "
+                         f"experts: {kinds})")
     _require_divisible("moe.num_experts", model_args.moe.num_experts, "expert_parallel_degree", ep)
     if shard % ep:
         raise ValueError(
@@ -121,7 +125,7 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
         if not kind.mixes_sequence:
             continue
         rule = kind.context_parallel
-        if rule is None or not (rule.gather or kind.name in CONTEXT_PARALLEL_WRAPPERS):
+        if rule is None or not (rule.gather or rule in CONTEXT_PARALLEL_WRAPPERS):
             raise ValueError(
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
                 f"context parallelism is not implemented for {kind.title} ('{kind.symbol}') "
@@ -158,7 +162,6 @@ def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
 
 def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_size: int) -> int:
     """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
-    job_config = hybrid_job(job_config)
     p = job_config.parallelism
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
