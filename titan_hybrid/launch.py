@@ -19,7 +19,12 @@ it once in place of torchrun's failure banner and exits with the worker's status
 crashes on a bug keeps its traceback, and the launcher says which rank failed.
 
 Options before the job's own arguments: `--nproc N` (processes, default $NGPU or 1) and
-`--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0).
+`--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0). Several nodes, the
+rendezvous and restarts come from the environment (titan_hybrid.cluster: NNODES, NODE_RANK,
+RDZV_ENDPOINT, RDZV_ID, RDZV_TIMEOUT, MAX_RESTARTS); the pre-flight check then checks the
+whole world size (nodes x processes). A worker that fails while restarts are left is reported
+in one line (its local rank, pid and exit status, and the restart); the restarted workers
+resume from the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -31,29 +36,51 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
-import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
 from titan_hybrid import torchtitan_plugin, train
+from titan_hybrid.cluster import Cluster, cluster_from_env
+from titan_hybrid.compat.elastic import AgentEvents
 from titan_hybrid.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
 from titan_hybrid.job_checks import check_job
 from titan_hybrid.job_config import parse_job
 from titan_hybrid.runtime import cpu
 
+FAILURE_REPORT_DELAY_S = 1.0
 
-def preflight(job_args: list[str], world_size: int):
-    """Parse and check the job in this process; None when it is fine, else the message."""
+
+def preflight(job_args: list[str], nproc: int) -> tuple[Cluster | None, str | None]:
+    """Parse and check the job and this launch's place in the cluster, in this process:
+    (the cluster, None) when they are fine, else (None, the message)."""
     try:
-        check_job(parse_job(job_args), world_size)
+        config = parse_job(job_args)
+        cluster = cluster_from_env(dict(os.environ), config.job.dump_folder)
+        check_job(config, cluster.nnodes * nproc)
     except ValueError as error:
-        return str(error)
-    return None
+        return None, str(error)
+    return cluster, None
+
+
+def _report_agent_events(node_rank: int) -> None:
+    def on_failure(local_rank: int, exitcode: int, pid: int) -> None:
+        cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit status {exitcode}"
+        print(f"worker failed: node {node_rank} local rank {local_rank} (pid {pid}), {cause}",
+              file=sys.stderr, flush=True)
+
+    def on_restart(restart: int, max_restarts: int) -> None:
+        print(f"restarting the worker group: restart {restart} of MAX_RESTARTS={max_restarts};"
+              " the workers resume from the newest intact checkpoint", file=sys.stderr,
+              flush=True)
+
+    AgentEvents(on_failure, on_restart).listen()
 
 
 def fork_worker(job_args: list[str]) -> None:
@@ -83,27 +110,37 @@ def fork_worker(job_args: list[str]) -> None:
             print(error.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
+        # torchrun's agent reports the first failed worker it finds. Workers whose peer died
+        # fail within milliseconds of it (a broken connection); waiting lets the agent, which
+        # polls every 0.1 s, find the worker that failed first.
+        time.sleep(FAILURE_REPORT_DELAY_S)
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:
         os._exit(code)
 
 
-def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
+def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluster) -> int:
     # torchrun's agent logs each worker failure at ERROR level before its banner, and the
     # stopping of the other workers; the launcher says what failed instead (below).
     for name in ["torch.multiprocessing.spawn", *logging.root.manager.loggerDict]:
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    _report_agent_events(cluster.node_rank)
     # Forked workers inherit this process's imports (torch, torchtitan, the trainer: imported
     # at the top of this module, once, before the fork).
     fork = not cpu.accelerator_available()
+    # Workers get a fresh TCPStore per rendezvous round (rank 0 hosts it) instead of sharing
+    # the agent's: in the shared store a restarted group can read the previous group's
+    # process-group keys (the dead workers' addresses: "Gloo connectFullMesh failed ...
+    # Connection refused").
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     with tempfile.TemporaryDirectory(prefix="titan_hybrid_errors_") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
-        # `--standalone`, spelled out: torchrun.run() applies it, config_from_args() does not.
+        # One node: `--standalone`, spelled out (torchrun.run() applies it, config_from_args()
+        # does not).
         args = torchrun.parse_args([
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-            "--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}",
+            *cluster.torchrun_args(), f"--nproc-per-node={nproc}",
             "--local-ranks-filter", log_ranks, "--role", "rank", "--tee", "3",
             *(["--start-method", "fork"] if fork else []),
             "-m", "titan_hybrid.train", *job_args])
@@ -113,6 +150,12 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
                 elastic_launch(config=config, entrypoint=fork_worker)(job_args)
             else:
                 elastic_launch(config=config, entrypoint=command)(*command_args)
+        except RendezvousError as error:
+            print(f"error: rendezvous at RDZV_ENDPOINT={cluster.endpoint} failed: not all "
+                  f"NNODES={cluster.nnodes} nodes joined within RDZV_TIMEOUT={cluster.timeout} s "
+                  f"(every node needs the same RDZV_ENDPOINT and RDZV_ID; {type(error).__name__})",
+                  file=sys.stderr)
+            return 1
         except ChildFailedError as failure:
             reported = first_reported_error(Path(error_dir))
             if reported is not None:
@@ -120,9 +163,11 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str) -> int:
                 print(message, file=sys.stderr)
                 return code
             rank, first = failure.get_first_failure()
-            print(f"error: training failed: rank {rank} exited with status {first.exitcode} "
-                  "(its traceback is above; with NGPU > 1 set LOG_RANK to see other ranks)",
-                  file=sys.stderr)
+            after = (f" after {cluster.max_restarts} restart(s) (MAX_RESTARTS)"
+                     if cluster.max_restarts else "")
+            print(f"error: training failed{after}: rank {rank} exited with status "
+                  f"{first.exitcode} (its traceback is above; with NGPU > 1 set LOG_RANK to see "
+                  "other ranks)", file=sys.stderr)
             return 1
     return 0
 
@@ -146,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.nproc < 1:
         print(f"error: --nproc (NGPU)={options.nproc} must be >= 1", file=sys.stderr)
         return EXIT_USER_ERROR
-    message = preflight(job_args, options.nproc)
+    cluster, message = preflight(job_args, options.nproc)
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -154,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     # so only a host's first run pays the SSD kernels' tuning (~100 s on an H100; README,
     # "Autotune cost"). TRITON_CACHE_AUTOTUNING=0 retunes every run.
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    if options.nproc == 1:
+    if options.nproc == 1 and cluster.nnodes == 1 and not cluster.max_restarts:
         run_here(job_args)
         return 0
-    return run_workers(job_args, options.nproc, options.log_rank)
+    return run_workers(job_args, options.nproc, options.log_rank, cluster)
 
 
 if __name__ == "__main__":

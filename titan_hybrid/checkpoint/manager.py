@@ -41,6 +41,7 @@ from titan_hybrid.checkpoint.state import (
     check_against_checkpoint,
     map_layers_by_order,
 )
+from titan_hybrid.cluster import restart_count
 from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
 from titan_hybrid.errors import JobError
 from titan_hybrid.model.common import TPLayout
@@ -133,7 +134,12 @@ class HybridCheckpointManager(CheckpointManagerHooks):
             named = Path(self.step_folder(step))
             if not integrity.agree(named.is_dir() if integrity.is_rank0() else None):
                 raise JobError(f"checkpoint.load_step={step} but '{named}' does not exist")
-        return super().load(step)
+        loaded = super().load(step)
+        if restart_count():  # torchrun's agent restarted the workers (MAX_RESTARTS)
+            resumed = self.states[TRAIN_STATE].step
+            logger.warning(f"restart {restart_count()}: resumed from step {resumed}" if loaded
+                           else f"restart {restart_count()}: no checkpoint yet, starting over")
+        return loaded
 
     def find_load_step(self, folder: str = "") -> int:
         """The newest intact `step-N` (verified against its checksums), or -1 if none exists.
