@@ -109,6 +109,16 @@ def hybrid_job(job_config: TitanJobConfig) -> JobConfig:
     return JobConfig(**sections)
 
 
+def _config_file(job_args: list[str]) -> str:
+    """The --job.config_file value in the command line ('' if none)."""
+    for index, arg in enumerate(job_args):
+        if arg.startswith("--job.config_file="):
+            return arg.split("=", 1)[1]
+        if arg in ("--job.config_file", "--job.config-file") and index + 1 < len(job_args):
+            return job_args[index + 1]
+    return ""
+
+
 def parse_job(job_args: list[str]) -> JobConfig:
     """The job from the command line (`--job.config_file F --section.field value ...`),
     parsed with titan_hybrid's JobConfig; a user error becomes ValueError."""
@@ -119,7 +129,8 @@ def parse_job(job_args: list[str]) -> JobConfig:
     except FileNotFoundError as error:
         raise ValueError(f"job.config_file '{error.filename}' does not exist") from None
     except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"job.config_file is not valid TOML: {error}") from None
+        raise ValueError(f"job.config_file '{_config_file(job_args)}' is not valid TOML: "
+                         f"{error}") from None
     except AssertionError as error:  # torchtitan's own field checks (e.g. validation.steps)
         raise ValueError(f"job config: {error}") from None
     finally:
