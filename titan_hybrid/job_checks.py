@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 
+import torch
+
 from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
@@ -78,10 +80,12 @@ def check_checkpoint(checkpoint) -> None:
     _require(checkpoint.keep_latest_k == 0 or checkpoint.keep_latest_k >= 2,
              "checkpoint.keep_latest_k", checkpoint.keep_latest_k,
              "must be 0 (keep all) or >= 2 (the newest save may still be in progress)")
-    _require(checkpoint.async_mode.lower() == "disabled", "checkpoint.async_mode",
-             checkpoint.async_mode,
-             "is not supported by titan_hybrid yet: checkpoints are verified and committed "
-             "when their save returns (use 'disabled')")
+    mode = checkpoint.async_mode.lower()
+    _require(mode in ("disabled", "async", "async_with_pinned_mem"), "checkpoint.async_mode",
+             checkpoint.async_mode, "must be 'disabled', 'async' or 'async_with_pinned_mem'")
+    _require(mode != "async_with_pinned_mem" or torch.cuda.is_available(),
+             "checkpoint.async_mode", checkpoint.async_mode,
+             "needs CUDA (pinned host memory); use 'async' on this machine")
     _require(checkpoint.load_step == -1 or checkpoint.load_step >= 0, "checkpoint.load_step",
              checkpoint.load_step, "must be -1 (newest intact checkpoint) or a step >= 0")
     path = checkpoint.initial_load_path

@@ -162,12 +162,12 @@ def test_divergence_on_any_pipeline_stage_stops_every_rank(tmp_path):
 # ---- kill -9 ---------------------------------------------------------------------------------
 
 
-def _launch(tmp_path: Path, steps: int) -> subprocess.Popen:
+def _launch(tmp_path: Path, steps: int, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "titan_hybrid.launch",
                "--job.config_file", str(REPO_ROOT / "train_configs" / "hybrid.toml"),
                "--job.dump_folder", str(tmp_path / "outputs"),
                "--training.steps", str(steps), *SMALL, *CHECKPOINT,
-               "--hybrid.loss_curve_file", "curve.jsonl"]
+               "--hybrid.loss_curve_file", "curve.jsonl", *extra]
     return subprocess.Popen(command, cwd=REPO_ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -201,13 +201,17 @@ def _curve(tmp_path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
 
 
-@pytest.mark.parametrize("trial", ["after_steps", "mid_save", "early"])
+ASYNC = ("--checkpoint.async_mode", "async")
+
+
+@pytest.mark.parametrize("trial", ["after_steps", "mid_save", "early", "mid_async_save"])
 def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uninterrupted,
                                                                    trial):
     ck = tmp_path / "outputs" / "ck"
-    launcher = _launch(tmp_path, STEPS)
+    extra = ASYNC if trial == "mid_async_save" else ()
+    launcher = _launch(tmp_path, STEPS, *extra)
     rng = random.Random(f"kill-{trial}")
-    if trial == "mid_save":  # while a save is being written: its .partial folder exists
+    if trial in ("mid_save", "mid_async_save"):  # while a save is written: its .partial exists
         assert _wait_for(lambda: ck.is_dir() and any(p.name.endswith(".partial")
                                                       for p in ck.iterdir()))
     elif trial == "after_steps":  # somewhere between saves, once step-4 exists
@@ -220,7 +224,22 @@ def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uni
     # The same command again (through run_training: a fresh process tree, forked rather than
     # started from a new interpreter; the killed run above was a real `python -m` process).
     restarted = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT,
-                             "--hybrid.loss_curve_file", "curve.jsonl")
+                             "--hybrid.loss_curve_file", "curve.jsonl", *extra)
     assert restarted.returncode == 0, restarted.output[-6000:]
     assert _curve(tmp_path) == uninterrupted
     assert not any(p.name.endswith(".partial") for p in ck.iterdir())
+
+
+def test_async_saves_commit_intact_checkpoints_and_leave_the_curve_unchanged(tmp_path):
+    from titan_hybrid.checkpoint import integrity
+
+    (tmp_path / "plain").mkdir()
+    plain = run_training(tmp_path / "plain", "--training.steps", str(STEPS), *SMALL,
+                         nproc=2).check()
+    run = run_training(tmp_path, "--training.steps", str(STEPS), *SMALL, *CHECKPOINT, *ASYNC,
+                       "--checkpoint.keep_latest_k", "2", nproc=2).check()
+    assert run.losses == plain.losses and len(run.losses) == STEPS
+    # Every background save was committed (checksummed, renamed), keep_latest_k applied after.
+    assert checkpoints(tmp_path) == ["step-6", "step-8"]
+    for name in checkpoints(tmp_path):
+        assert integrity.verify(tmp_path / "outputs" / "ck" / name) is None

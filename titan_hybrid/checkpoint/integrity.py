@@ -24,6 +24,7 @@ import shutil
 import zlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from titan_hybrid.errors import JobError
@@ -71,6 +72,15 @@ def agree(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_ranks(flag: bool, group) -> bool:
+    """Whether `flag` holds on every rank (collective over `group`, a gloo group)."""
+    if _world()[1] == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
 
 
 def barrier() -> None:

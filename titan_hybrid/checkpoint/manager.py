@@ -63,6 +63,8 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.by_order = job_config.hybrid.load_layers_by_order
         self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
         self.verified: set[str] = set()
+        # A background save's (partial, final) folders, committed once it has finished.
+        self.uncommitted: tuple[Path, Path] | None = None
         if self.enable:
             self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
 
@@ -77,6 +79,9 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         integrity.barrier()
         result = super().dcp_save(state_dict, str(partial), async_mode,
                                   enable_garbage_collection, to_hf)
+        if result is not None:  # checkpoint.async_mode: the files are still being written
+            self.uncommitted = (partial, final)
+            return result
         if to_hf:
             integrity.barrier()  # every rank's consolidated files are written
             if integrity.is_rank0():
@@ -84,6 +89,31 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         integrity.commit(partial, final)
         self.verified.add(str(final))
         return result
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        # torchtitan calls this every step: a background save that every rank has finished
+        # is committed at the first step after it (the ranks agree, so all commit together).
+        if self.uncommitted is not None and integrity.all_ranks(self.background_save_done(),
+                                                                    self.pg):
+            self.wait_for_background_save()
+        super().save(curr_step, last_step)
+
+    def wait_for_background_save(self) -> None:
+        """Wait for the background save, then commit it: checksums, fsync, rename, and
+        keep_latest_k. Until then it is a `.partial` folder, which a crash leaves behind and the
+        next start removes: the previous checkpoint stays the newest intact one."""
+        super().wait_for_background_save()
+        if self.uncommitted is not None:
+            partial, final = self.uncommitted
+            self.uncommitted = None
+            integrity.commit(partial, final)
+            self.verified.add(str(final))
+            self.purge_stale_checkpoints()
+
+    def close(self) -> None:
+        if getattr(self, "enable", False) and self.uncommitted is not None:
+            self.wait_for_background_save()
+        super().close()
 
     def _complete_hf_export(self, folder: Path) -> None:
         # torchtitan writes per-rank shards under sharded/, then consolidates them next to it.

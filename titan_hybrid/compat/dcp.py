@@ -67,6 +67,15 @@ class ChunkedTensor(torch.Tensor):
             return args[0]
         if func is _TO_COPY:  # torchtitan casts a model-only export (checkpoint.export_dtype)
             return args[0].cast(**(kwargs or {}))
+        if func is torch.ops.aten.new_empty.default:
+            # DCP's async stager (torch.distributed.checkpoint._state_dict_stager) copies a
+            # tensor subclass as `new_empty(size, device="cpu")` and then copies its __dict__
+            # (here: the chunks' views, staged to host memory, and their source).
+            self, size = args[0], args[1]
+            kwargs = kwargs or {}
+            return torch.Tensor._make_wrapper_subclass(
+                type(self), size, dtype=kwargs.get("dtype") or self.dtype,
+                device=kwargs.get("device") or self.device)
         raise NotImplementedError(f"{func} on {cls.__name__}: it only carries chunks")
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:

@@ -44,7 +44,9 @@ class CheckpointManagerHooks(CheckpointManager):
     - `_save_last_step`: the final save, whose model-only / HF / dtype rules titan_hybrid decides;
     - `_find_load_step`: which `step-N` folder a resume reads (titan_hybrid skips damaged ones);
     - `_purge_stale_checkpoints`: `keep_latest_k` (titan_hybrid counts intact folders only);
-    - `_create_checkpoint_id`: the folder of a step, as torchtitan names it.
+    - `_create_checkpoint_id`: the folder of a step, as torchtitan names it;
+    - `_async_wait`: where a save waits for the previous background save (titan_hybrid commits
+      that one there); `save_future` holds the background save's future (torchtitan's field).
     """
 
     def save_last_step(self, step: int) -> None:
@@ -59,6 +61,14 @@ class CheckpointManagerHooks(CheckpointManager):
     def step_folder(self, step: int) -> str:
         return self._create_checkpoint_id(step)
 
+    def wait_for_background_save(self) -> None:
+        super()._async_wait()
+
+    def background_save_done(self) -> bool:
+        """Whether the background save (if any) has finished on this rank."""
+        future = self.save_future
+        return future is None or future.done()
+
     def _save_last_step(self, curr_step: int) -> None:
         self.save_last_step(curr_step)
 
@@ -67,6 +77,9 @@ class CheckpointManagerHooks(CheckpointManager):
 
     def _purge_stale_checkpoints(self) -> None:
         self.purge_stale_checkpoints()
+
+    def _async_wait(self) -> None:
+        self.wait_for_background_save()
 
 
 def point_device_globals_at_cpu(cpu_module: types.ModuleType) -> None:
