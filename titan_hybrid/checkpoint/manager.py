@@ -79,7 +79,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         integrity.barrier()
         result = super().dcp_save(state_dict, str(partial), async_mode,
                                   enable_garbage_collection, to_hf)
-        if result is not None:  # checkpoint.async_mode: the files are still being written
+        if async_mode != "disabled":  # checkpoint.async_mode (a str enum): still being written
             self.uncommitted = (partial, final)
             return result
         if to_hf:

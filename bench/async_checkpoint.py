@@ -1,0 +1,140 @@
+"""How long training is blocked per checkpoint, synchronous vs asynchronous
+(`checkpoint.async_mode async`), and the save throughput against plain DCP.
+
+    .venv/bin/python bench/async_checkpoint.py [--steps 22] [--interval 10]
+
+Each mode is a real training run (titan_hybrid.launch, one process) of a ~141M-parameter hybrid
+(M-M-M-M-M-M-M*- at width 1024; with AdamW's two moments the checkpoint holds ~1.7 GB). The
+time training is blocked is the wall time of each call the trainer makes into the
+checkpointer at a saving step (including, in async mode, the commit of the previous background
+save: checksums, fsync, rename, at the first step after it finished), the last step's save
+excluded (torchtitan saves the last step synchronously). Baseline for throughput: plain
+`torch.distributed.checkpoint.save` of the same model and optimizer state dicts, in the same
+process, after training; ours is the synchronous save (split components, `.partial`, checksums,
+fsync, rename). Goal: an async block of at most 10% of the sync save time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def worker(mode: str, dump: str, steps: int, interval: int) -> None:
+    """One training run with an instrumented checkpointer; prints RESULT {json}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from titan_hybrid import launch
+    from titan_hybrid.checkpoint.manager import HybridCheckpointManager
+    from titan_hybrid.model.args import AttentionArgs, MambaArgs, MLPArgs, hybrid_flavors
+    from titan_hybrid.trainer import HybridTrainer
+
+    # A bench-only flavor, registered in this process before the launch reads it.
+    hybrid_flavors["bench_141m"] = dataclasses.replace(
+        hybrid_flavors["debug"], dim=1024, pattern="M-M-M-M-M-M-M*-",
+        attention=AttentionArgs(n_heads=8, n_kv_heads=4, head_dim=128),
+        mlp=MLPArgs(hidden_dim=4096),
+        mamba=MambaArgs(d_state=64, head_dim=64, n_groups=2, chunk_size=64))
+    blocked: dict[int, float] = {}
+    original_save = HybridCheckpointManager.save
+
+    def timed_save(self, curr_step, last_step=False):
+        start = time.perf_counter()
+        original_save(self, curr_step, last_step)
+        if not last_step:
+            blocked[curr_step] = time.perf_counter() - start
+
+    HybridCheckpointManager.save = timed_save
+    original_train = HybridTrainer.train
+
+    def train_then_measure(self):
+        original_train(self)
+        model, optimizer = self.model_parts[0], self.optimizers.optimizers[0]
+        params = sum(p.numel() for p in model.parameters())
+        plain = Path(dump) / "plain_dcp"
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        start = time.perf_counter()
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(plain))
+        plain_s = time.perf_counter() - start
+        print("RESULT " + json.dumps({"params": params, "blocked": blocked,
+                                      "plain_seconds": plain_s,
+                                      "plain_bytes": folder_bytes(plain)}), flush=True)
+
+    HybridTrainer.train = train_then_measure
+    launch.main(["--job.config_file", str(REPO / "train_configs" / "hybrid.toml"),
+                 "--job.dump_folder", dump, "--model.flavor", "bench_141m",
+                 "--training.steps", str(steps), "--training.seq_len", "64",
+                 "--training.local_batch_size", "1", "--checkpoint.enable",
+                 "--checkpoint.interval", str(interval), "--checkpoint.folder", "ck",
+                 "--checkpoint.no_last_save_model_only", "--checkpoint.async_mode", mode,
+                 "--metrics.log_freq", "1"])
+
+
+def run(mode: str, steps: int, interval: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench_ckpt_{mode}_", dir="/tmp") as dump:
+        proc = subprocess.run([sys.executable, __file__, "--worker", mode, "--dump", dump,
+                               "--steps", str(steps), "--interval", str(interval)],
+                              cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "2"})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+        result = json.loads(lines[-1][len("RESULT "):])
+        step = max(int(s) for s in result["blocked"])  # the newest committed save
+        result["save_bytes"] = folder_bytes(Path(dump) / "ck" / f"step-{steps}")
+        result["newest_interval_step"] = step
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Saves far enough apart for a background save to finish between them, as in real runs.
+    parser.add_argument("--steps", type=int, default=22)
+    parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--worker")
+    parser.add_argument("--dump")
+    options = parser.parse_args()
+    if options.worker:
+        worker(options.worker, options.dump, options.steps, options.interval)
+        return
+    sync, background = (run(mode, options.steps, options.interval)
+                        for mode in ("disabled", "async"))
+    saving_steps = [s for s in sync["blocked"] if int(s) % options.interval == 0]
+    sync_block = sum(sync["blocked"][s] for s in saving_steps) / len(saving_steps)
+    async_block = sum(background["blocked"][s] for s in saving_steps) / len(saving_steps)
+    # The commit (checksums, fsync, rename) runs at the first step after the background save
+    # finished: every other step's time in the checkpointer, per save.
+    commit_block = sum(seconds for step, seconds in background["blocked"].items()
+                       if step not in saving_steps) / len(saving_steps)
+    gigabytes = sync["save_bytes"] / 1e9
+    for name, result in (("sync", sync), ("async", background)):
+        print(f"{name}: seconds in the checkpointer per step: "
+              + ", ".join(f"{step}: {seconds:.2f}" for step, seconds in result["blocked"].items()))
+    print(f"model: {sync['params'] / 1e6:.0f}M parameters; checkpoint {gigabytes:.2f} GB "
+          f"(model + AdamW state)")
+    print(f"blocked per checkpoint (mean of {len(saving_steps)}): sync {sync_block:.2f} s | "
+          f"async {async_block:.2f} s at the saving step + {commit_block:.2f} s at the commit "
+          "step "
+          f"= {(async_block + commit_block) / sync_block:.1%} of sync (goal <= 10%)")
+    print(f"save throughput: ours (sync, split + checksums + rename) "
+          f"{gigabytes / sync_block:.2f} GB/s | plain dcp.save "
+          f"{sync['plain_bytes'] / 1e9 / sync['plain_seconds']:.2f} GB/s "
+          f"(ours / plain = {sync['plain_seconds'] / sync['plain_bytes'] * sync['save_bytes'] / sync_block:.2f})")
+
+
+if __name__ == "__main__":
+    main()
