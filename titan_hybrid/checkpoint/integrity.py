@@ -94,8 +94,15 @@ def files_of(folder: Path) -> list[str]:
                   if path.is_file() and path.name != CHECKSUMS_FILE)
 
 
-def checksum_folder(folder: Path) -> dict[str, dict[str, int]]:
-    """{relative path: {"bytes": size, "crc32": crc}} of every file, computed collectively."""
+def file_entry(path: Path) -> dict[str, int]:
+    return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+def checksum_folder(folder: Path, known: dict[str, dict[str, int]] | None = None
+                    ) -> dict[str, dict[str, int]]:
+    """{relative path: {"bytes": size, "crc32": crc}} of every file, computed collectively.
+    `known`: entries this rank computed already (a background save's own files), used while
+    the file still has that size; the other files are shared out between the ranks."""
     rank, world = _world()
     names = files_of(folder)
     listings = _gather_dicts({rank: names})
@@ -103,9 +110,12 @@ def checksum_folder(folder: Path) -> dict[str, dict[str, int]]:
         raise JobError(f"checkpoint folder '{folder.parent}' is not the same on every rank (ranks "
                        "list different files): checkpoint.folder must be on a filesystem "
                        "shared by all ranks")
-    mine = {name: {"bytes": (folder / name).stat().st_size, "crc32": file_crc32(folder / name)}
-            for name in names[rank::world]}
-    return _gather_dicts(mine)
+    known = {name: entry for name, entry in (known or {}).items()
+             if name in names and (folder / name).stat().st_size == entry["bytes"]}
+    every_known = _gather_dicts(known)
+    rest = [name for name in names if name not in every_known]
+    mine = {name: file_entry(folder / name) for name in rest[rank::world]}
+    return {**every_known, **_gather_dicts(mine)}
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -125,11 +135,11 @@ def _write_durably(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def commit(partial: Path, final: Path) -> None:
+def commit(partial: Path, final: Path, known: dict[str, dict[str, int]] | None = None) -> None:
     """Checksum a fully written `partial` folder and rename it to `final` (collective: every
-    rank calls it after its part of the save returned)."""
+    rank calls it after its part of the save returned). `known`: see checksum_folder."""
     barrier()  # every rank's files are written
-    sums = checksum_folder(partial)
+    sums = checksum_folder(partial, known)
     if is_rank0():
         _write_durably(partial / CHECKSUMS_FILE, json.dumps(sums, indent=0, sort_keys=True))
         _fsync_folder(partial)

@@ -14,7 +14,11 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
 - every load is checked against the model (keys and shapes, state.py) and can read another
   pattern's checkpoint layer by layer (`hybrid.load_layers_by_order`);
 - a Hugging Face export also writes config.json and the tokenizer files, so `transformers`
-  (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is.
+  (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is;
+- `checkpoint.async_mode`: DCP writes `step-N.partial` in the background; each rank checksums
+  its own files on the save's thread when they are written, and the first step after every
+  rank finished commits it (gather of the checksums, fsync, rename, keep_latest_k). A crash
+  before that leaves the `.partial` folder, and the previous checkpoint stays the newest.
 
 Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three hooks that torchtitan
 0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan gives them
@@ -25,10 +29,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, TRAIN_STATE
 from torchtitan.tools.logging import logger
@@ -42,11 +48,32 @@ from titan_hybrid.checkpoint.state import (
     map_layers_by_order,
 )
 from titan_hybrid.cluster import restart_count
+from titan_hybrid.compat.dcp import files_written_by
 from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
 from titan_hybrid.errors import JobError
 from titan_hybrid.model.common import TPLayout
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
+
+
+class OwnFileChecksums:
+    """The CRC-32s of the files this rank's background save wrote, computed on the save's own
+    thread when its write finishes (a done-callback of its future), so the commit on the
+    training thread only gathers them (integrity.checksum_folder's `known`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.entries: dict[str, dict[str, int]] = {}
+        self.ready = threading.Event()
+
+    def __call__(self, future) -> None:
+        try:
+            if future.exception() is None:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self.entries = {name: integrity.file_entry(self.folder / name)
+                                for name in files_written_by(self.folder, rank)}
+        finally:
+            self.ready.set()
 
 
 def holds_training_state(metadata) -> bool:
@@ -63,8 +90,9 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.by_order = job_config.hybrid.load_layers_by_order
         self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
         self.verified: set[str] = set()
-        # A background save's (partial, final) folders, committed once it has finished.
-        self.uncommitted: tuple[Path, Path] | None = None
+        # A background save's (partial, final) folders and its checksums, committed once it
+        # has finished.
+        self.uncommitted: tuple[Path, Path, OwnFileChecksums] | None = None
         if self.enable:
             self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
 
@@ -80,7 +108,10 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         result = super().dcp_save(state_dict, str(partial), async_mode,
                                   enable_garbage_collection, to_hf)
         if async_mode != "disabled":  # checkpoint.async_mode (a str enum): still being written
-            self.uncommitted = (partial, final)
+            checksums = OwnFileChecksums(partial)
+            # async: a Future; async_with_pinned_mem: a response holding the write's future.
+            getattr(result, "upload_completion", result).add_done_callback(checksums)
+            self.uncommitted = (partial, final, checksums)
             return result
         if to_hf:
             integrity.barrier()  # every rank's consolidated files are written
@@ -104,9 +135,10 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         next start removes: the previous checkpoint stays the newest intact one."""
         super().wait_for_background_save()
         if self.uncommitted is not None:
-            partial, final = self.uncommitted
+            partial, final, checksums = self.uncommitted
             self.uncommitted = None
-            integrity.commit(partial, final)
+            checksums.ready.wait()
+            integrity.commit(partial, final, checksums.entries)
             self.verified.add(str(final))
             self.purge_stale_checkpoints()
 

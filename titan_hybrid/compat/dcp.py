@@ -6,6 +6,8 @@ in all four).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -100,3 +102,10 @@ class ChunkedTensor(torch.Tensor):
             if offsets == index.offset:
                 return view
         raise ValueError(f"no chunk at offset {index.offset} for {index.fqn}")
+
+
+def files_written_by(folder: Path, rank: int) -> list[str]:
+    """The data files that DCP's FileSystemWriter wrote for `rank` (the rank in the save's
+    process group) in `folder`: it names them `__{rank}_{n}.distcp` (private naming,
+    torch.distributed.checkpoint.filesystem, the same in torch 2.11 - 2.14)."""
+    return sorted(path.name for path in folder.glob(f"__{rank}_*.distcp"))
