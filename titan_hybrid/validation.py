@@ -41,6 +41,7 @@ from titan_hybrid.data.loader import (
     build_validation_dataloader,
     validation_dataset_name,
 )
+from titan_hybrid.data.local_files import check_corpus, is_local_path
 from titan_hybrid.errors import JobError
 from titan_hybrid.job_config import JobConfig
 from titan_hybrid.kind_statistics import statistics_set_aside
@@ -72,6 +73,8 @@ def validate_validation_config(job_config: JobConfig) -> None:
         raise ValueError(f"validation.dataset '{v.dataset}' is unknown: use '{PYDOC_DATASET}' "
                          f"(the held-out documents) or one of torchtitan's datasets "
                          f"{sorted(text_datasets.DATASETS)}")
+    if is_local_path(v.dataset_path):
+        check_corpus("validation.dataset_path", v.dataset_path)
     tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
     sp = tp if tp > 1 and not p.disable_sequence_parallel else 1
     chunks = 2 * cp * sp if cp > 1 else sp

@@ -66,3 +66,23 @@ def test_activation_checkpointing_leaves_the_loss_bitwise_unchanged(tmp_path):
     selective = run_training(tmp_path, *args, "--activation_checkpoint.mode", "selective",
                              "--activation_checkpoint.selective_ac_option", "op").check()
     assert plain.losses == full.losses == selective.losses
+
+
+def test_a_local_corpus_trains_and_validates_on_another_local_set(tmp_path):
+    import json
+
+    corpus, held_out = tmp_path / "corpus", tmp_path / "held_out"
+    for folder, offset in ((corpus, 0), (held_out, 1000)):
+        folder.mkdir()
+        (folder / "docs.jsonl").write_text("".join(
+            json.dumps({"text": f"record {offset + i}: " + "alpha beta gamma delta " * (i % 5 + 1)})
+            + "\n" for i in range(200)))
+    result = run_training(tmp_path, "--training.steps", "3", "--training.seq_len", "64",
+                          "--training.dataset_path", str(corpus), "--validation.enable",
+                          "--validation.dataset_path", str(held_out), "--validation.freq", "3",
+                          "--validation.steps", "2", "--validation.seq_len", "64").check()
+    assert len(result.losses) == 3 and len(result.validation_losses) >= 1
+    # The local data, not the default corpus: that run's curve differs.
+    default = run_training(tmp_path / "outputs", "--training.steps", "3",
+                           "--training.seq_len", "64").check()
+    assert result.losses != default.losses

@@ -35,8 +35,6 @@ BAD_INPUTS = [
      "checkpoint.keep_latest_k=1 must be 0 (keep all) or >= 2"),
     (("--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem"),
      "checkpoint.async_mode='async_with_pinned_mem' needs CUDA"),
-    (("--checkpoint.enable", "--checkpoint.async_mode", "later"),
-     "checkpoint.async_mode='later' must be 'disabled', 'async' or 'async_with_pinned_mem'"),
     (("--checkpoint.enable", "--checkpoint.initial_load_path", "/no/such/ckpt"),
      "checkpoint.initial_load_path='/no/such/ckpt' is not a directory"),
     (("--metrics.log_freq", "0"), "metrics.log_freq=0 must be >= 1"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from torchtitan.hf_datasets import DatasetConfig, text_datasets
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.data.corpus import pydoc_split
+from titan_hybrid.data.local_files import check_corpus, is_local_path, local_documents
 
 PYDOC_DATASET = "pydoc"
 _STATE_KEY = "global_text_position"
@@ -161,12 +161,18 @@ def validate_dataset_config(job_config: JobConfig) -> None:
         )
     # A hub name ("allenai/c4") cannot be checked offline; an explicit local path can.
     path = job_config.training.dataset_path
-    if path and path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+    if is_local_path(path):
+        check_corpus("training.dataset_path", path)
+    elif path and path.startswith((".", "/", "~")):
         raise ValueError(f"training.dataset_path '{path}' does not exist")
 
 
-def _dataset_source(name: str, path: str | None,
-                    pydoc_part: str) -> tuple[Callable[[], Iterable[Any]], Callable]:
+def _dataset_source(name: str, path: str | None, pydoc_part: str,
+                    field: str) -> tuple[Callable[[], Iterable[Any]], Callable]:
+    """(documents, their text) of a local corpus at `path` (any dataset name: the files are
+    the data), of the pydoc corpus, or of a torchtitan dataset."""
+    if is_local_path(path):
+        return local_documents(field, path), (lambda text: text)
     if name == PYDOC_DATASET:
         documents = pydoc_split(pydoc_part)
         return (lambda: documents), (lambda text: text)
@@ -192,7 +198,8 @@ def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: Ba
             dp_rank: int, dp_world_size: int, infinite: bool) -> GlobalBatchTextLoader:
     """A loader of dataset `name` with the batch shape of a job section ([training] or
     [validation]: its seq_len and local_batch_size)."""
-    documents, text_of = _dataset_source(name, path, pydoc_part)
+    section_name = "training" if pydoc_part == "train" else "validation"
+    documents, text_of = _dataset_source(name, path, pydoc_part, f"{section_name}.dataset_path")
     return GlobalBatchTextLoader(
         documents=documents,
         text_of=text_of,
