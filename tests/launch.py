@@ -263,6 +263,16 @@ def run_training(tmp_path: Path, *args: str, nproc: int = 1, config: str = "hybr
                        records)
 
 
+def wait_for(condition, timeout: float = 240.0, poll: float = 0.002) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return False
+
+
 def launch_workers(script: Path, *args: str, nproc: int = 2,
                    timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS`: NPROC worker processes under

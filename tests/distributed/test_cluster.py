@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, SMALL_JOB, _descendants, run_training
+from tests.launch import REPO_ROOT, SMALL_JOB, _descendants, run_training, wait_for
 from titan_hybrid.cluster import cluster_from_env
 
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
@@ -54,15 +53,6 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
 def curve(tmp_path: Path) -> list[float]:
     lines = (tmp_path / "outputs" / "curve.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
-
-
-def wait_for(condition, timeout: float = 240.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("layout", [(), ("--parallelism.tensor_parallel_degree", "2")],

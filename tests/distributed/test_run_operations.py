@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_training
+from tests.launch import REPO_ROOT, run_training, wait_for
 
 SMALL = ("--training.local_batch_size", "2", "--training.seq_len", "128")
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck")
@@ -187,15 +187,6 @@ def _kill_everything_of(tmp_path: Path, launcher: subprocess.Popen) -> None:
     launcher.wait()
 
 
-def _wait_for(condition, timeout: float = 240.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.002)
-    return False
-
-
 def _curve(tmp_path: Path) -> list[float]:
     lines = (tmp_path / "outputs" / "curve.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
@@ -212,10 +203,10 @@ def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uni
     launcher = _launch(tmp_path, STEPS, *extra)
     rng = random.Random(f"kill-{trial}")
     if trial in ("mid_save", "mid_async_save"):  # while a save is written: its .partial exists
-        assert _wait_for(lambda: ck.is_dir() and any(p.name.endswith(".partial")
+        assert wait_for(lambda: ck.is_dir() and any(p.name.endswith(".partial")
                                                       for p in ck.iterdir()))
     elif trial == "after_steps":  # somewhere between saves, once step-4 exists
-        assert _wait_for(lambda: (ck / "step-4").is_dir())
+        assert wait_for(lambda: (ck / "step-4").is_dir())
         time.sleep(rng.uniform(0.0, 1.5))
     else:  # during start-up or the first steps
         time.sleep(rng.uniform(2.0, 12.0))

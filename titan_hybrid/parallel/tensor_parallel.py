@@ -159,19 +159,21 @@ def _make_region(mixer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) ->
 # --------------------------------------------------------------------------- entry point
 def _distribute_params(module: nn.Module, prefix: str, layouts: dict[str, TPLayout],
                        mesh: DeviceMesh, *, outside_regions: bool,
-                       sequence_parallel: bool) -> dict[str, bool] | None:
-    """Turn module's own parameters into TP DTensors; returns {name: partial gradient} (None
-    when it has no parameters of its own)."""
-    partial_grad = {}
-    for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                       sequence_parallel: bool) -> set[str] | None:
+    """Turn module's own parameters into TP DTensors; returns the names of those whose
+    gradients are partial sums (None when it has no parameters of its own)."""
+    params = list(module.named_parameters(recurse=False, remove_duplicate=False))
+    partial = set()
+    for name, param in params:
         layout = layouts[prefix + name]
         # Outside the TP regions with sequence parallelism, every rank sees only its own
         # sequence shard, so replicated parameters there accumulate partial gradients too.
-        partial_grad[name] = layout.partial_grad or (
-            layout.shard_dim is None and (not outside_regions or sequence_parallel))
+        if layout.partial_grad or (layout.shard_dim is None
+                                   and (not outside_regions or sequence_parallel)):
+            partial.add(name)
         dtensor = distribute_tensor(param.data, mesh, [placement_of(layout)], src_data_rank=None)
         module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
-    return partial_grad or None
+    return partial if params else None
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[str, TPLayout],
@@ -180,19 +182,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[s
     parameters' (model.common.tensor_parallel_layouts). Returns {parameter FQN: "tp"} for the
     parameters whose gradients are partial sums over the TP group."""
     partial_over_tp: dict[str, str] = {}
+    names = {id(module): name for name, module in model.named_modules()}
 
     def distribute(module: nn.Module, *, outside_regions: bool) -> set[str] | None:
         prefix = f"{names[id(module)]}." if names[id(module)] else ""
         partial = _distribute_params(module, prefix, layouts, tp_mesh,
                                      outside_regions=outside_regions,
                                      sequence_parallel=sequence_parallel)
-        if partial is None:
-            return None
-        partial_over_tp.update({prefix + name: "tp" for name, is_partial in partial.items()
-                                if is_partial})
-        return {name for name, is_partial in partial.items() if is_partial}
+        partial_over_tp.update({prefix + name: "tp" for name in partial or ()})
+        return partial
 
-    names = {id(module): name for name, module in model.named_modules()}
     mixers = [layer.mixer for layer in model.modules() if isinstance(layer, HybridLayer)]
     inside = {id(m) for mixer in mixers for m in mixer.modules()}
     boundary = {id(model.tok_embeddings), id(model.output)}
