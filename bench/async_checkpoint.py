@@ -6,9 +6,13 @@
 Each mode is a real training run (titan_hybrid.launch, one process) of a ~141M-parameter hybrid
 (M-M-M-M-M-M-M*- at width 1024; with AdamW's two moments the checkpoint holds ~1.7 GB). The
 time training is blocked is the wall time of each call the trainer makes into the
-checkpointer at a saving step (including, in async mode, the commit of the previous background
-save: checksums, fsync, rename, at the first step after it finished), the last step's save
-excluded (torchtitan saves the last step synchronously). Baseline for throughput: plain
+checkpointer: the save at a saving step, and in async mode also the wait for the background
+staging copy before the next optimizer step and the commit of the background save (checksums,
+fsync, rename) at the first step after it finished. The last step's save is excluded
+(torchtitan saves the last step synchronously). The train step's own time (forward, backward,
+optimizer, the staging wait included) is also reported for the step after each save against
+the median step, and the whole run's time against the same run without interval saves: on
+2 cores the background copy and writer compete with training for them. Baseline for throughput: plain
 `torch.distributed.checkpoint.save` of the same model and optimizer state dicts, in the same
 process, after training; ours is the synchronous save (split components, `.partial`, checksums,
 fsync, rename). Goal: an async block of at most 10% of the sync save time.
@@ -20,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,15 +55,33 @@ def worker(mode: str, dump: str, steps: int, interval: int) -> None:
         mlp=MLPArgs(hidden_dim=4096),
         mamba=MambaArgs(d_state=64, head_dim=64, n_groups=2, chunk_size=64))
     blocked: dict[int, float] = {}
+    step_seconds: dict[int, float] = {}
+    staging_wait = [0.0]  # in the train step, before the optimizer step; counted at its save
     original_save = HybridCheckpointManager.save
+    original_wait = HybridCheckpointManager.maybe_wait_for_staging
+    original_train_step = HybridTrainer.train_step
 
     def timed_save(self, curr_step, last_step=False):
         start = time.perf_counter()
         original_save(self, curr_step, last_step)
         if not last_step:
-            blocked[curr_step] = time.perf_counter() - start
+            blocked[curr_step] = time.perf_counter() - start + staging_wait[0]
+        staging_wait[0] = 0.0
+
+    def timed_wait(self):
+        start = time.perf_counter()
+        original_wait(self)
+        staging_wait[0] += time.perf_counter() - start
+
+    def timed_train_step(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = original_train_step(self, *args, **kwargs)
+        step_seconds[self.step] = time.perf_counter() - start
+        return result
 
     HybridCheckpointManager.save = timed_save
+    HybridCheckpointManager.maybe_wait_for_staging = timed_wait
+    HybridTrainer.train_step = timed_train_step
     original_train = HybridTrainer.train
 
     def train_then_measure(self):
@@ -71,6 +94,7 @@ def worker(mode: str, dump: str, steps: int, interval: int) -> None:
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(plain))
         plain_s = time.perf_counter() - start
         print("RESULT " + json.dumps({"params": params, "blocked": blocked,
+                                      "step_seconds": step_seconds,
                                       "plain_seconds": plain_s,
                                       "plain_bytes": folder_bytes(plain)}), flush=True)
 
@@ -113,22 +137,38 @@ def main() -> None:
         return
     sync, background = (run(mode, options.steps, options.interval)
                         for mode in ("disabled", "async"))
+    no_saves = run("disabled", options.steps, options.steps + 1)  # only the excluded last save
     saving_steps = [s for s in sync["blocked"] if int(s) % options.interval == 0]
     sync_block = sum(sync["blocked"][s] for s in saving_steps) / len(saving_steps)
     async_block = sum(background["blocked"][s] for s in saving_steps) / len(saving_steps)
-    # The commit (checksums, fsync, rename) runs at the first step after the background save
-    # finished: every other step's time in the checkpointer, per save.
+    # The staging wait (the step after a save) and the commit (checksums, fsync, rename, at the
+    # first step after the background save finished): every other step's time in the
+    # checkpointer, per save.
     commit_block = sum(seconds for step, seconds in background["blocked"].items()
                        if step not in saving_steps) / len(saving_steps)
     gigabytes = sync["save_bytes"] / 1e9
+    for name, result in (("sync", sync), ("async", background)):
+        seconds = result["step_seconds"]
+        after = [seconds[str(int(s) + 1)] for s in saving_steps]
+        print(f"{name}: train step after each save {', '.join(f'{t:.2f}' for t in after)} s | "
+              f"median step {statistics.median(seconds.values()):.2f} s")
+    # What the saves cost the run in all: its steps and checkpointer calls, against the same
+    # run without interval saves (on this machine the background writer competes for cores).
+    no_saves_total, sync_total, async_total = (
+        sum(r["step_seconds"].values()) + sum(r["blocked"].values())
+        for r in (no_saves, sync, background))
+    print(f"{options.steps} steps with checkpointer calls: no saves {no_saves_total:.1f} s | "
+          f"sync {sync_total:.1f} s (+{sync_total - no_saves_total:.1f}) | async "
+          f"{async_total:.1f} s (+{async_total - no_saves_total:.1f}) = "
+          f"{(async_total - no_saves_total) / (sync_total - no_saves_total):.0%} of the sync cost")
     for name, result in (("sync", sync), ("async", background)):
         print(f"{name}: seconds in the checkpointer per step: "
               + ", ".join(f"{step}: {seconds:.2f}" for step, seconds in result["blocked"].items()))
     print(f"model: {sync['params'] / 1e6:.0f}M parameters; checkpoint {gigabytes:.2f} GB "
           f"(model + AdamW state)")
     print(f"blocked per checkpoint (mean of {len(saving_steps)}): sync {sync_block:.2f} s | "
-          f"async {async_block:.2f} s at the saving step + {commit_block:.2f} s at the commit "
-          "step "
+          f"async {async_block:.2f} s at the saving step + {commit_block:.2f} s at later steps "
+          "(staging wait, commit) "
           f"= {(async_block + commit_block) / sync_block:.1%} of sync (goal <= 10%)")
     print(f"save throughput: ours (sync, split + checksums + rename) "
           f"{gigabytes / sync_block:.2f} GB/s | plain dcp.save "

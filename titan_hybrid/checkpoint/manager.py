@@ -19,6 +19,9 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
   its own files on the save's thread when they are written, and the first step after every
   rank finished commits it (gather of the checksums, fsync, rename, keep_latest_k). A crash
   before that leaves the `.partial` folder, and the previous checkpoint stays the newest.
+  In `async` mode the copy to host memory (staging) also runs in the background, into buffers
+  kept from one save to the next; the train step waits for it before the optimizer changes
+  the weights (torchtitan's `maybe_wait_for_staging`), so it overlaps forward and backward.
 
 Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three hooks that torchtitan
 0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan gives them
@@ -36,7 +39,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, TRAIN_STATE
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torchtitan.components.checkpoint import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    TRAIN_STATE,
+    AsyncMode,
+)
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.checkpoint import integrity
@@ -95,6 +105,15 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.uncommitted: tuple[Path, Path, OwnFileChecksums] | None = None
         if self.enable:
             self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
+        if self.enable and self.async_mode == AsyncMode.ASYNC:
+            # torchtitan stages `async` saves on the training thread, into buffers allocated
+            # anew each time (most of what a save blocked). A stager of our own copies in a
+            # background thread into buffers it keeps; torchtitan's train step waits for it
+            # (maybe_wait_for_staging, enabled here) before the optimizer step.
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                use_non_blocking_copy=False))
+            self.enable_staging = True
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -105,8 +124,14 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         if integrity.is_rank0():
             shutil.rmtree(partial, ignore_errors=True)
         integrity.barrier()
-        result = super().dcp_save(state_dict, str(partial), async_mode,
-                                  enable_garbage_collection, to_hf)
+        if async_mode == AsyncMode.ASYNC and self.stager is not None:
+            response = dcp.async_save(state_dict, checkpoint_id=str(partial),
+                                      process_group=self.pg, async_stager=self.stager)
+            self.staging_future, self.staging = response.staging_completion, True
+            result = response.upload_completion
+        else:
+            result = super().dcp_save(state_dict, str(partial), async_mode,
+                                      enable_garbage_collection, to_hf)
         if async_mode != "disabled":  # checkpoint.async_mode (a str enum): still being written
             checksums = OwnFileChecksums(partial)
             # async: a Future; async_with_pinned_mem: a response holding the write's future.
