@@ -94,6 +94,18 @@ def test_bad_corpora_are_one_clear_line(tmp_path, setup, message):
         check_corpus("training.dataset_path", str(path))
 
 
+def test_an_unreadable_file_is_one_clear_line(tmp_path):
+    # A file that even root cannot read (tests run as root, so permission bits do not stop
+    # them): /proc/self/mem is a regular file whose read at offset 0 fails with EIO.
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "fine"}\n')
+    (folder / "b.jsonl").symlink_to("/proc/self/mem")
+    with pytest.raises(ValueError, match=r"training.dataset_path: cannot read '.*/b.jsonl' "
+                                         r"\(Input/output error\)"):
+        check_corpus("training.dataset_path", str(folder))
+
+
 def test_a_missing_path_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="training.dataset_path '.*/nowhere' does not exist"):
         validate_dataset_config(job(tmp_path / "nowhere"))
