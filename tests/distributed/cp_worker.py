@@ -36,8 +36,10 @@ def logits_and_aux(out):
     return out[:2] if isinstance(out, tuple) else (out, 0.0)
 
 
-def compare(pattern: str, mamba_groups: int, cp: int, rank: int) -> dict:
-    """Float64 logits and gradients of one pattern under CP against one device."""
+def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: str) -> dict:
+    """Float64 logits and gradients of one pattern under CP against one device. Packed rows:
+    head_a2a takes each document zigzagged on its own (the vision-language packer's layout),
+    chunkwise the row zigzagged as a whole (the trainer's), with documents crossing pieces."""
     args = dataclasses.replace(
         hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern=pattern,
         attention=AttentionArgs(n_heads=4, n_kv_heads=2, head_dim=8),
@@ -54,11 +56,15 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int) -> dict:
     reference.init_weights()
     reference.double()
     model = copy.deepcopy(reference)
-    apply_context_parallel(model, dist.group.WORLD)
+    apply_context_parallel(model, dist.group.WORLD, linear_mode)
 
     seq_len = 8 * cp * 2
     tokens = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
-    cu_seqlens = torch.tensor([0, 4 * cp, 10 * cp, seq_len], dtype=torch.int32)
+    # chunkwise: documents that start inside a piece, exactly at a piece's start, and that
+    # span several pieces (and ranks); head_a2a: lengths divisible by 2 * cp (per document)
+    bounds = ([0, 3 * cp + 1, 8 * cp, 13 * cp, seq_len] if linear_mode == "chunkwise" else
+              [0, 4 * cp, 10 * cp, seq_len])
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     seq_idx, positions = packed_layout(cu_seqlens)
     report = {}
     for case in ("plain", "packed"):
@@ -67,7 +73,8 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int) -> dict:
             full_kwargs = {}
             local_kwargs = {"positions": index[None].expand(2, -1)}
         else:
-            index = packed_zigzag_index(cu_seqlens, cp, rank)
+            index = (zigzag_index(seq_len, cp, rank) if linear_mode == "chunkwise" else
+                     packed_zigzag_index(cu_seqlens, cp, rank))
             full_kwargs = {"positions": positions.expand(2, -1), "seq_idx": seq_idx.expand(2, -1)}
             local_kwargs = {name: value[:, index] for name, value in full_kwargs.items()}
         for m in (reference, model):
@@ -100,10 +107,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pattern", default="M*G-M", help="comma-separated patterns")
     parser.add_argument("--mamba-groups", type=int, default=2)
+    parser.add_argument("--linear-mode", default="head_a2a")
     options = parser.parse_args()
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
-    results = {pattern: compare(pattern, options.mamba_groups, cp, rank)
+    results = {pattern: compare(pattern, options.mamba_groups, cp, rank, options.linear_mode)
                for pattern in options.pattern.split(",")}
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)

@@ -24,7 +24,7 @@ from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKin
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
-from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
+from titan_hybrid.ops.ssd import discretized_dt, mamba_chunk_scan_combined
 
 
 @dataclass
@@ -65,8 +65,9 @@ def fused_component_sizes(args: MambaArgs, dim: int) -> dict[str, dict[str, int]
 class ConvAndScan(nn.Module):
     """The part of the mixer that runs along time: causal conv over [x | B | C], SiLU, and the
     SSD scan. Everything in it is per channel / per head, and the per-head parameters come in
-    as arguments, so context parallelism can trade sequence shards for head shards around it
-    (titan_hybrid.parallel.context_parallel). Sizes come from the tensors (TP / CP shards)."""
+    as arguments, so context parallelism can wrap it (titan_hybrid.parallel.context_parallel):
+    trade sequence shards for head shards around it, or run `conv` and `scan` on pieces of the
+    sequence and pass states between them. Sizes come from the tensors (TP / CP shards)."""
 
     def __init__(self, args: MambaArgs) -> None:
         super().__init__()
@@ -75,28 +76,41 @@ class ConvAndScan(nn.Module):
     def forward(self, xbc_BTC: torch.Tensor, dt_BTH: torch.Tensor, conv_weight_CW: torch.Tensor,
                 conv_bias_C: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                 dt_bias: torch.Tensor, layout: TokenLayout | None) -> torch.Tensor:
-        args = self.args
         seq_idx = None if layout is None else layout.seq_idx
-        n_heads = A_log.shape[0]
+        xbc = self.conv(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx)
+        return self.scan(xbc, dt_BTH, A_log, D, dt_bias, seq_idx)
+
+    def conv(self, xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx):
+        return causal_depthwise_conv1d(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
+                                       activation="silu")
+
+    def split_xbc(self, xbc_BTC: torch.Tensor, n_heads: int):
+        """The conv output's x [B, T, H, P], B and C [B, T, G, N]."""
+        args = self.args
         d_inner = n_heads * args.head_dim
         group_state = (xbc_BTC.shape[-1] - d_inner) // 2
-        xbc = causal_depthwise_conv1d(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
-                                      activation="silu")
-        x, b, c = xbc.split([d_inner, group_state, group_state], -1)
-        batch, seq_len, _ = x.shape
+        x, b, c = xbc_BTC.split([d_inner, group_state, group_state], -1)
+        return (x.unflatten(-1, (n_heads, args.head_dim)), b.unflatten(-1, (-1, args.d_state)),
+                c.unflatten(-1, (-1, args.d_state)))
+
+    def scan(self, xbc_BTC, dt_BTH, A_log, D, dt_bias, seq_idx, return_final_states=False):
+        """y [B, T, H, P]; with `return_final_states`, also the state at the end of each row
+        (of its last document) [B, H, P, N], in float32 (float64 for float64 inputs)."""
+        args = self.args
+        x, b, c = self.split_xbc(xbc_BTC, A_log.shape[0])
         return mamba_chunk_scan_combined(
-            x.view(batch, seq_len, n_heads, args.head_dim),
-            dt_BTH,
-            -torch.exp(upcast(A_log)),
-            b.view(batch, seq_len, -1, args.d_state),
-            c.view(batch, seq_len, -1, args.d_state),
-            args.chunk_size,
-            D=D,
-            dt_bias=dt_bias,
-            seq_idx=seq_idx,
-            dt_softplus=True,
-            dt_limit=args.dt_limit,
-        )
+            x, dt_BTH, self.decay_rate(A_log), b, c, args.chunk_size, D=D, dt_bias=dt_bias,
+            seq_idx=seq_idx, dt_softplus=True, dt_limit=args.dt_limit,
+            return_final_states=return_final_states)
+
+    @staticmethod
+    def decay_rate(A_log: torch.Tensor) -> torch.Tensor:
+        return -torch.exp(upcast(A_log))
+
+    def log_decay(self, dt_BTH, A_log, dt_bias, dtype) -> torch.Tensor:
+        """[B, T, H]: each step's log state decay, dt * A, as the scan computes it."""
+        dt = discretized_dt(dt_BTH, dt_bias, True, self.args.dt_limit, dtype)
+        return dt * self.decay_rate(A_log).to(dtype)
 
 
 class Mamba2Mixer(nn.Module):

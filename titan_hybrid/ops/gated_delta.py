@@ -4,6 +4,15 @@ Shape suffixes follow the package legend (README, "Shape suffixes"): B batch, T 
 K key/query dim, V value dim, J chunks, Q positions in a chunk (chunk length); a lower-case b
 is B*H flattened. Sequences: the B rows, or the packed documents when `cu_seqlens` is given.
 
+Packed documents come in one of two forms:
+- `cu_seqlens` [N+1] (fla's API): batch size 1, N documents back to back, one initial and one
+  final state per document.
+- `seq_idx` [B, T] (mamba_ssm's form, what the model passes): a document starts wherever seq_idx
+  differs from the previous position of the same row. The state restarts at every such start;
+  the position before a row counts as the row's first document, so `initial_state` [B] feeds
+  each row's first document and the final state [B] is each row's state at its end (the state
+  of its last document). Shapes do not depend on the documents, so torch.compile traces it.
+
 Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
 
     S   = exp(g_t) * S
@@ -26,6 +35,14 @@ so with Tinv = (I + A)^-1:  U = W - KC S0,  W = Tinv (beta*V),  KC = Tinv (beta*
 
 Everything but the last three products is batched over all chunks at once; a Python loop over
 chunks carries S0 from chunk to chunk.
+
+With `seq_idx` the same chunks hold several documents. A state that restarts at token s is the
+recurrence with every earlier token's contribution removed, so per chunk: A and P keep only
+pairs (i, j) of the same document; S0 reaches token i only if i is in the document that
+entered the chunk (the one of the previous chunk's last token: a document starting at the
+chunk's first token gets none of it); and the exit state keeps exp(G_end) S0 only if the chunk
+holds no document start, and K^T U only over the tokens of the chunk's last document. Within
+a document, G_i - G_j is still the decay from j to i, since both include the same earlier terms.
 """
 
 from __future__ import annotations

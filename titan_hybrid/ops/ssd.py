@@ -40,7 +40,8 @@ from titan_hybrid.ops.kernels import use_kernel
 _NO_LIMIT = (0.0, float("inf"))
 
 
-def _prepare_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
+def discretized_dt(dt, dt_bias, dt_softplus, dt_limit, dtype):
+    """The step sizes the scan uses: (softplus(dt + dt_bias), clamped to dt_limit) in `dtype`."""
     dt = dt.to(dtype)
     if dt_bias is not None:
         dt = dt + dt_bias.to(dtype)
@@ -125,7 +126,7 @@ def _ssd_chunked(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_
 
     # Padding comes after softplus/clamp: dt = 0 there, so decay is exp(0) = 1 and
     # the padded input adds nothing, leaving the final state untouched.
-    dt_BTH = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit, f)
+    dt_BTH = discretized_dt(dt, dt_bias, dt_softplus, dt_limit, f)
     x_BTHP = x.to(f)
 
     def split(tensor):  # [b, t, ...] -> [b, j, q, ...], zero-padded at the end

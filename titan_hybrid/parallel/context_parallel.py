@@ -29,6 +29,7 @@ from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
+from titan_hybrid.parallel.context_parallel_chunkwise import ChunkwiseConvAndScan
 from titan_hybrid.parallel.zigzag import zigzag_index
 
 
@@ -219,15 +220,26 @@ CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
 }
 
 
-def apply_context_parallel(model: nn.Module, cp_group) -> None:
-    """Wrap the sequence-mixing core of every layer whose kind mixes along the sequence."""
+# The same for `context_parallel_linear_mode = "chunkwise"`: state passing between sequence
+# pieces (context_parallel_chunkwise.py), each rank keeping all of its heads.
+CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
+    mamba.KIND.context_parallel: ChunkwiseConvAndScan,
+}
+
+LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
+
+
+def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_a2a") -> None:
+    """Wrap the sequence-mixing core of every layer whose kind mixes along the sequence;
+    `linear_mode` picks how the cores without a gather rule (Mamba2, GDN) are split."""
+    wrappers = LINEAR_MODES[linear_mode]
     for layer in model.modules():
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
             continue
         rule = layer.kind.context_parallel
         core = getattr(layer.mixer, rule.core)
         wrapped = (ContextParallelGatherCore(core, cp_group, rule.gather) if rule.gather
-                   else CONTEXT_PARALLEL_WRAPPERS[rule](core, cp_group))
+                   else wrappers[rule](core, cp_group))
         setattr(layer.mixer, rule.core, wrapped)
 
 

@@ -1,0 +1,164 @@
+"""Context parallelism for Mamba2 and GDN by chunkwise state passing
+(`--parallelism.context_parallel_linear_mode chunkwise`).
+
+Each CP rank keeps its own tokens and all of its heads. Its tokens are two contiguous pieces of
+every row (zigzag, parallel/zigzag.py: pieces r and 2cp-1-r of 2cp). Both layers are linear
+recurrences in their state S, so a piece's outputs and exit state are affine in the state S_in
+that enters it:
+
+    y = y_0 + (what S_in adds),        S_out = M S_in + S_0
+
+where y_0 and S_0 come from running the piece from a zero state, and M is the piece's
+transition: Mamba2's total decay (a number per head), GDN's product of delta-rule steps (a
+K x K matrix per head). A forward runs:
+
+1. the conv's left context: every rank all-gathers the last width-1 conv inputs of every piece,
+   and each piece's conv reads those of the piece before it in row order;
+2. the local scan of both pieces (stacked along the batch) from a zero state: y_0, S_0, M;
+3. an all-gather of every piece's (M, S_0, whether it continues the document of the piece
+   before it); every rank chains them in row order, S_in[i] = c_i (M_{i-1} S_in[i-1] +
+   S_0[i-1]), and corrects its pieces' outputs. Mamba2: y_t += C_t . (decay_t S_in), with
+   decay_t the decay from the piece's start to t; GDN: o_t += (P_t^T q_t) S_in, with P_t the
+   transition from the piece's start to t (core-specific, in the wrappers below).
+
+Packed documents: a state does not cross a document start. A piece that starts a document has
+c = 0; a document start inside a piece zeroes its M (the decay, or the delta-rule product,
+restarts there), and the correction reaches only the tokens before the piece's first document
+start. The backward is autograd's: the all-gathers' backward returns each piece's gradients to
+its rank. Traffic per layer and direction: the halos (2 (width-1) rows of conv channels) and
+the summaries (2 pieces x heads x (M + S)) from each rank, whatever the sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.parallel.collectives import all_gather
+
+
+class ZigzagPieces:
+    """This rank's two pieces of every row: `stack` turns [B, 2L, ...] into [2B, L, ...]
+    (slot 0 = piece r, then slot 1 = piece 2cp-1-r) and `unstack` back; `piece[slot]` is the
+    piece's index in row order."""
+
+    def __init__(self, group, local_len: int, batch: int) -> None:
+        self.group, self.batch = group, batch
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.length = local_len // 2
+        self.piece = (self.rank, 2 * self.cp - 1 - self.rank)
+
+    def owner(self, piece: int) -> tuple[int, int]:
+        """(rank, slot) holding piece `piece`."""
+        return (piece, 0) if piece < self.cp else (2 * self.cp - 1 - piece, 1)
+
+    def stack(self, x_BT: torch.Tensor) -> torch.Tensor:
+        return x_BT.unflatten(1, (2, self.length)).transpose(0, 1).flatten(0, 1)
+
+    def unstack(self, x_PL: torch.Tensor) -> torch.Tensor:
+        return x_PL.unflatten(0, (2, self.batch)).transpose(0, 1).flatten(1, 2)
+
+    def by_slot(self, x_P: torch.Tensor) -> torch.Tensor:
+        """[2B, ...] -> [2, B, ...]."""
+        return x_P.unflatten(0, (2, self.batch))
+
+    def with_left_context(self, x_PLC: torch.Tensor, seq_idx_PL: torch.Tensor | None,
+                          width: int):
+        """(x with the width-1 rows before each piece prepended [2B, width-1+L, C], the same for
+        seq_idx, continues [2B]: 1.0 where the piece continues the document of the row before
+        it). The first piece of a row gets zero rows, whose conv taps add nothing."""
+        halo = width - 1
+        if halo > self.length:
+            raise ValueError(f"context parallel pieces of {self.length} tokens are shorter than "
+                             f"the conv's left context ({halo})")
+        tails = all_gather(self.by_slot(x_PLC[:, self.length - halo:]), group=self.group)
+        seq_tails = (None if seq_idx_PL is None else
+                     all_gather(self.by_slot(seq_idx_PL[:, self.length - halo:]),
+                                group=self.group))
+        halos, seq_halos, continues = [], [], []
+        for slot, piece in enumerate(self.piece):
+            if piece == 0:
+                halos.append(x_PLC.new_zeros(self.batch, halo, x_PLC.shape[-1]))
+                if seq_tails is not None:
+                    seq_halos.append(self.by_slot(seq_idx_PL)[slot, :, :1].expand(-1, halo))
+                continues.append(torch.zeros(self.batch, device=x_PLC.device))
+                continue
+            rank, before = self.owner(piece - 1)
+            halos.append(tails[rank, before])
+            if seq_tails is None:
+                continues.append(torch.ones(self.batch, device=x_PLC.device))
+            else:
+                seq_halos.append(seq_tails[rank, before])
+                first = self.by_slot(seq_idx_PL)[slot, :, 0]
+                continues.append((seq_tails[rank, before, :, -1] == first).float())
+        x = torch.cat((torch.cat(halos), x_PLC), 1)
+        seq_idx = None if seq_tails is None else torch.cat((torch.cat(seq_halos), seq_idx_PL), 1)
+        return x, seq_idx, torch.cat(continues)
+
+    def incoming_states(self, transition_P: torch.Tensor, state_P: torch.Tensor,
+                        continues_P: torch.Tensor,
+                        apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                        ) -> torch.Tensor:
+        """[2B, *state]: the state entering each of this rank's pieces, from every piece's
+        (transition, zero-start exit state, continues), gathered and chained in row order;
+        `apply(transition, state)` is the layer's M S."""
+        dtype = state_P.dtype
+        summary = torch.cat((transition_P.flatten(1), state_P.flatten(1),
+                             continues_P.to(dtype)[:, None]), 1)
+        gathered = all_gather(self.by_slot(summary), group=self.group)  # [cp, 2, B, X]
+        sizes = [transition_P[0].numel(), state_P[0].numel(), 1]
+        state = state_P.new_zeros(self.batch, *state_P.shape[1:])
+        incoming = {}
+        for piece in range(max(self.piece) + 1):
+            transition, exit_state, continues = gathered[self.owner(piece)].split(sizes, -1)
+            state = state * continues.view(-1, *[1] * (state.dim() - 1))
+            incoming[piece] = state
+            state = (apply(transition.view_as(transition_P[:self.batch]), state)
+                     + exit_state.view_as(state))
+        return torch.cat([incoming[piece] for piece in self.piece])
+
+
+def first_document(seq_idx_PL: torch.Tensor | None) -> torch.Tensor | None:
+    """[2B, L] bool: the tokens before the piece's first document start (None: all)."""
+    if seq_idx_PL is None:
+        return None
+    starts = seq_idx_PL[:, 1:] != seq_idx_PL[:, :-1]
+    return torch.cat((torch.zeros_like(starts[:, :1]), starts), 1).cumsum(1) == 0
+
+
+class ChunkwiseConvAndScan(nn.Module):
+    """Mamba2's conv and SSD scan (model/mamba.py ConvAndScan) by chunkwise state passing."""
+
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, xbc, dt, conv_weight, conv_bias, A_log, D, dt_bias,
+                layout: TokenLayout | None):
+        core, width = self.core, conv_weight.shape[-1]
+        pieces = ZigzagPieces(self.group, xbc.shape[1], xbc.shape[0])
+        seq_idx = None if layout is None or layout.seq_idx is None else pieces.stack(
+            layout.seq_idx)
+        xbc, conv_seq_idx, continues = pieces.with_left_context(pieces.stack(xbc), seq_idx,
+                                                                width)
+        xbc = core.conv(xbc, conv_weight, conv_bias, conv_seq_idx)[:, width - 1:]
+        dt = pieces.stack(dt)
+        y, exit_state = core.scan(xbc, dt, A_log, D, dt_bias, seq_idx,
+                                  return_final_states=True)  # y_0, S_0 [2B, H, P, N]
+        # Decay from the piece's start to each token, zero past its first document start.
+        decay = core.log_decay(dt, A_log, dt_bias, exit_state.dtype).cumsum(1).exp()
+        in_first = first_document(seq_idx)
+        if in_first is not None:
+            decay = decay * in_first[..., None]
+        state_in = pieces.incoming_states(decay[:, -1], exit_state, continues.to(decay.dtype),
+                                          lambda total, state: total[..., None, None] * state)
+        _, _, c = core.split_xbc(xbc, A_log.shape[0])  # [2B, L, G, N]
+        groups = c.shape[2]
+        added = torch.einsum("blgn,bgrpn->blgrp", c.to(state_in.dtype),
+                             state_in.unflatten(1, (groups, -1))).flatten(2, 3)
+        y = y + (added * decay[..., None]).to(y.dtype)
+        return pieces.unstack(y)
