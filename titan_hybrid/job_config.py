@@ -62,6 +62,13 @@ class Parallelism(TitanParallelism):
     expert_parallel_degree > 1; at PP = 1 at least 2 microbatches per step (gradient
     accumulation), under PP the 1F1B or Interleaved1F1B schedule."""
 
+    context_parallel_linear_mode: str = "head_a2a"
+    """How context parallelism splits the Mamba2 (M) and GDN (G) layers. head_a2a: two
+    all-to-alls per layer and direction trade sequence shards for head shards (traffic grows
+    with the sequence; heads per TP rank divisible by the CP degree). chunkwise: each rank
+    keeps its tokens and heads and passes per-head state summaries (traffic independent of
+    the sequence length; no head-count rule)."""
+
     disable_sequence_parallel: bool = False
     """With tensor parallelism, norms and the residual stream are sharded along the sequence
     between TP regions (all-gather on entry, reduce-scatter on exit) unless this is set."""

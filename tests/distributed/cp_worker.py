@@ -28,6 +28,7 @@ from titan_hybrid.model.args import (
 )
 from titan_hybrid.model.layout import packed_layout
 from titan_hybrid.model.model import HybridModel
+from titan_hybrid.parallel.collectives import record_traffic
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
 from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
 
@@ -103,16 +104,47 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
     return report
 
 
+def count_traffic(cp: int, rank: int, linear_mode: str) -> dict:
+    """Bytes this rank sends in the forward and the backward of a one-`M`-layer float64 model,
+    as parallel/collectives.record_traffic counts them, with and without packed documents."""
+    args = dataclasses.replace(
+        hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern="M",
+        mamba=MambaArgs(d_state=4, head_dim=8, n_groups=2, chunk_size=8))
+    model = HybridModel(args)
+    model.init_weights()
+    model.double()
+    apply_context_parallel(model, dist.group.WORLD, linear_mode)
+    seq_len = 8 * cp * 2
+    index = zigzag_index(seq_len, cp, rank)
+    tokens = torch.randint(0, 64, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    seq_idx, positions = packed_layout(torch.tensor([0, 5, seq_len], dtype=torch.int32))
+    counted = {"args": {"seq_len": seq_len, "batch": 2}}
+    for case, kwargs in (("plain", {"positions": index[None].expand(2, -1)}),
+                         ("packed", {"positions": positions.expand(2, -1)[:, index],
+                                     "seq_idx": seq_idx.expand(2, -1)[:, index]})):
+        with record_traffic() as forward:
+            logits = model(tokens[:, index], **kwargs)
+        with record_traffic() as backward:
+            logits.square().mean().backward()
+        counted[case] = {"forward": sum(forward.sent), "backward": sum(backward.sent)}
+    return counted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pattern", default="M*G-M", help="comma-separated patterns")
     parser.add_argument("--mamba-groups", type=int, default=2)
     parser.add_argument("--linear-mode", default="head_a2a")
+    parser.add_argument("--count-traffic", action="store_true")
     options = parser.parse_args()
     dist.init_process_group("gloo")
     cp, rank = dist.get_world_size(), dist.get_rank()
-    results = {pattern: compare(pattern, options.mamba_groups, cp, rank, options.linear_mode)
-               for pattern in options.pattern.split(",")}
+    if options.count_traffic:
+        results = count_traffic(cp, rank, options.linear_mode)
+    else:
+        results = {pattern: compare(pattern, options.mamba_groups, cp, rank,
+                                    options.linear_mode)
+                   for pattern in options.pattern.split(",")}
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()

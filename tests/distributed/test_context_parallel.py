@@ -79,3 +79,36 @@ def test_trainer_pp2_x_cp2_matches_one_process(tmp_path, reference_run):
         "--parallelism.pipeline_parallel_degree", "2",
         "--parallelism.pipeline_parallel_microbatch_size", "2",
         "--parallelism.pipeline_parallel_schedule", "1F1B", nproc=4).check())
+
+
+# ---- chunkwise state passing (--parallelism.context_parallel_linear_mode chunkwise)
+
+def test_cp2_chunkwise_layers_match_one_device():
+    """Mamba and GDN with state passing between pieces, next to attention, MLA and DSA;
+    packed rows zigzagged as a whole, so documents start inside pieces, exactly at a piece's
+    start, and span several pieces and both ranks."""
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-", "--linear-mode", "chunkwise",
+                         nproc=2)
+    assert list(results) == ["M*G-M", "M+-D-"]
+    _check(results)
+
+
+@pytest.mark.slow
+def test_cp4_chunkwise_layers_match_one_device():
+    _check(run_worker(WORKER, "--pattern", "M*G-M", "--mamba-groups", "1",
+                      "--linear-mode", "chunkwise", nproc=4))
+
+
+@pytest.mark.parametrize("mode", ["head_a2a", "chunkwise"])
+def test_counted_mamba_traffic_is_the_benchs_formula(mode):
+    """bench/context_parallel_traffic.py's bytes per M layer, byte for byte against what the
+    collectives sent in a real CP2 forward and backward (float64, 2 rows)."""
+    from bench.context_parallel_traffic import mamba_layer_bytes
+    from titan_hybrid.model.args import MambaArgs
+
+    counted = run_worker(WORKER, "--count-traffic", "--linear-mode", mode, nproc=2)
+    mamba = MambaArgs(d_state=4, head_dim=8, n_groups=2, chunk_size=8)
+    for case in ("plain", "packed"):
+        assert counted[case] == mamba_layer_bytes(
+            mode, 2, counted["args"]["seq_len"], mamba, 32, batch=counted["args"]["batch"],
+            documents=case == "packed", act_bytes=8, state_bytes=8), case

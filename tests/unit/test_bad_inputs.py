@@ -66,8 +66,6 @@ BAD_INPUTS = [
     (("--parallelism.data_parallel_sharding_strategy", "zero9"),
      "parallelism.data_parallel_sharding_strategy 'zero9' is not one of"),
     (("--nproc", "0"), "--nproc (NGPU)=0 must be >= 1"),
-    (("--compile.enable", "--hybrid.document_masking"),
-     "compile.enable with hybrid.document_masking: gated DeltaNet (G) layers"),
     (("--compile.enable", "--compile.components", "model,optimizer"),
      "compile.components ['optimizer']"),
 ]

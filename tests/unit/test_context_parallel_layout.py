@@ -47,6 +47,37 @@ def test_impossible_context_layouts_are_named(args, model_args, world, message):
         validate_layout(job(*args), model_args, world)
 
 
+CHUNKWISE = ("--parallelism.context_parallel_linear_mode", "chunkwise")
+
+
+@pytest.mark.parametrize("args, world, message", [
+    ((*cp(2), "--parallelism.context_parallel_linear_mode", "ring"), 2,
+     "parallelism.context_parallel_linear_mode='ring': must be one of head_a2a, chunkwise"),
+    # head_a2a's head rule names the mode that lifts it
+    ((*cp(8), "--training.seq_len", "256"), 8,
+     r"gdn.n_value_heads=4 .* whole heads \(parallelism.context_parallel_linear_mode "
+     r"'chunkwise' has no head-count rule\)"),
+    ((*cp(4), *CHUNKWISE, "--training.seq_len", "16"), 4,
+     r"training.seq_len=16 with context_parallel_degree=4: chunkwise pieces of 2 tokens are "
+     r"shorter than the Mamba2 conv's left context \(3 tokens\)"),
+])
+def test_linear_mode_rules_are_named(args, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layout(job(*args), DEBUG, world)
+
+
+def test_chunkwise_has_no_head_count_rule():
+    # 4 GDN value heads over CP 8, and 1 key head per TP rank over CP 4: head_a2a refuses both
+    validate_layout(job(*cp(8), *CHUNKWISE, "--training.seq_len", "256"), DEBUG, 8)
+    odd = dataclasses.replace(DEBUG, gdn=dataclasses.replace(DEBUG.gdn, n_value_heads=6,
+                                                             n_key_heads=3))
+    validate_layout(job(*cp(4), *CHUNKWISE, "--parallelism.tensor_parallel_degree", "2",
+                        "--training.seq_len", "256"), odd, 8)
+    with pytest.raises(ValueError, match="gdn.n_value_heads=3"):
+        validate_layout(job(*cp(4), "--parallelism.tensor_parallel_degree", "2",
+                            "--training.seq_len", "256"), odd, 8)
+
+
 def test_supported_context_layouts_pass():
     validate_layout(job(*cp(2)), DEBUG, 2)
     validate_layout(job(*cp(2), "--parallelism.tensor_parallel_degree", "2"), DEBUG, 4)

@@ -60,7 +60,6 @@ class ConvAndDeltaRule(nn.Module):
         qkv = causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
                                       activation="silu")
         q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
-        batch, seq_len, _ = qkv.shape
         # Key heads stay shared by their value heads: the op reads them grouped (fla's GVA).
         q_BTHK = q.unflatten(-1, (-1, args.key_head_dim))
         k_BTHK = k.unflatten(-1, (-1, args.key_head_dim))
@@ -68,14 +67,9 @@ class ConvAndDeltaRule(nn.Module):
         # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
         g = -torch.exp(upcast(A_log)) * F.softplus(upcast(alpha_BTH) + upcast(dt_bias))
         beta = torch.sigmoid(beta_BTH)
-        cu_seqlens = None
-        if seq_idx is not None:
-            cu_seqlens = _cu_seqlens_from_seq_idx(seq_idx)
-            q_BTHK, k_BTHK, v_BTHV, g, beta = (t.flatten(0, 1).unsqueeze(0)
-                                               for t in (q_BTHK, k_BTHK, v_BTHV, g, beta))
-        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta,
-                                           cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-        return o_BTHV.reshape(batch, seq_len, n_value_heads, -1)
+        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta, seq_idx=seq_idx,
+                                           use_qk_l2norm_in_kernel=True)
+        return o_BTHV
 
 
 class GatedDeltaNet(nn.Module):
@@ -128,16 +122,6 @@ class GatedDeltaNet(nn.Module):
         self.norm.init_weights()
 
 
-def _cu_seqlens_from_seq_idx(seq_idx_BT: torch.Tensor) -> torch.Tensor:
-    """Document boundaries of the flattened batch: a new document at every id change or row."""
-    flat = seq_idx_BT.flatten()
-    starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = flat[1:] != flat[:-1]
-    starts.view_as(seq_idx_BT)[:, 0] = True
-    boundaries = torch.nonzero(starts).flatten()
-    return torch.cat((boundaries, boundaries.new_tensor([flat.numel()]))).to(torch.int32)
-
-
 def _validate(args: GDNArgs, dim: int) -> None:
     if args.n_value_heads % args.n_key_heads:
         raise ValueError(f"gdn: n_value_heads={args.n_value_heads} is not divisible by "
@@ -157,7 +141,6 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: GatedDeltaNet(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "dt_bias"),
-    compiles_with_documents=False,  # the delta rule's varlen path loops over cu_seqlens
     tensor_parallel_sizes=lambda args, dim: [("gdn.n_key_heads", args.n_key_heads),
                                              ("gdn.n_value_heads", args.n_value_heads)],
     context_parallel=ContextParallelRule(

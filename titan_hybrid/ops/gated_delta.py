@@ -63,12 +63,19 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _num_seqs(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
-              initial_state: torch.Tensor | None) -> int:
-    """Checks shapes only (no device sync); returns N, the number of sequences."""
+              initial_state: torch.Tensor | None, seq_idx: torch.Tensor | None = None) -> int:
+    """Checks shapes only (no device sync); returns N, the number of initial / final states."""
     B = q.shape[0]
     if v.shape[2] % q.shape[2]:
         raise ValueError(f"{v.shape[2]} value heads are not a multiple of {q.shape[2]} "
                          "query / key heads")
+    if seq_idx is not None:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens and seq_idx both given: they are two forms of the same "
+                             "document boundaries, pass one")
+        if tuple(seq_idx.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}, expected [B, T] = "
+                             f"{list(q.shape[:2])}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B={B}")
     n_seqs = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -87,16 +94,18 @@ def _repeat_to_value_heads(q, k, v):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            output_final_state=False, cu_seqlens=None,
-                           use_qk_l2norm_in_kernel=False):
+                           use_qk_l2norm_in_kernel=False, *, seq_idx=None):
     """fla-compatible entry point: q, k [B,T,Hk,K], v [B,T,H,V], g, beta [B,T,H], with H a
     multiple of Hk (value head h reads query / key head h // (H / Hk), as fla's GVA: the kernel
-    reads the shared heads in place, the torch path repeats them).
+    reads the shared heads in place, the torch path repeats them). Packed documents: either
+    `cu_seqlens` [N+1] (B = 1) or `seq_idx` [B,T] (integers, see the module docstring).
 
-    Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None). fla's Triton kernel when
+    Returns (o [B,T,H,V] in v's dtype, final_state [N,H,K,V] or None), N the number of
+    documents with cu_seqlens, else B. fla's Triton kernel when
     `titan_hybrid.ops.kernels.use_kernel` says so (CUDA tensors, or inside `force_kernels()`),
     else `chunk_gated_delta_rule_torch`.
     """
-    _num_seqs(q, v, cu_seqlens, initial_state)
+    _num_seqs(q, v, cu_seqlens, initial_state, seq_idx)
     if use_kernel(v, "fla"):
         # fla's dots need one dtype for q, k and v (a no-op for our mixer); cu_seqlens are int64
         # in fla's API. Its entry point made inputs contiguous; the launchers below do not.
@@ -106,32 +115,68 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
             q.shape[-1] ** -0.5 if scale is None else float(scale),
             None if initial_state is None else initial_state.contiguous(), output_final_state,
             None if cu_seqlens is None else cu_seqlens.to(torch.int64).contiguous(),
-            use_qk_l2norm_in_kernel)
+            None if seq_idx is None else seq_idx.contiguous(), use_qk_l2norm_in_kernel)
         return o, (final_state if output_final_state else None)
     return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=scale,
                                         initial_state=initial_state,
                                         output_final_state=output_final_state,
                                         cu_seqlens=cu_seqlens,
-                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                        seq_idx=seq_idx)
 
 
 def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=None,
                                  output_final_state=False, cu_seqlens=None,
-                                 use_qk_l2norm_in_kernel=False, *, chunk_size=CHUNK_SIZE):
+                                 use_qk_l2norm_in_kernel=False, *, seq_idx=None,
+                                 chunk_size=CHUNK_SIZE):
     """Chunked torch path; same arguments and returns as `chunk_gated_delta_rule`.
 
-    Math runs in fp32 (fp64 for fp64 inputs); final_state is returned in that dtype.
+    Math runs in fp32 (fp64 for fp64 inputs); final_state is returned in that dtype. With
+    `seq_idx` nothing depends on the values of the data (no host sync, static shapes).
     """
     # Autocast would run the matmuls and the triangular solve below in bf16.
     with torch.autocast(q.device.type, enabled=False):
         return _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-                                       output_final_state, cu_seqlens,
+                                       output_final_state, cu_seqlens, seq_idx,
                                        use_qk_l2norm_in_kernel, chunk_size)
 
 
+def _exp_where(log_decay: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """exp(log_decay) where `keep`, exactly 0 elsewhere: -inf before exp, not a product after,
+    so an entry that would overflow can give neither inf nor (inf * 0) NaN, also in backward."""
+    if keep is None:
+        return log_decay.exp()
+    return log_decay.masked_fill(~keep, -math.inf).exp()
+
+
+def _document_masks(seq_idx_BT: torch.Tensor, n_chunks: int, chunk_size: int):
+    """Which terms of the chunk equations survive document starts (module docstring), for
+    `seq_idx` [B, T] cut into n_chunks chunks. Returns, shaped to broadcast over heads:
+    same_doc_JB1QQ (pairs j <= i of one document), from_entering_JB1Q (tokens S0 reaches),
+    in_last_JB1Q (tokens of the chunk's last document) and carries_JB111 (no start inside)."""
+    B, T = seq_idx_BT.shape
+    Q = chunk_size
+    # Count the starts rather than compare ids: a later document reusing an id stays apart.
+    # The position before the row counts as its first document (number 0).
+    starts_BT = seq_idx_BT[:, 1:] != seq_idx_BT[:, :-1]
+    doc_BT = torch.cat((starts_BT.new_zeros(B, 1), starts_BT), 1).cumsum(1)
+    # Padding tokens (zeros: they change no state) join the row's last document.
+    doc_BT = torch.cat((doc_BT, doc_BT[:, -1:].expand(B, n_chunks * Q - T)), 1)
+    doc_JBQ = doc_BT.view(B, n_chunks, Q).transpose(0, 1)
+    last_JB = doc_JBQ[..., -1]
+    entering_JB = torch.cat((last_JB.new_zeros(1, B), last_JB[:-1]))  # S0's document
+    causal_QQ = torch.ones(Q, Q, dtype=torch.bool, device=seq_idx_BT.device).tril()
+    same_doc_JBQQ = (doc_JBQ[..., :, None] == doc_JBQ[..., None, :]) & causal_QQ
+    from_entering_JBQ = doc_JBQ == entering_JB[..., None]
+    in_last_JBQ = doc_JBQ == last_JB[..., None]
+    carries_JB = last_JB == entering_JB
+    return (same_doc_JBQQ[:, :, None], from_entering_JBQ[:, :, None], in_last_JBQ[:, :, None],
+            carries_JB[:, :, None, None, None])
+
+
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                            cu_seqlens, use_qk_l2norm_in_kernel, chunk_size):
-    n_seqs = _num_seqs(q, v, cu_seqlens, initial_state)
+                            cu_seqlens, seq_idx, use_qk_l2norm_in_kernel, chunk_size):
+    n_seqs = _num_seqs(q, v, cu_seqlens, initial_state, seq_idx)
     q, k = _repeat_to_value_heads(q, k, v)
     B, T, H, K = q.shape
     if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != T):
@@ -169,24 +214,31 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     g_JBHQ, beta_JBHQ = to_chunks(g[..., None])[..., 0], to_chunks(beta[..., None])[..., 0]
 
     G_JBHQ = g_JBHQ.cumsum(-1)
+    if seq_idx is None:
+        pairs_QQ = torch.ones(Q, Q, dtype=torch.bool, device=q.device).tril()
+        from_entering = in_last = carries = None  # every term survives
+    else:
+        pairs_QQ, from_entering, in_last, carries = _document_masks(seq_idx, n_chunks, Q)
     # exp(G_i - G_j) is a decay (<= 1) only for i >= j; above the diagonal it can overflow, so
-    # mask to -inf before exp rather than zeroing after (inf * 0 would give NaN in values/grads)
-    causal_QQ = torch.ones(Q, Q, dtype=torch.bool, device=q.device).tril()
+    # it is masked before exp (_exp_where)
     log_decay_JBHQQ = G_JBHQ[..., :, None] - G_JBHQ[..., None, :]
-    decay_JBHQQ = log_decay_JBHQQ.masked_fill(~causal_QQ, -math.inf).exp()
+    decay_JBHQQ = _exp_where(log_decay_JBHQQ, pairs_QQ)
     A_JBHQQ = (k_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ * beta_JBHQ[..., None]
     # (I + A)^-1 by a triangular solve (backward stable; a Neumann series would cancel badly).
     # unitriangular: the diagonal is taken as 1 and only the strict lower part of A is read.
     eye_QQ = torch.eye(Q, dtype=dtype, device=q.device)
     T_JBHQQ = torch.linalg.solve_triangular(A_JBHQQ, eye_QQ.expand_as(A_JBHQQ), upper=False,
                                             unitriangular=True)
+    # All decays below are exp of non-positive numbers: nothing can overflow. The decay from S0
+    # to each token it reaches is taken twice, not shared: a shared one would sum its two
+    # gradients before the exp's backward, which rounds dg differently from before seq_idx.
     W_JBHQV = T_JBHQQ @ (v_JBHQV * beta_JBHQ[..., None])
-    KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * G_JBHQ.exp())[..., None])
-    # all decays below are exp of non-positive numbers: nothing can overflow
+    KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * _exp_where(G_JBHQ, from_entering))[..., None])
     P_JBHQQ = (q_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ
-    q_dec_JBHQK = q_JBHQK * G_JBHQ.exp()[..., None]
-    k_dec_JBHKQ = (k_JBHQK * (G_JBHQ[..., -1:] - G_JBHQ).exp()[..., None]).transpose(-1, -2)
-    gamma_JBH11 = G_JBHQ[..., -1, None, None].exp()
+    q_dec_JBHQK = q_JBHQK * _exp_where(G_JBHQ, from_entering)[..., None]
+    decay_out_JBHQ = _exp_where(G_JBHQ[..., -1:] - G_JBHQ, in_last)  # each token to the exit
+    k_dec_JBHKQ = (k_JBHQK * decay_out_JBHQ[..., None]).transpose(-1, -2)
+    gamma_JBH11 = _exp_where(G_JBHQ[..., -1, None, None], carries)
 
     if initial_state is None:
         initial_state = q.new_zeros(n_seqs, H, K, V)
@@ -253,6 +305,10 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # the residuals it saves (l2-normalised q and k with their reciprocal norms, the chunk-local
 # cumulative decay, the WY matrix A) are extra outputs of the forward op. Absent tensors travel
 # as empty ones (a custom op cannot return None).
+#
+# fla takes packed documents as cu_seqlens only. With seq_idx [B, T] the ops flatten the batch
+# into one packed row and derive cu_seqlens inside, where data-dependent sizes are allowed (the
+# op is opaque to torch.compile): every op input and output keeps its [B, T] shape.
 
 
 def _chunk_indices(cu_seqlens):
@@ -261,14 +317,45 @@ def _chunk_indices(cu_seqlens):
     return kernel_packages.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
 
 
+def _rows_as_documents(seq_idx_BT: torch.Tensor):
+    """The B rows laid end to end as N documents (each row's first token starts one):
+    (cu_seqlens [N+1] int64, first_B, last_B), first_B / last_B the numbers among the N of
+    each row's first and last document."""
+    B, T = seq_idx_BT.shape
+    starts_BT = torch.ones(B, T, dtype=torch.bool, device=seq_idx_BT.device)
+    starts_BT[:, 1:] = seq_idx_BT[:, 1:] != seq_idx_BT[:, :-1]
+    boundaries = starts_BT.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat((boundaries, boundaries.new_tensor([B * T])))
+    docs_in_row_B = starts_BT.sum(1)
+    docs_through_row_B = docs_in_row_B.cumsum(0)
+    return cu_seqlens, docs_through_row_B - docs_in_row_B, docs_through_row_B - 1
+
+
+def _one_row(*tensors_BT):
+    """[B, T, ...] -> [1, B*T, ...] (None stays None)."""
+    return [None if x is None else x.flatten(0, 1)[None] for x in tensors_BT]
+
+
+def _states_of_documents(states_B, index_B, n_docs):
+    """Row states placed at their documents among n_docs, zeros for the others."""
+    if states_B is None:
+        return None
+    return states_B.new_zeros((n_docs,) + states_B.shape[1:]).index_copy(0, index_B, states_B)
+
+
 @torch.library.custom_op("titan_hybrid::fla_gated_delta_fwd", mutates_args=())
 def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
              output_final_state: bool, cu_seqlens: torch.Tensor | None,
-             use_qk_l2norm: bool) -> list[torch.Tensor]:
+             seq_idx: torch.Tensor | None, use_qk_l2norm: bool) -> list[torch.Tensor]:
     def empty():  # a custom op's outputs may not alias each other
         return q.new_empty(0)
 
+    B, T = q.shape[:2]
+    if seq_idx is not None:
+        cu_seqlens, first_doc_B, last_doc_B = _rows_as_documents(seq_idx)
+        initial_state = _states_of_documents(initial_state, first_doc_B, cu_seqlens.numel() - 1)
+        q, k, v, g, beta = _one_row(q, k, v, g, beta)
     residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
     if use_qk_l2norm:
         q, q_rstd = kernel_packages.l2norm_fwd(q)
@@ -278,11 +365,18 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+    if seq_idx is not None:  # back to rows
+        o, g_cum, A = (x.view(B, T, *x.shape[2:]) for x in (o, g_cum, A))
+        if use_qk_l2norm:
+            residuals = [x.view(B, T, *x.shape[2:]) for x in residuals]
+        if final_state is not None:
+            final_state = final_state.index_select(0, last_doc_B)
     return [o, empty() if final_state is None else final_state, *residuals, g_cum, A]
 
 
 @_gdn_fwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, seq_idx,
+      use_qk_l2norm):
     B, T, H, K = q.shape
     n_seqs = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_state = q.new_empty((n_seqs, v.shape[2], K, v.shape[-1]) if output_final_state else (0,),
@@ -301,16 +395,32 @@ def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tenso
              k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
              initial_state: torch.Tensor | None, q_normed: torch.Tensor, k_normed: torch.Tensor,
              q_rstd: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor, A: torch.Tensor,
-             scale: float, cu_seqlens: torch.Tensor | None,
+             scale: float, cu_seqlens: torch.Tensor | None, seq_idx: torch.Tensor | None,
              use_qk_l2norm: bool) -> list[torch.Tensor]:
     q_used, k_used = (q_normed, k_normed) if use_qk_l2norm else (q, k)
+    v_used, beta_used, initial_used = v, beta, initial_state
+    B, T = q.shape[:2]
+    if seq_idx is not None:
+        cu_seqlens, first_doc_B, last_doc_B = _rows_as_documents(seq_idx)
+        n_docs = cu_seqlens.numel() - 1
+        initial_used = _states_of_documents(initial_state, first_doc_B, n_docs)
+        # only each row's last document reaches the row's final state
+        dfinal_state = _states_of_documents(dfinal_state, last_doc_B, n_docs)
+        q_used, k_used, v_used, beta_used, g_cum, A, do = _one_row(
+            q_used, k_used, v, beta, g_cum, A, do)
+        if use_qk_l2norm:
+            q_rstd, k_rstd = _one_row(q_rstd, k_rstd)
     dq, dk, dv, dbeta, dg, dh0, _, _ = kernel_packages.gated_delta_rule_bwd(
-        q=q_used, k=k_used, v=v, g=g_cum, beta=beta, A=A, scale=scale,
-        initial_state=initial_state, do=do.contiguous(), dht=dfinal_state,
+        q=q_used, k=k_used, v=v_used, g=g_cum, beta=beta_used, A=A, scale=scale,
+        initial_state=initial_used, do=do.contiguous(), dht=dfinal_state,
         cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
     if use_qk_l2norm:
         dq = kernel_packages.l2norm_bwd(q_used, q_rstd, dq)
         dk = kernel_packages.l2norm_bwd(k_used, k_rstd, dk)
+    if seq_idx is not None:
+        dq, dk, dv, dg, dbeta = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv, dg, dbeta))
+        if dh0 is not None:
+            dh0 = dh0.index_select(0, first_doc_B)
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
     return grads + [q.new_empty(0) if dh0 is None else dh0.to(initial_state.dtype)]
 
@@ -322,24 +432,24 @@ def _(do, dfinal_state, q, k, v, beta, g, initial_state, *_):
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, cu_seqlens,
+    (q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, cu_seqlens, seq_idx,
      ctx.use_qk_l2norm) = inputs
     _, _, q_normed, k_normed, q_rstd, k_rstd, g_cum, A = output
-    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed,
-                          q_rstd, k_rstd, g_cum, A)
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, cu_seqlens, seq_idx, q_normed,
+                          k_normed, q_rstd, k_rstd, g_cum, A)
 
 
 def _gdn_backward(ctx, output_grads):
     do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are unused
     if not ctx.output_final_state:  # autograd passes zeros of the empty placeholder's shape
         dfinal_state = None
-    (q, k, v, beta, g, initial_state, cu_seqlens, q_normed, k_normed, q_rstd, k_rstd, g_cum,
-     A) = ctx.saved_tensors
+    (q, k, v, beta, g, initial_state, cu_seqlens, seq_idx, q_normed, k_normed, q_rstd, k_rstd,
+     g_cum, A) = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, dh0 = _gdn_bwd(
         do, dfinal_state, q, k, v, beta, g, initial_state, q_normed, k_normed, q_rstd, k_rstd,
-        g_cum, A, ctx.scale, cu_seqlens, ctx.use_qk_l2norm)
+        g_cum, A, ctx.scale, cu_seqlens, seq_idx, ctx.use_qk_l2norm)
     return (dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None,
-            None)
+            None, None)
 
 
 _gdn_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)

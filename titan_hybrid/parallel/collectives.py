@@ -16,6 +16,8 @@ gather's backward is an all-to-all and a sum rather than a reduce-scatter.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -30,9 +32,38 @@ class HandOver(Protocol):
     def communicate(self, work) -> None: ...
 
 
+class TrafficRecord:
+    """Bytes this rank sends to other ranks through `all_to_all` (and `all_gather`), call by
+    call, while `record_traffic()` is active: what bench/ counts communication with."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+
+_active_records: list[TrafficRecord] = []
+
+
+@contextlib.contextmanager
+def record_traffic() -> Iterator[TrafficRecord]:
+    record = TrafficRecord()
+    _active_records.append(record)
+    try:
+        yield record
+    finally:
+        _active_records.remove(record)
+
+
+def _bytes_to_others(x: torch.Tensor, send_splits: list[int] | None, group) -> int:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    kept_rows = x.shape[0] // world if send_splits is None else send_splits[rank]
+    return (x.shape[0] - kept_rows) * (x.numel() // max(x.shape[0], 1)) * x.element_size()
+
+
 def _exchange(x: torch.Tensor, send_splits: list[int] | None, recv_splits: list[int] | None,
               group, overlap: HandOver | None) -> torch.Tensor:
     x = x.contiguous()
+    for record in _active_records:
+        record.sent.append(_bytes_to_others(x, send_splits, group))
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty((rows, *x.shape[1:]))  # contiguous, whatever x's strides were
     if overlap is None:

@@ -162,3 +162,46 @@ class ChunkwiseConvAndScan(nn.Module):
                              state_in.unflatten(1, (groups, -1))).flatten(2, 3)
         y = y + (added * decay[..., None]).to(y.dtype)
         return pieces.unstack(y)
+
+
+class ChunkwiseConvAndDeltaRule(nn.Module):
+    """GDN's conv and gated delta rule (model/gdn.py ConvAndDeltaRule) by chunkwise state
+    passing. The delta rule updates each column of the state [K, V] on its own (the same k,
+    beta and decay act on every value dimension), so K extra value columns that start as the
+    identity and see zero values carry what the correction needs through the same scan: their
+    exit state is the piece's transition M [K, K], and their outputs are P_t^T q_t, which turn
+    the incoming state into each token's output correction."""
+
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, qkv, alpha, beta, conv_weight, A_log, dt_bias, layout: TokenLayout | None):
+        core, width = self.core, conv_weight.shape[-1]
+        pieces = ZigzagPieces(self.group, qkv.shape[1], qkv.shape[0])
+        seq_idx = None if layout is None or layout.seq_idx is None else pieces.stack(
+            layout.seq_idx)
+        qkv, conv_seq_idx, continues = pieces.with_left_context(pieces.stack(qkv), seq_idx,
+                                                                width)
+        qkv = core.conv(qkv, conv_weight, conv_seq_idx)[:, width - 1:]
+        q, k, v, g, beta = core.delta_rule_inputs(qkv, pieces.stack(alpha), pieces.stack(beta),
+                                                  A_log, dt_bias)
+        rows, _, value_heads, value_dim = v.shape
+        key_dim = k.shape[-1]
+        state_dtype = torch.promote_types(v.dtype, torch.float32)
+        identity = torch.eye(key_dim, dtype=state_dtype, device=v.device)
+        initial = torch.cat((identity.new_zeros(rows, value_heads, key_dim, value_dim),
+                             identity.expand(rows, value_heads, key_dim, key_dim)), -1)
+        o, final = core.delta_rule(q, k, torch.cat((v, v.new_zeros(*v.shape[:3], key_dim)), -1),
+                                   g, beta, seq_idx, initial_state=initial,
+                                   output_final_state=True)
+        o, reach = o.split([value_dim, key_dim], -1)  # y_0 [2B, L, H, V]; P_t^T q_t
+        exit_state, transition = final.split([value_dim, key_dim], -1)
+        in_first = first_document(seq_idx)
+        if in_first is not None:  # (the op already restarts at documents; kept explicit)
+            reach = reach * in_first[..., None, None]
+            transition = transition * in_first[:, -1, None, None, None]
+        state_in = pieces.incoming_states(transition, exit_state, continues.to(state_dtype),
+                                          torch.matmul)
+        added = torch.einsum("blhk,bhkv->blhv", reach.to(state_in.dtype), state_in)
+        return pieces.unstack(o + added.to(o.dtype))

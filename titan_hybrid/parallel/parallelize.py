@@ -61,8 +61,10 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied tensor parallel (sequence parallel: "
                     f"{sequence_parallel})")
     if parallel_dims.cp_enabled:
-        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group())
-        logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag)")
+        linear_mode = job_config.parallelism.context_parallel_linear_mode
+        apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group(), linear_mode)
+        logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag; Mamba2 "
+                    f"/ GDN: {linear_mode})")
     if parallel_dims.ep_enabled:
         ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
         plan.expert_dispatchers = apply_expert_parallel(model, ep_mesh)

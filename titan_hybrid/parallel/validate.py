@@ -11,7 +11,7 @@ import torch
 from titan_hybrid.job_config import JobConfig
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS, check_head_split
+from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
@@ -121,19 +121,34 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
             f"parallelism.context_parallel_degree={cp} with MTP depths in pattern "
             f"'{model_args.pattern}': MTP reads the tokens k positions ahead, which a zigzag "
             "shard does not hold; drop the '/...' part of the pattern or use CP = 1")
+    mode = p.context_parallel_linear_mode
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"parallelism.context_parallel_linear_mode='{mode}': must be one of "
+                         f"{', '.join(LINEAR_MODES)}")
     for kind in model_args.kinds():
         if not kind.mixes_sequence:
             continue
         rule = kind.context_parallel
-        if rule is None or not (rule.gather or rule in CONTEXT_PARALLEL_WRAPPERS):
+        if rule is None or not (rule.gather or rule in LINEAR_MODES[mode]):
             raise ValueError(
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
-                f"context parallelism is not implemented for {kind.title} ('{kind.symbol}') "
-                "layers; use CP = 1")
-        if rule.head_groups is not None:
-            (heads_field, heads), (groups_field, groups) = rule.head_groups(
-                model_args.section(kind), model_args.dim)
-            check_head_split(heads_field, heads // tp, groups_field, groups // tp, cp)
+                f"context parallelism ({mode}) is not implemented for {kind.title} "
+                f"('{kind.symbol}') layers; use CP = 1")
+        section = model_args.section(kind)
+        if rule.head_groups is not None and mode == "head_a2a":
+            (heads_field, heads), (groups_field, groups) = rule.head_groups(section,
+                                                                            model_args.dim)
+            try:
+                check_head_split(heads_field, heads // tp, groups_field, groups // tp, cp)
+            except ValueError as error:
+                raise ValueError(f"{error} (parallelism.context_parallel_linear_mode "
+                                 "'chunkwise' has no head-count rule)") from None
+        width = getattr(section, "conv_width", 1)
+        if not rule.gather and mode == "chunkwise" and seq_len // (2 * cp) < width - 1:
+            raise ValueError(
+                f"training.seq_len={seq_len} with context_parallel_degree={cp}: chunkwise pieces "
+                f"of {seq_len // (2 * cp)} tokens are shorter than the {kind.title} conv's "
+                f"left context ({width - 1} tokens)")
 
 
 def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
