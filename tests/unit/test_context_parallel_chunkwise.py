@@ -1,0 +1,82 @@
+"""Chunkwise state passing (parallel/context_parallel_chunkwise.py) in one process: with a
+CP group of one rank, the rank holds both zigzag pieces (0 and 1) of every row, so the halo,
+the summaries and their chaining all run, and the pieces' outputs must equal the
+whole-sequence core. Float64 through the torch paths; through mamba_ssm's kernels (Triton's
+interpreter) against the torch path. The multi-rank cases: tests/distributed/
+test_context_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.triton_kernels import kernels_on
+from titan_hybrid.model.args import MambaArgs
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.parallel.context_parallel_chunkwise import ChunkwiseConvAndScan
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if owned:
+        dist.destroy_process_group()
+
+
+def mamba_inputs(dtype, seq_len=48, seed=0):
+    torch.manual_seed(seed)
+    mixer = Mamba2Mixer(dim=32, args=MambaArgs(d_state=8, head_dim=8, n_groups=2,
+                                                 chunk_size=8))
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.5, out_std=0.5)
+    mixer.to(dtype)
+    xbc = torch.randn(2, seq_len, mixer.conv1d.weight.shape[0], dtype=dtype)
+    dt = torch.randn(2, seq_len, mixer.n_heads, dtype=dtype)
+    params = [mixer.conv1d.weight.squeeze(1).detach(), mixer.conv1d.bias.detach(),
+              mixer.A_log.detach(), mixer.D.detach(), mixer.dt_bias.detach()]
+    return mixer.conv_and_scan, [t.clone().requires_grad_() for t in (xbc, dt, *params)]
+
+
+def outputs_and_grads(core, inputs, layout):
+    y = core(*inputs, layout)
+    y.backward(torch.cos(torch.arange(y.numel(), dtype=y.dtype)).view_as(y))
+    grads = [t.grad.clone() for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return [y.detach(), *grads]
+
+
+# Row 0: documents start inside piece 0 (5), inside piece 1 (30) and exactly at its start
+# (24, row 1); row 1 has one document crossing the pieces until 24.
+SEQ_IDX = torch.tensor([[0] * 5 + [1] * 25 + [2] * 18, [0] * 24 + [1] * 24])
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_two_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group,
+                                                                        documents):
+    core, inputs = mamba_inputs(torch.float64)
+    layout = TokenLayout(positions=None, seq_idx=SEQ_IDX if documents else None)
+    want = outputs_and_grads(core, inputs, layout)
+    got = outputs_and_grads(ChunkwiseConvAndScan(core, one_rank_group), inputs, layout)
+    for name, a, b in zip(["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D",
+                           "dt_bias"], got, want):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
+
+
+@pytest.mark.triton_interpreter
+def test_state_passing_through_mamba_ssm_kernels_matches_the_torch_path(one_rank_group):
+    """The pieces' scans run in mamba_ssm's kernels (final states out, and their gradient
+    in), with documents; against the whole-sequence torch path, float32."""
+    core, inputs = mamba_inputs(torch.float32, seq_len=64)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 37 + [2] * 22, [0] * 32 + [1] * 32])
+    layout = TokenLayout(positions=None, seq_idx=seq_idx)
+    want = outputs_and_grads(core, inputs, layout)
+    with kernels_on():
+        got = outputs_and_grads(ChunkwiseConvAndScan(core, one_rank_group), inputs, layout)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
