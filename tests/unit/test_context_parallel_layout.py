@@ -67,15 +67,15 @@ def test_linear_mode_rules_are_named(args, world, message):
 
 
 def test_chunkwise_has_no_head_count_rule():
-    # 4 GDN value heads over CP 8, and 1 key head per TP rank over CP 4: head_a2a refuses both
     validate_layout(job(*cp(8), *CHUNKWISE, "--training.seq_len", "256"), DEBUG, 8)
-    odd = dataclasses.replace(DEBUG, gdn=dataclasses.replace(DEBUG.gdn, n_value_heads=6,
-                                                             n_key_heads=3))
-    validate_layout(job(*cp(4), *CHUNKWISE, "--parallelism.tensor_parallel_degree", "2",
-                        "--training.seq_len", "256"), odd, 8)
-    with pytest.raises(ValueError, match="gdn.n_value_heads=3"):
-        validate_layout(job(*cp(4), "--parallelism.tensor_parallel_degree", "2",
-                            "--training.seq_len", "256"), odd, 8)
+    # The trainer tests' flavor: 6 GDN value heads, 3 per TP rank at TP 2.
+    odd = hybrid_flavors["debug_odd_heads"]
+    tp2 = ("--parallelism.tensor_parallel_degree", "2")
+    for args, world, refused in ((cp(4), 4, "gdn.n_value_heads=6"),
+                                 ((*cp(2), *tp2), 4, "gdn.n_value_heads=3")):
+        validate_layout(job(*args, *CHUNKWISE), odd, world)
+        with pytest.raises(ValueError, match=refused):
+            validate_layout(job(*args), odd, world)
 
 
 def test_supported_context_layouts_pass():

@@ -158,6 +158,11 @@ hybrid_flavors = FlavorRegistry({
     # Multi-latent attention (DeepSeek-V3) and DeepSeek sparse attention (V3.2) hybrids.
     "debug_mla": dataclasses.replace(_debug(), pattern="M+-M+-"),
     "debug_dsa": dataclasses.replace(_debug(), pattern="MD-MD-"),
+    # 6 GDN value heads over 2 key heads: per TP rank (3 at TP 2) they do not split over CP 2
+    # or 4 by heads (head_a2a), which chunkwise context parallelism does not need.
+    "debug_odd_heads": dataclasses.replace(
+        _debug(), pattern="M*-G-",
+        gdn=GDNArgs(key_head_dim=64, value_head_dim=64, n_key_heads=2, n_value_heads=6)),
     # Nemotron-H's layer kinds (no RoPE, squared-ReLU MLP, dt clamped at 1e-3): the HF format.
     "debug_nemotron_h": dataclasses.replace(
         _debug(), pattern="M-M*-M-",

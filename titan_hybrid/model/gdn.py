@@ -52,24 +52,40 @@ class ConvAndDeltaRule(nn.Module):
     def forward(self, qkv_BTC: torch.Tensor, alpha_BTH: torch.Tensor, beta_BTH: torch.Tensor,
                 conv_weight_CW: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                 layout: TokenLayout | None) -> torch.Tensor:
-        args = self.args
         seq_idx = None if layout is None else layout.seq_idx
+        qkv = self.conv(qkv_BTC, conv_weight_CW, seq_idx)
+        o_BTHV, _ = self.delta_rule(*self.delta_rule_inputs(qkv, alpha_BTH, beta_BTH, A_log,
+                                                            dt_bias), seq_idx)
+        return o_BTHV
+
+    def conv(self, qkv_BTC, conv_weight_CW, seq_idx):
+        return causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
+                                       activation="silu")
+
+    def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
+        """(q, k [B, T, Hk, K], v [B, T, Hv, V], log decay g, beta [B, T, Hv]) from the conv
+        output and the gates."""
+        args = self.args
         n_value_heads = A_log.shape[0]
         value_dim = n_value_heads * args.value_head_dim
         key_dim = (qkv_BTC.shape[-1] - value_dim) // 2
-        qkv = causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
-                                      activation="silu")
-        q, k, v = qkv.split([key_dim, key_dim, value_dim], -1)
+        q, k, v = qkv_BTC.split([key_dim, key_dim, value_dim], -1)
         # Key heads stay shared by their value heads: the op reads them grouped (fla's GVA).
         q_BTHK = q.unflatten(-1, (-1, args.key_head_dim))
         k_BTHK = k.unflatten(-1, (-1, args.key_head_dim))
         v_BTHV = v.unflatten(-1, (n_value_heads, -1))
         # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
         g = -torch.exp(upcast(A_log)) * F.softplus(upcast(alpha_BTH) + upcast(dt_bias))
-        beta = torch.sigmoid(beta_BTH)
-        o_BTHV, _ = chunk_gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta, seq_idx=seq_idx,
-                                           use_qk_l2norm_in_kernel=True)
-        return o_BTHV
+        return q_BTHK, k_BTHK, v_BTHV, g, torch.sigmoid(beta_BTH)
+
+    @staticmethod
+    def delta_rule(q, k, v, g, beta, seq_idx, initial_state=None, output_final_state=False):
+        """(o [B, T, Hv, V], the state at the end of each row or None); `initial_state`
+        [B, Hv, K, V] enters each row's first document (ops/gated_delta.py)."""
+        return chunk_gated_delta_rule(q, k, v, g, beta, seq_idx=seq_idx,
+                                      initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=True)
 
 
 class GatedDeltaNet(nn.Module):

@@ -29,7 +29,10 @@ from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
-from titan_hybrid.parallel.context_parallel_chunkwise import ChunkwiseConvAndScan
+from titan_hybrid.parallel.context_parallel_chunkwise import (
+    ChunkwiseConvAndDeltaRule,
+    ChunkwiseConvAndScan,
+)
 from titan_hybrid.parallel.zigzag import zigzag_index
 
 
@@ -224,6 +227,7 @@ CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
 # pieces (context_parallel_chunkwise.py), each rank keeping all of its heads.
 CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ChunkwiseConvAndScan,
+    gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
 }
 
 LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
