@@ -69,13 +69,15 @@ def _norm(dtype, gen):
         dict(group_size=512, eps=1e-5)
 
 
-def _gdn(dtype, gen):  # the GDN mixer's call: two documents, l2norm of q and k in the kernel
-    t, h, d = 200, 2, 128
-    return (dict(q=_rand(gen, 1, t, h, d, dtype=dtype), k=_rand(gen, 1, t, h, d, dtype=dtype),
-                 v=_rand(gen, 1, t, h, d, dtype=dtype),
-                 g=-F.softplus(_rand(gen, 1, t, h)),
-                 beta=torch.sigmoid(_rand(gen, 1, t, h)).to(dtype)),
-            dict(cu_seqlens=torch.tensor([0, 90, t], device=DEVICE), use_qk_l2norm_in_kernel=True))
+def _gdn(dtype, gen):  # the GDN mixer's call: seq_idx, l2norm of q and k in the kernel
+    b, t, h, d = 2, 200, 2, 128
+    seq_idx = torch.zeros(b, t, dtype=torch.int32, device=DEVICE)
+    seq_idx[0, 90:] = 1  # row 0: two documents, row 1: one
+    return (dict(q=_rand(gen, b, t, h, d, dtype=dtype), k=_rand(gen, b, t, h, d, dtype=dtype),
+                 v=_rand(gen, b, t, h, d, dtype=dtype),
+                 g=-F.softplus(_rand(gen, b, t, h)),
+                 beta=torch.sigmoid(_rand(gen, b, t, h)).to(dtype)),
+            dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=True))
 
 
 def _conv(dtype, gen):  # width 4, 8-aligned channels: the shapes the CUDA kernel takes

@@ -36,6 +36,16 @@ def test_compiled_fsdp_run_matches_eager_bitwise(tmp_path, reference_run, precis
     assert compiled == eager
 
 
+def test_compiled_packed_documents_match_eager_bitwise(tmp_path, reference_run):
+    """`--hybrid.document_masking` with Mamba2, attention and gated DeltaNet layers (SMALL_JOB's
+    pattern) compiles, each layer one graph, and gives the eager curve bit for bit. pydoc's
+    documents are long, so these windows hold few starts; tests/unit/test_compile.py packs
+    several documents per row."""
+    args = SMALL_JOB + ("--hybrid.document_masking",)
+    compiled, eager = compiled_and_eager(tmp_path, reference_run, *args)
+    assert compiled == eager
+
+
 LAYOUTS = {
     "activation checkpointing": (SMALL_JOB + ("--activation_checkpoint.mode", "full"), 1),
     "selective AC, FSDP2": (SMALL_JOB + ("--activation_checkpoint.mode", "selective"), 2),

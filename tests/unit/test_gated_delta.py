@@ -2,14 +2,16 @@
 
 Tolerances: float64 chunked vs float64 recurrence, forward and every gradient, atol = rtol =
 1e-9 (observed errors ~1e-14). float32 chunked vs float64 recurrence: relative Frobenius error
-below 1e-5 for outputs, final states and gradients (observed <= 1.2e-6).
+below 1e-5 for outputs, final states and gradients (observed <= 1.2e-6). Packed documents as
+seq_idx: the same tolerances, against the recurrence run on each document alone and against the
+cu_seqlens path on the same documents.
 
 fla's kernel (marker triton_interpreter, tests/triton_kernels.py) vs
 chunk_gated_delta_rule_torch on the same inputs, relative Frobenius error of o, the final states
 and every input gradient:
 - float32 in Triton's interpreter: < 2e-5. Both compute in float32 (numpy float32 dots), but the
   kernel inverts (I + A) by blocked forward substitution and keeps decays in base 2, the torch
-  path uses a triangular solve; observed 1.7e-6 to 3.1e-6.
+  path uses a triangular solve; observed 1.7e-6 to 3.1e-6 (seq_idx: 1.4e-6 to 1.9e-6).
 - float32 on CUDA: < 5e-3 (tf32 dots, 2**-11 relative per product). Not measured here (no GPU).
 - bfloat16 on CUDA only (the interpreter has no bf16 arithmetic): < 5e-2 (bf16 rounding of
   inputs to every dot and of the outputs, 2**-8 each). Not measured here.
@@ -21,6 +23,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from tests.triton_kernels import (
     DEVICE,
@@ -251,6 +254,179 @@ def test_cu_seqlens_rejects_batch_and_bad_states():
                initial_state=torch.zeros(3, 2, 8, 8, dtype=torch.float64))
 
 
+# ------------------------------------------------------------------ seq_idx: documents per row
+
+# T = 150 (not a multiple of the 64-token chunk): 3 chunks, the last one 22 tokens long.
+PACKED_ROWS = [
+    # starts at 30, at 64 (exactly a chunk start) and at 134; the third document crosses 128
+    [0] * 30 + [1] * 34 + [2] * 70 + [3] * 16,
+    [7] * 150,  # one document, ids need not start at 0
+    # a document from 5 to 145 spans a whole chunk; one-token documents at 145 and 146
+    [2] * 5 + [3] * 140 + [4] + [5] + [6] * 3,
+    # a start at 128 (a chunk start), documents of one and two tokens inside a chunk
+    [0] * 10 + [1] + [2] * 2 + [3] * 115 + [4] * 22,
+]
+
+
+def _documents_of_row(ids):
+    """(start, end) of each document of one row of seq_idx."""
+    starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
+    return list(zip(starts, starts[1:] + [len(ids)]))
+
+
+def per_document_reference(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False, *,
+                           seq_idx):
+    """The step-by-step recurrence run on each document alone: a row's initial state enters
+    its first document only, its final state is its last document's."""
+    outs, finals = [], []
+    for row, ids in enumerate(seq_idx.tolist()):
+        state = None if initial_state is None else initial_state[row:row + 1]
+        row_outs = []
+        for start, end in _documents_of_row(ids):
+            o, state = recurrent_gated_delta_rule_reference(
+                *(x[row:row + 1, start:end] for x in (q, k, v, g, beta)), scale=scale,
+                initial_state=state if start == 0 else None, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            row_outs.append(o)
+        outs.append(torch.cat(row_outs, 1))
+        finals.append(state)
+    return torch.cat(outs), (torch.cat(finals) if output_final_state else None)
+
+
+def as_cu_seqlens(fn):
+    """`fn` with seq_idx turned into fla's cu_seqlens: rows laid end to end as one packed row,
+    each row's initial state given to its first document and its final state taken from its
+    last."""
+    def packed(q, k, v, g, beta, initial_state=None, output_final_state=False, *, seq_idx,
+               **kwargs):
+        B, T = seq_idx.shape
+        bounds = [(row * T + start, row * T + end) for row, ids in enumerate(seq_idx.tolist())
+                  for start, end in _documents_of_row(ids)]
+        cu = torch.tensor([0] + [end for _, end in bounds])
+        first = torch.tensor([i for i, (start, _) in enumerate(bounds) if start % T == 0])
+        last = torch.cat((first[1:] - 1, torch.tensor([len(bounds) - 1])))
+        h0 = None
+        if initial_state is not None:
+            h0 = initial_state.new_zeros((len(bounds),) + initial_state.shape[1:])
+            h0 = h0.index_copy(0, first, initial_state)
+        o, final = fn(*(x.flatten(0, 1)[None] for x in (q, k, v, g, beta)), initial_state=h0,
+                      output_final_state=output_final_state, cu_seqlens=cu, **kwargs)
+        return o.view(v.shape), (None if final is None else final[last])
+    return packed
+
+
+def _assert_all_close(got, want, **tolerance):
+    (o, final, grads), (o_want, final_want, grads_want) = got, want
+    torch.testing.assert_close(o, o_want, **tolerance)
+    torch.testing.assert_close(final, final_want, **tolerance)
+    for name, grad, grad_want in zip("q k v g beta initial_state".split(), grads, grads_want):
+        assert grad_want.abs().max() > 0, name  # no vacuous comparison
+        torch.testing.assert_close(grad, grad_want, **tolerance, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_seq_idx_equals_documents_run_alone(chunk_size, l2norm):
+    """Rows of different layouts in one batch against the recurrence per document, forward and
+    every gradient; and against the cu_seqlens path on the same documents."""
+    torch.manual_seed(20)
+    seq_idx = torch.tensor(PACKED_ROWS)
+    inputs, h0 = make_inputs(len(PACKED_ROWS), seq_idx.shape[1], 2, 16, 8, normalize=not l2norm)
+    kwargs = dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=l2norm)
+    got = forward_backward(chunk_gated_delta_rule_torch, inputs, h0, chunk_size=chunk_size,
+                           **kwargs)
+    _assert_all_close(got, forward_backward(per_document_reference, inputs, h0, **kwargs), **F64)
+    via_cu_seqlens = forward_backward(as_cu_seqlens(chunk_gated_delta_rule_torch), inputs, h0,
+                                      chunk_size=chunk_size, **kwargs)
+    _assert_all_close(got, via_cu_seqlens, **F64)
+    # The documents matter: the same rows without them differ.
+    o_whole_rows, _ = chunk_gated_delta_rule_torch(*inputs, initial_state=h0)
+    assert not torch.allclose(got[0], o_whole_rows)
+
+
+def test_seq_idx_dispatcher_without_initial_state_and_float32():
+    """Through chunk_gated_delta_rule, no initial state; and float32 (fp32 math) against the
+    float64 recurrence."""
+    torch.manual_seed(21)
+    seq_idx = torch.tensor(PACKED_ROWS, dtype=torch.int32)
+    inputs, _ = make_inputs(len(PACKED_ROWS), seq_idx.shape[1], 2, 16, 8)
+    want = forward_backward(per_document_reference, inputs, None, seq_idx=seq_idx)
+    o, final, grads = forward_backward(chunk_gated_delta_rule, inputs, None, seq_idx=seq_idx)
+    torch.testing.assert_close(o, want[0], **F64)
+    torch.testing.assert_close(final, want[1], **F64)
+    for grad, grad_want in zip(grads, want[2]):
+        torch.testing.assert_close(grad, grad_want, **F64)
+    o, final, grads = forward_backward(chunk_gated_delta_rule, [x.float() for x in inputs], None,
+                                       seq_idx=seq_idx)
+    assert o.dtype == final.dtype == torch.float32
+    assert rel_err(o, want[0]) < FP32_REL_TOL and rel_err(final, want[1]) < FP32_REL_TOL
+    for grad, grad_want in zip(grads, want[2]):
+        assert rel_err(grad, grad_want) < FP32_REL_TOL
+
+
+def test_seq_idx_of_one_document_per_row_changes_nothing():
+    """A row without a start inside is the unmasked computation: the same numbers, bit for bit
+    (every mask keeps everything)."""
+    torch.manual_seed(22)
+    inputs, h0 = make_inputs(2, 150, 2, 16, 8, dtype=torch.float32)
+    seq_idx = torch.tensor([[0] * 150, [3] * 150])
+    got = forward_backward(chunk_gated_delta_rule_torch, inputs, h0, seq_idx=seq_idx)
+    want = forward_backward(chunk_gated_delta_rule_torch, inputs, h0)
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+        assert torch.equal(a, b)
+
+
+def test_seq_idx_strong_decay_stays_finite():
+    """Cumulative log-decays of ~-1000 across documents in a chunk: exp(G_i - G_j) between
+    documents or above the diagonal would overflow; they are masked before exp."""
+    torch.manual_seed(23)
+    seq_idx = torch.tensor(PACKED_ROWS)
+    inputs, h0 = make_inputs(len(PACKED_ROWS), seq_idx.shape[1], 2, 8, 8, g_scale=20.0)
+    inputs[3][:, ::7] = 0.0
+    for dtype in (torch.float32, torch.float64):
+        o, final, grads = forward_backward(chunk_gated_delta_rule_torch,
+                                           [x.to(dtype) for x in inputs], h0.to(dtype),
+                                           seq_idx=seq_idx)
+        assert all(t.isfinite().all() for t in (o, final, *grads))
+    want = forward_backward(per_document_reference, inputs, h0, seq_idx=seq_idx)
+    _assert_all_close((o, final, grads), want, **F64)
+
+
+def test_seq_idx_compiles_whole_and_once():
+    """No data-dependent shape or host sync: dynamo captures the seq_idx path in one graph
+    (fullgraph), equal to eager bit for bit under aot_eager, and a different document layout
+    of the same shape reuses that graph."""
+    torch.manual_seed(24)
+    inputs, h0 = make_inputs(len(PACKED_ROWS), 150, 2, 8, 8, dtype=torch.float32)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(chunk_gated_delta_rule_torch, backend="aot_eager", fullgraph=True)
+    for layout in (PACKED_ROWS, PACKED_ROWS[::-1]):
+        seq_idx = torch.tensor(layout)
+        got = forward_backward(compiled, inputs, h0, seq_idx=seq_idx,
+                               use_qk_l2norm_in_kernel=True)
+        want = forward_backward(chunk_gated_delta_rule_torch, inputs, h0, seq_idx=seq_idx,
+                                use_qk_l2norm_in_kernel=True)
+        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+            assert torch.equal(a, b)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+def test_seq_idx_rejects_cu_seqlens_and_bad_shapes():
+    torch.manual_seed(25)
+    inputs, h0 = make_inputs(2, 20, 2, 8, 8)
+    seq_idx = torch.zeros(2, 20, dtype=torch.long)
+    for fn in (chunk_gated_delta_rule, chunk_gated_delta_rule_torch):
+        with pytest.raises(ValueError, match="cu_seqlens and seq_idx both given"):
+            fn(*[x[:1] for x in inputs], seq_idx=seq_idx[:1], cu_seqlens=torch.tensor([0, 20]))
+        with pytest.raises(ValueError, match=r"seq_idx has shape \(2, 19\), expected \[B, T\]"):
+            fn(*inputs, seq_idx=seq_idx[:, 1:])
+        with pytest.raises(ValueError, match="initial_state has 1 states, expected 2"):
+            fn(*inputs, seq_idx=seq_idx, initial_state=h0[:1])
+
+
 def test_cpu_dispatch_uses_torch_path(monkeypatch):
     """A CPU call must not reach fla, even when fla is importable."""
     def fla_chunk(*args, **kwargs):
@@ -336,3 +512,35 @@ def test_fla_kernel_under_torch_compile_fullgraph():
     assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
     assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled fla batch")
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+def test_fla_kernel_matches_torch_path_seq_idx(dtype):
+    """seq_idx on the kernel path: the custom ops lay the rows end to end as fla's packed
+    documents, give each row's initial state to its first document and take its final state from
+    its last (PACKED_ROWS: starts inside and at chunk edges, one-token documents)."""
+    inputs, kwargs = _kernel_inputs(len(PACKED_ROWS), [150], dtype, l2norm=True, seed=14)
+    inputs["initial_state"] = torch.randn(len(PACKED_ROWS), 2, 16, 16, device=DEVICE)
+    kwargs.update(seq_idx=torch.tensor(PACKED_ROWS, device=DEVICE), output_final_state=True)
+    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+        got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
+    want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
+    assert got[0][1].shape == (len(PACKED_ROWS), 2, 16, 16)
+    assert_close_rel(got, want, KERNEL_TOL[dtype], f"fla seq_idx {dtype}")
+
+
+@pytest.mark.triton_interpreter
+def test_fla_kernel_seq_idx_under_torch_compile_fullgraph():
+    """The cu_seqlens derived from seq_idx have a data-dependent length; they live inside the
+    custom ops, so dynamo still captures the kernel path whole (what GDN with packed documents
+    needs under compile on CUDA)."""
+    inputs, kwargs = _kernel_inputs(len(PACKED_ROWS), [150], torch.float32, l2norm=True,
+                                    seed=15)
+    kwargs.update(seq_idx=torch.tensor(PACKED_ROWS, device=DEVICE), output_final_state=True)
+    compiled = torch.compile(chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
+    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+        got = outputs_and_grads(compiled, inputs, **kwargs)
+    assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
+    want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled fla seq_idx")

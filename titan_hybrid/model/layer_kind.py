@@ -118,10 +118,6 @@ class LayerKind:
     # with this flag is one graph after all (MoE: only EP's dispatch reads its counts on the
     # host, and grouped_mm's tracing kernel takes bf16 only).
     one_graph_in_bf16: bool = False
-    # False: with packed documents (hybrid.document_masking) the layer's torch path splits
-    # the batch by the documents' lengths, data that torch.compile cannot trace; the job is
-    # refused rather than compiled with a break in the middle of every such layer.
-    compiles_with_documents: bool = True
     # Mixer parameters kept in fp32 when data parallelism computes in a lower precision
     # (`training.mixed_precision_param`): the SSM decay / skip parameters, as in mamba_ssm.
     # The layer's nn.Linear weights then form a low-precision unit of their own

@@ -9,9 +9,10 @@ Packed documents come in one of two forms:
   final state per document.
 - `seq_idx` [B, T] (mamba_ssm's form, what the model passes): a document starts wherever seq_idx
   differs from the previous position of the same row. The state restarts at every such start;
-  the position before a row counts as the row's first document, so `initial_state` [B] feeds
-  each row's first document and the final state [B] is each row's state at its end (the state
-  of its last document). Shapes do not depend on the documents, so torch.compile traces it.
+  the position before a row counts as the row's first document, whatever its id (mamba_ssm's
+  SSD takes it as id 0), so `initial_state` [B] feeds each row's first document and the final
+  state [B] is each row's state at its end (the state of its last document). Shapes do not
+  depend on the documents, so torch.compile traces it.
 
 Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
 
@@ -36,13 +37,14 @@ so with Tinv = (I + A)^-1:  U = W - KC S0,  W = Tinv (beta*V),  KC = Tinv (beta*
 Everything but the last three products is batched over all chunks at once; a Python loop over
 chunks carries S0 from chunk to chunk.
 
-With `seq_idx` the same chunks hold several documents. A state that restarts at token s is the
-recurrence with every earlier token's contribution removed, so per chunk: A and P keep only
-pairs (i, j) of the same document; S0 reaches token i only if i is in the document that
-entered the chunk (the one of the previous chunk's last token: a document starting at the
-chunk's first token gets none of it); and the exit state keeps exp(G_end) S0 only if the chunk
-holds no document start, and K^T U only over the tokens of the chunk's last document. Within
-a document, G_i - G_j is still the decay from j to i, since both include the same earlier terms.
+With `seq_idx` a chunk may hold several documents, and a document's tokens see neither the
+state nor the tokens of the documents before it. Per chunk: A and P keep only pairs (i, j) of
+one document; S0 reaches token i only if i is in S0's document (that of the previous chunk's
+last token; for the first chunk, the row's first document), so a document starting at the
+chunk's first token gets none of it; the exit state keeps exp(G_end) S0 only if no document
+starts in the chunk, and K^T U only over the tokens of the chunk's last document. G still
+runs from the chunk's start: for i, j of one document, G_i - G_j sums that document's decays
+only. Every dropped term is masked to -inf before exp, so none can overflow.
 """
 
 from __future__ import annotations
@@ -230,8 +232,9 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     T_JBHQQ = torch.linalg.solve_triangular(A_JBHQQ, eye_QQ.expand_as(A_JBHQQ), upper=False,
                                             unitriangular=True)
     # All decays below are exp of non-positive numbers: nothing can overflow. The decay from S0
-    # to each token it reaches is taken twice, not shared: a shared one would sum its two
-    # gradients before the exp's backward, which rounds dg differently from before seq_idx.
+    # to each token is computed twice rather than shared: sharing would sum its two gradients
+    # before the exp's backward, another rounding of dg, and runs without documents would no
+    # longer repeat their earlier loss curves bit for bit.
     W_JBHQV = T_JBHQQ @ (v_JBHQV * beta_JBHQ[..., None])
     KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * _exp_where(G_JBHQ, from_entering))[..., None])
     P_JBHQQ = (q_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ

@@ -40,14 +40,6 @@ def validate_compile(job_config: JobConfig, model_args: HybridModelArgs) -> None
     if unknown:
         raise ValueError(f"compile.components {sorted(unknown)}: the hybrid model compiles "
                          "'model' and 'loss'")
-    if not job_config.hybrid.document_masking:
-        return
-    for kind in model_args.kinds():
-        if not kind.compiles_with_documents:
-            raise ValueError(
-                f"compile.enable with hybrid.document_masking: {kind.title} ({kind.symbol}) "
-                "layers split packed documents by their lengths, which torch.compile cannot "
-                "trace yet; disable one of the two")
 
 
 def validate_pipeline(job_config: JobConfig, model_args: HybridModelArgs) -> None:
