@@ -23,6 +23,8 @@ LAYOUTS = {
     "no_shard2": (("--parallelism.data_parallel_sharding_strategy", "no_shard"), 2),
     "zero1_2": (("--parallelism.data_parallel_sharding_strategy", "optim"), 2),
     "fsdp2_tp2": (("--parallelism.tensor_parallel_degree", "2"), 4),
+    "cp2_chunkwise": (("--parallelism.context_parallel_degree", "2",
+                       "--parallelism.context_parallel_linear_mode", "chunkwise"), 2),
 }
 
 
@@ -66,6 +68,8 @@ def check_resumed(losses, uninterrupted):
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
     ("1", "tp2"), ("fsdp2", "1"),
+    # Chunkwise CP keeps nothing layout-dependent: its checkpoint resumes in one process.
+    ("cp2_chunkwise", "1"),
     # Same code paths in the other direction, or through ZeRO-1: kept for the slow run.
     pytest.param("zero1_2", "tp2", marks=pytest.mark.slow),
     pytest.param("tp2", "1", marks=pytest.mark.slow),

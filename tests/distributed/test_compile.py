@@ -52,6 +52,9 @@ LAYOUTS = {
     "TP2 + SP": (SMALL_JOB + ("--parallelism.tensor_parallel_degree", "2"), 2),
     "PP2": (SMALL_JOB + ("--parallelism.pipeline_parallel_degree", "2"), 2),
     "CP2": (SMALL_JOB + ("--parallelism.context_parallel_degree", "2"), 2),
+    "CP2 chunkwise, documents": (SMALL_JOB + (
+        "--parallelism.context_parallel_degree", "2", "--hybrid.document_masking",
+        "--parallelism.context_parallel_linear_mode", "chunkwise"), 2),
     "groups, AC, FSDP2": (SMALL_JOB + ("--hybrid.pattern", "[M*][G-]",
                                    "--activation_checkpoint.mode", "full"), 2),
 }
