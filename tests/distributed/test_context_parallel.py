@@ -147,9 +147,10 @@ def test_trainer_cp2_chunkwise_x_tp2_matches_one_process(tmp_path, reference_run
 
 @pytest.mark.slow
 def test_trainer_pp2_x_cp2_chunkwise_matches_one_process(tmp_path, reference_run):
-    single = reference_run(*ODD_HEADS)
+    staged = (*ODD_HEADS, "--hybrid.pattern", "M*-|G-")  # the same layers, in two stages
+    single = reference_run(*staged)
     _assert_same_curve(single, run_training(
-        tmp_path, *ODD_HEADS, *CHUNKWISE, "--parallelism.context_parallel_degree", "2",
+        tmp_path, *staged, *CHUNKWISE, "--parallelism.context_parallel_degree", "2",
         "--parallelism.pipeline_parallel_degree", "2",
         "--parallelism.pipeline_parallel_microbatch_size", "2",
         "--parallelism.pipeline_parallel_schedule", "1F1B", nproc=4).check())
