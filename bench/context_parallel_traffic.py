@@ -9,7 +9,7 @@ chunkwise (`--parallelism.context_parallel_linear_mode`), and the CPU time per t
    parallel/context_parallel.py and parallel/context_parallel_chunkwise.py one by one;
    tests/distributed/test_context_parallel.py checks it, byte for byte, against the bytes that
    parallel/collectives.record_traffic counts in real CP runs.
-2. Time per step of the real trainer on this CPU (`M*-G-` layers at width 256, packed
+2. Time per step of the real trainer on this CPU (`M-G-` layers at width 256, packed
    documents), CP 2 and CP 4, both modes, at the largest T that runs here in reasonable time.
    Baseline: the same job on one process.
 """
@@ -85,7 +85,7 @@ def step_seconds(nproc: int, seq_len: int, extra: tuple[str, ...], steps: int) -
     with tempfile.TemporaryDirectory(prefix="bench_cp_") as dump:
         command = [sys.executable, "-m", "titan_hybrid.launch",
                    "--job.config_file", str(REPO / "train_configs" / "hybrid.toml"),
-                   "--job.dump_folder", dump, "--hybrid.pattern", "M*-G-",
+                   "--job.dump_folder", dump, "--hybrid.pattern", "M-G-",
                    "--training.seq_len", str(seq_len), "--training.local_batch_size", "1",
                    "--training.steps", str(steps), "--hybrid.document_masking",
                    "--metrics.log_freq", "1", *extra]
@@ -112,7 +112,7 @@ def main() -> None:
     print("\n".join(traffic_table()))
     if options.skip_runs:
         return
-    print(f"\nCPU seconds per step, M*-G- at T={options.seq_len} (median of steps 3..):")
+    print(f"\nCPU seconds per step, M-G- at T={options.seq_len} (median of steps 3..):")
     single = step_seconds(1, options.seq_len, (), options.steps)
     print(f"1 process: {single:.2f} s")
     for cp in (2, 4):

@@ -7,11 +7,13 @@ sequence get their core wrapped:
   DSA's indexer keys), with their positions / documents, are all-gathered over the CP group;
   local queries attend to them under the exact causal, in-document mask, which compares row
   positions rather than tensor indices, so the zigzag order needs no special case;
-- Mamba2 and GDN: an all-to-all trades the sequence shard of every head for the whole sequence
-  of 1/cp of the heads; the conv and the scan then run on complete sequences, restored to row
-  order, and a second all-to-all trades back. The per-head parameters (conv channels, A_log,
-  D, dt_bias) are sliced to the rank's heads, so their gradients are partial over CP and summed
-  by data parallelism, whose mesh includes CP (torchtitan's "fsdp" dimension).
+- Mamba2 and GDN, `context_parallel_linear_mode` "head_a2a": an all-to-all trades the
+  sequence shard of every head for the whole sequence of 1/cp of the heads; the conv and the
+  scan then run on complete sequences, restored to row order, and a second all-to-all trades
+  back. The per-head parameters (conv channels, A_log, D, dt_bias) are sliced to the rank's
+  heads, so their gradients are partial over CP and summed by data parallelism, whose mesh
+  includes CP (torchtitan's "fsdp" dimension). Mode "chunkwise" (state passing between
+  sequence pieces, every rank keeping all its heads): context_parallel_chunkwise.py.
 
 The cores run between the TP regions' entry and exit, so heads here are already the TP rank's.
 """

@@ -196,11 +196,9 @@ class ChunkwiseConvAndDeltaRule(nn.Module):
                                    g, beta, seq_idx, initial_state=initial,
                                    output_final_state=True)
         o, reach = o.split([value_dim, key_dim], -1)  # y_0 [2B, L, H, V]; P_t^T q_t
+        # The op gives the initial state to each row's first document only, so past a
+        # document start both are zero already.
         exit_state, transition = final.split([value_dim, key_dim], -1)
-        in_first = first_document(seq_idx)
-        if in_first is not None:  # (the op already restarts at documents; kept explicit)
-            reach = reach * in_first[..., None, None]
-            transition = transition * in_first[:, -1, None, None, None]
         state_in = pieces.incoming_states(transition, exit_state, continues.to(state_dtype),
                                           torch.matmul)
         added = torch.einsum("blhk,bhkv->blhv", reach.to(state_in.dtype), state_in)
