@@ -1,8 +1,8 @@
 """Chunkwise state passing (parallel/context_parallel_chunkwise.py) in one process: with a
 CP group of one rank, the rank holds both zigzag pieces (0 and 1) of every row, so the halo,
 the summaries and their chaining all run, and the pieces' outputs must equal the
-whole-sequence core. Float64 through the torch paths; through mamba_ssm's kernels (Triton's
-interpreter) against the torch path. The multi-rank cases: tests/distributed/
+whole-sequence core. Float64 through the torch paths; through mamba_ssm's and fla's kernels
+(Triton's interpreter) against the torch path. The multi-rank cases: tests/distributed/
 test_context_parallel.py."""
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ import torch
 import torch.distributed as dist
 
 from tests.triton_kernels import kernels_on
-from titan_hybrid.model.args import MambaArgs
+from titan_hybrid.model.args import GDNArgs, MambaArgs
+from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
-from titan_hybrid.parallel.context_parallel_chunkwise import ChunkwiseConvAndScan
+from titan_hybrid.parallel.context_parallel_chunkwise import (
+    ChunkwiseConvAndDeltaRule,
+    ChunkwiseConvAndScan,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,5 +82,46 @@ def test_state_passing_through_mamba_ssm_kernels_matches_the_torch_path(one_rank
     want = outputs_and_grads(core, inputs, layout)
     with kernels_on():
         got = outputs_and_grads(ChunkwiseConvAndScan(core, one_rank_group), inputs, layout)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def gdn_inputs(dtype, seq_len=48, seed=0):
+    torch.manual_seed(seed)
+    mixer = GatedDeltaNet(dim=32, args=GDNArgs(key_head_dim=8, value_head_dim=8,
+                                               n_key_heads=2, n_value_heads=4))
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.5, out_std=0.5)
+    mixer.to(dtype)
+    qkv = torch.randn(2, seq_len, mixer.conv1d.weight.shape[0], dtype=dtype)
+    alpha, beta = (torch.randn(2, seq_len, 4, dtype=dtype) for _ in range(2))
+    params = [mixer.conv1d.weight.squeeze(1).detach(), mixer.A_log.detach(),
+              mixer.dt_bias.detach()]
+    return mixer.conv_and_delta_rule, [t.clone().requires_grad_()
+                                       for t in (qkv, alpha, beta, *params)]
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_gdn_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group,
+                                                                        documents):
+    core, inputs = gdn_inputs(torch.float64)
+    layout = TokenLayout(positions=None, seq_idx=SEQ_IDX if documents else None)
+    want = outputs_and_grads(core, inputs, layout)
+    got = outputs_and_grads(ChunkwiseConvAndDeltaRule(core, one_rank_group), inputs, layout)
+    for name, a, b in zip(["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"],
+                          got, want):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
+
+
+@pytest.mark.triton_interpreter
+def test_gdn_state_passing_through_fla_kernels_matches_the_torch_path(one_rank_group):
+    """The identity columns enter fla's kernel as initial states and leave as final states
+    (with their gradients), with documents; against the whole-sequence torch path."""
+    core, inputs = gdn_inputs(torch.float32, seq_len=64)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 37 + [2] * 22, [0] * 32 + [1] * 32])
+    layout = TokenLayout(positions=None, seq_idx=seq_idx)
+    want = outputs_and_grads(core, inputs, layout)
+    with kernels_on():
+        got = outputs_and_grads(ChunkwiseConvAndDeltaRule(core, one_rank_group), inputs, layout)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
