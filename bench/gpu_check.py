@@ -67,9 +67,11 @@ def parse_step_line(line: str) -> dict | None:
 
 def transformer_pattern(pattern: str) -> str:
     """`pattern` with every sequence mixer (Mamba2, gated DeltaNet, MLA, DSA) replaced by
-    self-attention: same layers, MLP / MoE positions, groups and MTP depths."""
+    self-attention: same layers, MLP / MoE positions and MTP depths. Bracket groups are
+    dropped: `[**]` would put two layers in one checkpoint namespace, which the grammar
+    refuses (a group computes what its layers compute ungrouped)."""
     return "".join("*" if symbol in LAYER_KINDS and LAYER_KINDS[symbol].mixes_sequence
-                   else symbol for symbol in pattern)
+                   else symbol for symbol in pattern if symbol not in "[]")
 
 
 def trainer_command(flavor: str, *, batch: int, seq_len: int, steps: int, dump_folder: Path,

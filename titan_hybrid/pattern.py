@@ -13,10 +13,17 @@ two pipeline segments followed by two MTP depths of ``*-``. All MTP depths must
 be identical; a single trailing ``/`` with nothing after it means zero depths.
 ``[...]`` bundles several physical layers into one logical layer (``"M[M*]-"``
 has 3 logical and 4 physical layers); ``E`` may only close a group. Groups and
-``|`` are not allowed in MTP depths. As in Megatron, self-attention ``*`` cannot share the main
-part, or an MTP depth, with ``+`` or ``D`` (``LayerSymbol.excludes``); Megatron checks the main
-part and the MTP pattern separately, so ``"M*-/+-"`` is allowed. Every malformed pattern raises
-``ValueError`` naming the offending character and its 0-based position in the full pattern.
+``|`` are not allowed in MTP depths. Two rules of Megatron's (its head, which checks the
+main part and the MTP depths as one string):
+
+- self-attention ``*`` and the MLA family (``MLA_FAMILY``: ``+``, ``D``) may not both appear
+  in one model, so ``"M*-/+-"`` is refused as well as ``"M*-+"``;
+- a group holds at most one layer of each checkpoint namespace (``LayerSymbol.namespace``:
+  mixer ``M``; self_attention ``G * + D``; mlp ``- E``), so ``[MM]``, ``[*G]`` and ``[-E]``
+  are refused.
+
+Every malformed pattern raises ``ValueError`` naming the offending character and its 0-based
+position in the full pattern.
 Pipeline stages are cut from a parsed pattern in titan_hybrid.parallel.pipeline_split.
 """
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_hybrid.model.symbols import SYMBOLS
+from titan_hybrid.model.symbols import MLA_FAMILY, SELF_ATTENTION_SYMBOL, SYMBOLS
 
 Item = str | tuple[str, ...]
 
@@ -87,6 +94,7 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
                 continue
             if group and SYMBOLS[group[-1]].closes_group:  # in a group only symbols precede
                 raise char_error(pattern, pos - 1, "must be the last symbol of a group")
+            _check_namespace(pattern, group_start, pos)
             group.append(ch)
         elif ch == "[":
             if in_mtp:
@@ -146,28 +154,32 @@ def _mtp_depth(pattern: str, parts: list[tuple[int, list[Item]]]) -> tuple[list[
     return list(first), len(parts)
 
 
-def _check_exclusions(pattern: str) -> None:
-    """Kinds that may not share a part (main, or the MTP depths) with some other symbol."""
-    for start, end in _parts(pattern):
-        first_at = {}
-        for pos in range(start, end):
-            first_at.setdefault(pattern[pos], pos)
-        for symbol, pos in first_at.items():
-            spec = SYMBOLS.get(symbol)
-            for other in (spec.excludes if spec else ()):
-                if other in first_at:
-                    part = "the main part" if start == 0 else "an MTP depth"
-                    raise char_error(
-                        pattern, pos, f"cannot share {part} with {other!r} at position "
-                        f"{first_at[other]}: {SYMBOLS[other].title} and {spec.title} may not "
-                        "be mixed (Megatron: \"Not supported to have both Attention and "
-                        "MLA/DSA in one model\")")
+def _check_namespace(pattern: str, group_start: int, pos: int) -> None:
+    """The symbol at `pos` may not join its group (opened at `group_start`) if a layer of its
+    checkpoint namespace is in it already."""
+    namespace = SYMBOLS[pattern[pos]].namespace
+    for before in range(group_start + 1, pos):
+        if SYMBOLS[pattern[before]].namespace == namespace:
+            close = pattern.find("]", pos)
+            group = pattern[group_start:len(pattern) if close < 0 else close + 1]
+            raise char_error(
+                pattern, pos, f"joins {pattern[before]!r} at position {before} in checkpoint "
+                f"namespace '{namespace}': a layer group holds at most one layer of each "
+                f"namespace (Megatron: \"Layer group '{group}' contains multiple layers in "
+                f"checkpoint namespace '{namespace}'\")")
 
 
-def _parts(pattern: str) -> list[tuple[int, int]]:
-    """(start, end) of the main part and of the MTP part (all depths, identical)."""
-    slash = pattern.find("/")
-    return [(0, len(pattern))] if slash < 0 else [(0, slash), (slash, len(pattern))]
+def _check_attention_families(pattern: str) -> None:
+    """Self-attention and the MLA family may not share a model (main part and MTP depths)."""
+    attention = pattern.find(SELF_ATTENTION_SYMBOL)
+    latent = min((pattern.find(symbol) for symbol in MLA_FAMILY if symbol in pattern),
+                 default=-1)
+    if attention >= 0 and latent >= 0:
+        raise char_error(
+            pattern, latent, f"cannot share a model with {SELF_ATTENTION_SYMBOL!r} at position "
+            f"{attention}: self-attention and the MLA family ({' '.join(MLA_FAMILY)}) may not "
+            "be mixed, in the main part and the MTP depths alike (Megatron: \"Not supported "
+            "to have both Attention and MLA/DSA/CSA/HCA/Window in one model\")")
 
 
 def parse_hybrid_pattern(pattern: str) -> HybridPattern:
@@ -181,6 +193,6 @@ def parse_hybrid_pattern(pattern: str) -> HybridPattern:
         raise pattern_error(pattern, f"the main part{where} has no layers; it must contain at "
                      "least one layer")
     mtp, depths = _mtp_depth(pattern, mtp_parts)
-    _check_exclusions(pattern)
+    _check_attention_families(pattern)
     return HybridPattern(text=pattern, main=main, mtp=mtp, mtp_depths=depths,
                          segments=segments)

@@ -45,7 +45,7 @@ BAD_INPUTS = [
     (("--validation.enable", "--validation.freq", "0"), "validation.freq"),
     (("--validation.enable", "--validation.steps", "0"), "validation steps must be positive"),
     (("--hybrid.pattern", "M[*"), "hybrid pattern 'M[*'"),
-    (("--hybrid.pattern", "M*-D-"), "'D' at position 3 cannot share the main part with '*' at "
+    (("--hybrid.pattern", "M*-/D-"), "'D' at position 4 cannot share a model with '*' at "
                                     "position 1"),
     (("--model.flavor", "nope"), "model.flavor 'nope' is not a hybrid flavor"),
     (("--model.hf_assets_path", "/nowhere"), "model.hf_assets_path '/nowhere' holds no"),

@@ -65,7 +65,7 @@ def test_gpu_check_baseline_is_the_flavor_with_attention_mixers(flavor):
     pattern = hybrid_flavors[flavor].pattern
     baseline = gpu_check.transformer_pattern(pattern)
     ours, theirs = (parse_hybrid_pattern(text) for text in (pattern, baseline))
-    assert theirs.num_logical_layers == ours.num_logical_layers
+    assert theirs.num_physical_layers == ours.num_physical_layers
     assert theirs.mtp_depths == ours.mtp_depths
     symbols = ours.physical_layer_symbols(include_mtp=True)
     assert theirs.physical_layer_symbols(include_mtp=True) == [

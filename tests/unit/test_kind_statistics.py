@@ -27,7 +27,7 @@ def model_with_moe_and_dsa() -> HybridModel:
     # MoE layers in a bracket group, in the main part and in the MTP depth; two DSA layers
     # whose indexer trains and picks fewer keys than a row has.
     args = dataclasses.replace(
-        hybrid_flavors["debug_dsa"], pattern="[-E]D-ED-/-E", dim=DIM, vocab_size=VOCAB,
+        hybrid_flavors["debug_dsa"], pattern="[ME]D-ED-/-E", dim=DIM, vocab_size=VOCAB,
         max_seq_len=SEQ, mlp=MLPArgs(hidden_dim=16),
         moe=MoEArgs(num_experts=4, top_k=2, hidden_dim=8),
         dsa=DSAArgs(n_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,

@@ -25,8 +25,8 @@ def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
     for symbol, kind in LAYER_KINDS.items():
         spec = SYMBOLS[symbol]
         assert kind.spec is spec
-        assert (kind.name, kind.title, kind.closes_group, kind.excludes) == (
-            spec.name, spec.title, spec.closes_group, spec.excludes)
+        assert (kind.name, kind.title, kind.closes_group) == (
+            spec.name, spec.title, spec.closes_group)
 
 
 @pytest.mark.parametrize("symbol", list(LAYER_KINDS))

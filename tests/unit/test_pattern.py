@@ -125,28 +125,55 @@ def test_equal_and_hashable():
 @pytest.mark.parametrize("pattern, main, mtp, depths", [
     ("M+-MD-", ["M", "+", "-", "M", "D", "-"], [], 0),
     ("M[M+]E|D-/+E/+E", ["M", ("M", "+"), "E", "D", "-"], ["+", "E"], 2),
-    ("[D+]-", [("D", "+"), "-"], [], 0),
-    # Megatron validates the main part and the MTP pattern separately: a main '*' may sit
-    # beside MTP MLA layers, and the reverse.
-    ("M*-/+-", ["M", "*", "-"], ["+", "-"], 1),
-    ("MD-/*-", ["M", "D", "-"], ["*", "-"], 1),
+    ("[D-]+", [("D", "-"), "+"], [], 0),
+    ("MD-/D-", ["M", "D", "-"], ["D", "-"], 1),
 ])
 def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp, depths):
     parsed = parse_hybrid_pattern(pattern)
     assert (parsed.main, parsed.mtp, parsed.mtp_depths) == (main, mtp, depths)
 
 
-@pytest.mark.parametrize("pattern, char, pos, other, other_pos, part", [
-    ("M*-+", "+", 3, "*", 1, "the main part"),
-    ("MD-M*", "D", 1, "*", 4, "the main part"),
-    ("M*|D-", "D", 3, "*", 1, "the main part"),  # segments of one main part
-    ("[M*][+-]", "+", 5, "*", 2, "the main part"),
-    ("M-/*+/*+", "+", 4, "*", 3, "an MTP depth"),
+@pytest.mark.parametrize("pattern, char, pos, other_pos", [
+    ("M*-+", "+", 3, 1),
+    ("MD-M*", "D", 1, 4),
+    ("M*|D-", "D", 3, 1),  # segments of one main part
+    ("[M*][+-]", "+", 5, 2),
+    ("M-/*+/*+", "+", 4, 3),
+    # Megatron's head checks main + MTP as one string (issue 27's examples).
+    ("M*-/+-", "+", 4, 1),
+    ("MD-/*-/*-", "D", 1, 4),
+    ("+/*", "+", 0, 2),
 ])
-def test_self_attention_cannot_share_a_part_with_mla_or_dsa(pattern, char, pos, other,
-                                                              other_pos, part):
-    _raises(pattern, f"'{char}' at position {pos} cannot share {part} with '{other}' at "
-            f"position {other_pos}", "Not supported to have both Attention and MLA/DSA")
+def test_self_attention_cannot_share_a_model_with_the_mla_family(pattern, char, pos,
+                                                                 other_pos):
+    _raises(pattern, f"'{char}' at position {pos} cannot share a model with '*' at position "
+            f"{other_pos}: self-attention and the MLA family (+ D) may not be mixed",
+            "Not supported to have both Attention and MLA/DSA/CSA/HCA/Window in one model")
+
+
+@pytest.mark.parametrize("pattern, char, pos, first, first_pos, namespace, group", [
+    # issue 27's examples
+    ("[MM]", "M", 2, "M", 1, "mixer", "[MM]"),
+    ("[*G]", "G", 2, "*", 1, "self_attention", "[*G]"),
+    ("[G+]", "+", 2, "G", 1, "self_attention", "[G+]"),
+    ("[-E]", "E", 2, "-", 1, "mlp", "[-E]"),
+    ("[M-DME]", "M", 4, "M", 1, "mixer", "[M-DME]"),
+    # later groups, positions in the full pattern
+    ("M-[M*][D-+]", "+", 9, "D", 7, "self_attention", "[D-+]"),
+    ("[--", "-", 2, "-", 1, "mlp", "[--"),  # reported before the unclosed group
+])
+def test_a_group_holds_one_layer_per_checkpoint_namespace(pattern, char, pos, first,
+                                                          first_pos, namespace, group):
+    _raises(pattern, f"'{char}' at position {pos} joins '{first}' at position {first_pos} in "
+            f"checkpoint namespace '{namespace}'",
+            f"Layer group '{group}' contains multiple layers in checkpoint namespace "
+            f"'{namespace}'")
+
+
+@pytest.mark.parametrize("pattern", ["[M*-]", "[MGE]", "[M+E]", "M[M*]-", "G[M*]E-/*E",
+                                     "[MD-]|[G-]/+-"])
+def test_groups_of_one_layer_per_namespace_pass(pattern):
+    parse_hybrid_pattern(pattern)
 
 
 @pytest.mark.parametrize("pattern, char, pos", [("M*x", "x", 2), ("Ma", "a", 1),

@@ -207,7 +207,7 @@ def stage_copy(model: nn.Module, kept: list[str]) -> nn.Module:
     return stage
 
 
-@pytest.mark.parametrize("pattern", ["M*E|ME/*-", "M-|*-", "[M*]|[-E]/*-/*-"])
+@pytest.mark.parametrize("pattern", ["M*E|ME/*-", "M-|*-", "[M*]|[ME]/*-/*-"])
 def test_chained_stages_compute_the_whole_model_bitwise(pattern):
     args = model_args(pattern)
     model = HybridModel(args)

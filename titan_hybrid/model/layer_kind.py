@@ -95,8 +95,8 @@ class KindStatistics:
 @dataclass(frozen=True)
 class LayerKind:
     """One layer kind. `section` below is the kind's own args dataclass (`args_type`), found on
-    HybridModelArgs under the kind's `name`; `dim` is the model width. `name`, `title`,
-    `closes_group` and `excludes` are read from the symbol's entry in SYMBOLS."""
+    HybridModelArgs under the kind's `name`; `dim` is the model width. `name`, `title` and
+    `closes_group` are read from the symbol's entry in SYMBOLS."""
 
     symbol: str  # its character in the hybrid pattern, a key of SYMBOLS
     args_type: type
@@ -149,7 +149,3 @@ class LayerKind:
     @property
     def closes_group(self) -> bool:
         return self.spec.closes_group
-
-    @property
-    def excludes(self) -> tuple[str, ...]:
-        return self.spec.excludes

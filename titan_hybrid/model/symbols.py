@@ -9,23 +9,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Megatron's checkpoint namespaces: the submodule a layer of a bracket group lives under
+# (layers.i.mixer / .self_attention / .mlp), so a group holds at most one layer of each.
+MIXER, SELF_ATTENTION, MLP = "mixer", "self_attention", "mlp"
+
 
 @dataclass(frozen=True)
 class LayerSymbol:
     symbol: str  # its character in the hybrid pattern
     name: str  # args section, submodule name and checkpoint-key word: layers.3.mamba.*
     title: str  # for messages: "Mamba2"
+    namespace: str  # Megatron's checkpoint namespace (MIXER, SELF_ATTENTION or MLP)
     closes_group: bool = False  # may only be the last symbol of a bracket group (MoE)
-    # Symbols that may not appear in the same part of a pattern (main part, MTP depth).
-    excludes: tuple[str, ...] = ()
 
 
 SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
-    LayerSymbol(symbol="M", name="mamba", title="Mamba2"),
-    LayerSymbol(symbol="G", name="gdn", title="gated DeltaNet"),
-    LayerSymbol(symbol="*", name="attention", title="self-attention"),
-    LayerSymbol(symbol="+", name="mla", title="multi-latent attention", excludes=("*",)),
-    LayerSymbol(symbol="D", name="dsa", title="DeepSeek sparse attention", excludes=("*",)),
-    LayerSymbol(symbol="-", name="mlp", title="MLP"),
-    LayerSymbol(symbol="E", name="moe", title="mixture of experts", closes_group=True),
+    LayerSymbol(symbol="M", name="mamba", title="Mamba2", namespace=MIXER),
+    LayerSymbol(symbol="G", name="gdn", title="gated DeltaNet", namespace=SELF_ATTENTION),
+    LayerSymbol(symbol="*", name="attention", title="self-attention", namespace=SELF_ATTENTION),
+    LayerSymbol(symbol="+", name="mla", title="multi-latent attention",
+                namespace=SELF_ATTENTION),
+    LayerSymbol(symbol="D", name="dsa", title="DeepSeek sparse attention",
+                namespace=SELF_ATTENTION),
+    LayerSymbol(symbol="-", name="mlp", title="MLP", namespace=MLP),
+    LayerSymbol(symbol="E", name="moe", title="mixture of experts", namespace=MLP,
+                closes_group=True),
 )}
+
+# Self-attention and the MLA family (Megatron's "MLA/DSA/CSA/HCA/Window") may not both appear
+# in one model, main part and MTP depths together.
+SELF_ATTENTION_SYMBOL = "*"
+MLA_FAMILY = ("+", "D")
