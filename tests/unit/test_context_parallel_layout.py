@@ -51,7 +51,7 @@ CHUNKWISE = ("--parallelism.context_parallel_linear_mode", "chunkwise")
 
 
 @pytest.mark.parametrize("args, world, message", [
-    ((*cp(2), "--parallelism.context_parallel_linear_mode", "ring"), 2,
+    (("--parallelism.context_parallel_linear_mode", "ring"), 1,
      "parallelism.context_parallel_linear_mode='ring': must be one of head_a2a, chunkwise"),
     # head_a2a's head rule names the mode that lifts it
     ((*cp(8), "--training.seq_len", "256"), 8,

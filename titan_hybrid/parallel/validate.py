@@ -114,9 +114,6 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
             f"'{model_args.pattern}': MTP reads the tokens k positions ahead, which a zigzag "
             "shard does not hold; drop the '/...' part of the pattern or use CP = 1")
     mode = p.context_parallel_linear_mode
-    if mode not in LINEAR_MODES:
-        raise ValueError(f"parallelism.context_parallel_linear_mode='{mode}': must be one of "
-                         f"{', '.join(LINEAR_MODES)}")
     for kind in model_args.kinds():
         if not kind.mixes_sequence:
             continue
@@ -221,6 +218,10 @@ def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_si
         validate_overlap(job_config, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(job_config, model_args)
+    if p.context_parallel_linear_mode not in LINEAR_MODES:  # checked at any CP degree
+        raise ValueError(f"parallelism.context_parallel_linear_mode="
+                         f"'{p.context_parallel_linear_mode}': must be one of "
+                         f"{', '.join(LINEAR_MODES)}")
     if p.context_parallel_degree > 1:
         validate_context_parallel(job_config, model_args)
     if job_config.compile.enable:
