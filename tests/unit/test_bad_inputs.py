@@ -48,6 +48,8 @@ BAD_INPUTS = [
     (("--hybrid.pattern", "M*-/D-"), "'D' at position 4 cannot share a model with '*' at "
                                     "position 1"),
     (("--model.flavor", "nope"), "model.flavor 'nope' is not a hybrid flavor"),
+    (("--parallelism.context_parallel_linear_mode", "ring"),
+     "parallelism.context_parallel_linear_mode='ring': must be one of head_a2a, chunkwise"),
     (("--model.hf_assets_path", "/nowhere"), "model.hf_assets_path '/nowhere' holds no"),
     (("--training.dataset", "nope"), "training.dataset 'nope' is unknown"),
     (("--training.dataset", "c4_test", "--training.dataset_path", "/no/such/dir"),
