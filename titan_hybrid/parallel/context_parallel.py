@@ -237,7 +237,10 @@ LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WR
 
 def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_a2a") -> None:
     """Wrap the sequence-mixing core of every layer whose kind mixes along the sequence;
-    `linear_mode` picks how the cores without a gather rule (Mamba2, GDN) are split."""
+    `linear_mode` picks how the cores without a gather rule (Mamba2, GDN) are split.
+    "chunkwise" needs each rank's tokens to be pieces r and 2cp-1-r of the whole row
+    (`shard_batch`, what the trainer does); a row zigzagged document by document
+    (`packed_zigzag_index`, the multimodal partitioner's THD layout) needs "head_a2a"."""
     wrappers = LINEAR_MODES[linear_mode]
     for layer in model.modules():
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
