@@ -22,6 +22,12 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
     dense additive mask); same weights (same parameter names). Hidden 512, 8 heads, q_lora_rank
     256, kv_lora_rank 128, qk_nope 64, qk_rope 32, v 64; DSA: 8 indexer heads of 64, top-256.
     The DSA indexer's parameters get no gradient in either, so they are not compared.
+  * DeepSeek-V4 sliding-window attention layer (issue 27, `W`):
+    `titan_hybrid.model.deepseek_v4.SlidingWindowAttention` vs transformers'
+    `DeepseekV4Attention` (layer type "sliding_attention"; eager, the only backend it has:
+    dense [T, T] additive mask from create_sliding_window_causal_mask); same weights (same
+    parameter names). Hidden 512, 8 heads of 128 (32 rotary), q_lora_rank 256, 4 output
+    groups of rank 128, window 128.
 
 Method: same inputs and weights for both; one warm-up step each (its outputs and input/weight
 gradients, for a fixed random cotangent, give the agreement column: max|ours - theirs| /
@@ -37,7 +43,7 @@ activations, autograd buffers and gradients, not weights or inputs (torch has no
 statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
 RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7, for the SSD scan, the Mamba2 mixer and the gated delta rule): at T = 2048,
-ours >= 2x their tokens/s and lower peak memory. MLA / DSA have no target: measured only.
+ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 have no target: measured only.
 """
 
 from __future__ import annotations
@@ -56,9 +62,15 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import DeepseekV3Config, NemotronHConfig
+from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Attention,
     DeepseekV3RotaryEmbedding,
+)
+from transformers.models.deepseek_v4 import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Attention,
+    DeepseekV4RotaryEmbedding,
 )
 from transformers.models.deepseek_v32 import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
@@ -71,6 +83,7 @@ from transformers.utils import logging as hf_logging
 
 from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
+from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs, SlidingWindowAttention
 from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
@@ -89,6 +102,8 @@ OPS = {  # op -> (label, baseline)
             "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
     "mla": ("MLA layer", "transformers DeepseekV3Attention (sdpa)"),
     "dsa": ("DSA layer", "transformers DeepseekV32Attention (eager, dense mask)"),
+    "v4": ("DeepSeek-V4 sliding-window attention layer",
+           "transformers DeepseekV4Attention (eager, dense mask)"),
 }
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -123,6 +138,39 @@ def _deepseek_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -> d
         return [x] + [p for name, p in sorted(module.named_parameters()) if "indexer" not in name]
     return {"ours": (ours_fn, leaves(ours)),
             "theirs": (lambda: theirs(x, rotary, mask)[0], leaves(theirs))}
+
+
+V4_SHAPES = dict(n_heads=8, head_dim=128, rope_head_dim=32, q_lora_rank=256, o_groups=4,
+                 o_lora_rank=128, sliding_window=128)
+
+
+def _deepseek_v4_case(T: int, batch: int, x: torch.Tensor, seed: int) -> dict:
+    """Our V4 sliding-window layer and transformers', with the mask and rotary tables its model
+    builds, as make_case returns them."""
+    torch.manual_seed(seed)
+    args = DeepseekV4AttentionArgs(**V4_SHAPES)
+    ours = SlidingWindowAttention(dim=DIM, args=args)
+    with torch.no_grad():
+        ours.init_weights(init_std=0.02, out_std=0.02)
+        ours.sinks.normal_()  # zeros at init: give the sink a part to play
+    config = DeepseekV4Config(
+        hidden_size=DIM, num_attention_heads=args.n_heads, head_dim=args.head_dim,
+        q_lora_rank=args.q_lora_rank, o_groups=args.o_groups, o_lora_rank=args.o_lora_rank,
+        sliding_window=args.sliding_window, partial_rotary_factor=args.rope_head_dim / args.head_dim,
+        rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps, num_hidden_layers=1,
+        layer_types=["sliding_attention"], mlp_layer_types=["moe"], attn_implementation="eager")
+    theirs = DeepseekV4Attention(config, layer_idx=0)
+    theirs.load_state_dict(ours.state_dict())
+    position_ids = torch.arange(T)[None].expand(batch, T)
+    mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None,
+                                             cache=None, position_ids=position_ids)
+    rotary = {"main": DeepseekV4RotaryEmbedding(config)(x, position_ids, layer_type="main")}
+    layout = TokenLayout(positions=None, seq_idx=None)
+
+    def leaves(module):
+        return [x] + [p for _, p in sorted(module.named_parameters())]
+    return {"ours": (lambda: ours(x, layout), leaves(ours)),
+            "theirs": (lambda: theirs(x, rotary, position_ids, mask)[0], leaves(theirs))}
 
 
 def _hf_fields(args: MLAArgs) -> dict:
@@ -185,6 +233,8 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
                 "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
     if op in ("mla", "dsa"):
         return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
+    if op == "v4":
+        return _deepseek_v4_case(T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     raise ValueError(op)
 
 
@@ -270,7 +320,7 @@ def main() -> None:
     parser.add_argument("--gdn-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the gated delta rule")
     parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
-                        help="sequence lengths for the MLA and DSA layers")
+                        help="sequence lengths for the MLA, DSA and V4 layers")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
@@ -288,7 +338,7 @@ def main() -> None:
     rows = []
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
                          ("gdn", args.gdn_seq_lens), ("mla", args.mla_seq_lens),
-                         ("dsa", args.mla_seq_lens)):
+                         ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens)):
         for T in seq_lens:
             res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
             if not args.no_memory:

@@ -16,6 +16,7 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_hybrid.model.attention import AttentionArgs
+from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GDNArgs
@@ -27,7 +28,7 @@ from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
 from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern
 
-__all__ = ["AttentionArgs", "DSAArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
+__all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
            "MambaArgs", "MoEArgs", "hybrid_flavors", "resolve_model_args"]
 
 
@@ -45,6 +46,7 @@ class HybridModelArgs(BaseModelArgs):
     attention: AttentionArgs = field(default_factory=AttentionArgs)
     mla: MLAArgs = field(default_factory=MLAArgs)
     dsa: DSAArgs = field(default_factory=DSAArgs)
+    window_attention: DeepseekV4AttentionArgs = field(default_factory=DeepseekV4AttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
@@ -116,6 +118,10 @@ def _debug() -> HybridModelArgs:
         dsa=DSAArgs(n_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
                     qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32,
                     index_topk=16, indexer_loss_coeff=0.01),
+        # A 16-token window: the tests' 64-token sequences cross it.
+        window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=32, rope_head_dim=16,
+                                                 q_lora_rank=64, o_groups=2, o_lora_rank=32,
+                                                 sliding_window=16),
         mlp=MLPArgs(hidden_dim=512),
         mamba=MambaArgs(d_state=32, head_dim=32, n_groups=2, chunk_size=64),
         gdn=GDNArgs(key_head_dim=64, value_head_dim=64, n_key_heads=2, n_value_heads=4),
@@ -137,6 +143,10 @@ def _gpu_sized(pattern: str) -> HybridModelArgs:
         dsa=DSAArgs(n_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
                     qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0, index_n_heads=32,
                     index_head_dim=128, index_topk=2048),
+        # DeepSeek-V4-Flash's attention at a quarter of its heads and half their width.
+        window_attention=DeepseekV4AttentionArgs(n_heads=16, head_dim=256, rope_head_dim=64,
+                                                 q_lora_rank=1024, o_groups=4, o_lora_rank=512,
+                                                 sliding_window=128),
         mlp=MLPArgs(hidden_dim=8192),
         mamba=MambaArgs(d_state=128, head_dim=64, n_groups=8, chunk_size=128),
         gdn=GDNArgs(key_head_dim=128, value_head_dim=128, n_key_heads=8, n_value_heads=16),
@@ -158,6 +168,8 @@ hybrid_flavors = FlavorRegistry({
     # Multi-latent attention (DeepSeek-V3) and DeepSeek sparse attention (V3.2) hybrids.
     "debug_mla": dataclasses.replace(_debug(), pattern="M+-M+-"),
     "debug_dsa": dataclasses.replace(_debug(), pattern="MD-MD-"),
+    # DeepSeek-V4's sliding-window attention hybrid.
+    "debug_v4": dataclasses.replace(_debug(), pattern="MW-MW-"),
     # 6 GDN value heads over 2 key heads: per TP rank (3 at TP 2) they do not split over CP 2
     # or 4 by heads (head_a2a), which chunkwise context parallelism does not need.
     "debug_odd_heads": dataclasses.replace(

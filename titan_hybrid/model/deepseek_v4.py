@@ -1,0 +1,220 @@
+"""DeepSeek-V4 attention: sliding-window attention (pattern symbol `W`).
+
+The attention of every DeepSeek-V4 layer, here without the compressed branches (transformers'
+layer type "sliding_attention"; the compressed kinds will add their keys to this one's):
+
+- queries from a low-rank projection: q_a_proj, its RMSNorm q_a_norm, q_b_proj to all heads,
+  then an RMS norm without weight over each head's channels;
+- one latent head that is both the key and the value of every head (multi-query attention):
+  kv_proj and its RMSNorm kv_norm;
+- each head's channels are [no position | rope_head_dim rotary channels]: RoPE (interleaved
+  pairs (2i, 2i+1), plain theta) rotates the trailing channels of queries and of the latent.
+  The latent is also the value, so the output carries the key's rotation; the inverse rotation
+  at the query's own position (angle -t) turns that into a rotation by the relative distance;
+- a learned sink per head: one more logit in the softmax whose probability is dropped, so a
+  query may give less than all of its attention to the keys;
+- each query sees the `sliding_window` tokens of its document that end at itself (a query at
+  position t sees keys at positions s with t - window < s <= t, transformers'
+  sliding_window_overlay);
+- a grouped low-rank output projection: the heads form o_groups groups of consecutive heads,
+  o_a_proj takes each group to o_lora_rank channels with its own block, o_b_proj mixes them.
+
+Parameters carry transformers' DeepseekV4Attention names, so its attention weights load as
+they are (tests/unit/test_deepseek_v4.py). Legend: B batch, T tokens, H heads, D head_dim,
+R rope_head_dim, G groups, N query blocks, Q queries per block, K keys per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.attention import apply_rotary_pairs
+from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
+
+
+@dataclass
+class DeepseekV4AttentionArgs:
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64  # the trailing rotary channels of each head
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024  # channels of each group after o_a_proj
+    sliding_window: int = 128  # keys a query sees, itself included
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6  # all of the layer's RMS norms (transformers: rms_norm_eps)
+
+    @property
+    def group_width(self) -> int:
+        """Channels of one output group: n_heads / o_groups heads."""
+        return self.n_heads // self.o_groups * self.head_dim
+
+
+# --------------------------------------------------------------------------- rotary
+def rotary_cos_sin(args: DeepseekV4AttentionArgs, layout: TokenLayout, seq_len: int,
+                   like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B or 1, T, R / 2] of each token's position in its document, in at least fp32
+    (angles of long positions need it). The rotary channels are fewer than the model's
+    attention head (its `layout.rope_table`), so the layer computes its own R / 2 angles."""
+    dtype = upcast(like).dtype
+    dim = args.rope_head_dim
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, dim, 2, dtype=dtype, device=like.device)
+                                         / dim)
+    if layout.positions is None:
+        positions = torch.arange(seq_len, device=like.device, dtype=dtype)[None]
+    else:
+        positions = layout.positions.to(dtype)
+    angles = positions[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotate_trailing(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing R channels of each head (interleaved pairs); the rest pass."""
+    rope_dim = 2 * cos.shape[-1]
+    plain, rope = x_BTHD.split([x_BTHD.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat((plain, apply_rotary_pairs(rope, cos, sin, interleaved=True)), dim=-1)
+
+
+# --------------------------------------------------------------------------- core
+def sliding_window_attention(q_BTHD: torch.Tensor, kv_BTD: torch.Tensor, sinks_H: torch.Tensor,
+                             layout: TokenLayout, window: int, scale: float) -> torch.Tensor:
+    """[B, T, H, D]: softmax attention of each query over the keys of its document at most
+    `window - 1` positions before it, with a sink logit per head; `kv_BTD` is every head's key
+    and value.
+
+    Queries go in blocks of `window` rows; a block reads only the window - 1 keys before its
+    first row and its own rows, so scores take [B, H, T, 2 * window - 1] instead of [T, T]."""
+    batch, seq_len, _, _ = q_BTHD.shape
+    block = min(window, seq_len)
+    n_blocks = -(-seq_len // block)
+    before = window - 1 if n_blocks > 1 else 0  # one block: no keys before the row's start
+    after = n_blocks * block - seq_len
+    span = before + block
+    # Tokens in row order (documents, then positions): a key is visible when its order is
+    # at most window - 1 below the query's. Documents are 2**32 apart in that order, so this
+    # also keeps queries in their own document. Padding sits far below every real token.
+    order = layout.row_order(seq_len, q_BTHD.device).expand(batch, seq_len)
+    far_below = -(1 << 62)
+    query_order = F.pad(order, (0, after), value=far_below).view(batch, n_blocks, block)
+    key_order = F.pad(order, (before, after), value=far_below).unfold(1, span, block)
+    distance_BNQK = query_order[..., :, None] - key_order[..., None, :]
+    visible_BN1QK = ((distance_BNQK >= 0) & (distance_BNQK < window))[:, :, None]
+
+    q_BNQHD = F.pad(q_BTHD, (0, 0, 0, 0, 0, after)).view(batch, n_blocks, block,
+                                                           *q_BTHD.shape[2:])
+    kv_BNDK = F.pad(kv_BTD, (0, 0, before, after)).unfold(1, span, block)
+    scores_BNHQK = torch.einsum("bnqhd,bndk->bnhqk", q_BNQHD, kv_BNDK)
+    # The softmax in fp32 (bf16 logits lose the small differences that matter).
+    logits = (upcast(scores_BNHQK) * scale).masked_fill(~visible_BN1QK, float("-inf"))
+    sinks = upcast(sinks_H).to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
+    # Every row sees itself (real rows) or its sink: never a row of -inf only.
+    probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
+    out_BNQHD = torch.einsum("bnhqk,bndk->bnqhd", probs.type_as(kv_BTD), kv_BNDK)
+    return out_BNQHD.flatten(1, 2)[:, :seq_len]
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection [..., G, in] -> [..., G, out]: each group through its own
+    [out, in] block of `weight` [G * out, in] (rows group by group, as transformers'
+    DeepseekV4GroupedLinear stores them)."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(groups * out_features, in_features))
+
+    def forward(self, x_BTGI: torch.Tensor) -> torch.Tensor:
+        # -1 groups: under tensor parallelism the rank holds whole groups, fewer of them.
+        weight_GOI = self.weight.view(-1, self.out_features, self.weight.shape[-1])
+        return torch.einsum("btgi,goi->btgo", x_BTGI, weight_GOI)
+
+    def init_weights(self, *, std: float) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+# --------------------------------------------------------------------------- layer
+class SlidingWindowAttention(nn.Module):
+    def __init__(self, *, dim: int, args: DeepseekV4AttentionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.q_a_proj = nn.Linear(dim, args.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, args.n_heads * args.head_dim, bias=False)
+        self.kv_proj = nn.Linear(dim, args.head_dim, bias=False)
+        self.kv_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.o_a_proj = GroupedLinear(args.group_width, args.o_lora_rank, args.o_groups)
+        self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, dim, bias=False)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads))
+
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        # Heads split: q_b_proj's rows and the sinks are head-major; o_a_proj's rows are group
+        # by group and a group is consecutive heads, so whole groups go with their heads, and
+        # o_b_proj's inputs with them. The latent key / value head and the query's low-rank
+        # part serve every head: replicated (their gradients are partial sums over the ranks).
+        return {"q_b_proj.weight": sharded(0), "sinks": sharded(0),
+                "o_a_proj.weight": sharded(0), "o_b_proj.weight": sharded(1)}
+
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        args = self.args
+        batch, seq_len, _ = x_BTD.shape
+        cos, sin = rotary_cos_sin(args, layout, seq_len, x_BTD)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD))).view(batch, seq_len, -1,
+                                                                    args.head_dim)
+        # Each head's query RMS-normed without a weight (transformers' q_b_norm), in fp32.
+        q = F.rms_norm(upcast(q), (args.head_dim,), eps=args.norm_eps).type_as(q)
+        q_BTHD = rotate_trailing(q, cos, sin)
+        kv_BTD = rotate_trailing(self.kv_norm(self.kv_proj(x_BTD))[:, :, None], cos, sin)[:, :, 0]
+        out = sliding_window_attention(q_BTHD, kv_BTD, self.sinks, layout, args.sliding_window,
+                                       scale=args.head_dim ** -0.5)
+        # The value carried the key's rotation by its own position s; rotating back by the
+        # query's t leaves a rotation by s - t, as the reference does.
+        out = rotate_trailing(out, cos, -sin)
+        grouped_BTGI = out.reshape(batch, seq_len, -1, args.group_width)
+        return self.o_b_proj(self.o_a_proj(grouped_BTGI).flatten(2))
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        for linear in (self.q_a_proj, self.q_b_proj, self.kv_proj):
+            init_linear(linear, std=init_std)
+        self.o_a_proj.init_weights(std=init_std)
+        init_linear(self.o_b_proj, std=out_std)
+        self.q_a_norm.init_weights()
+        self.kv_norm.init_weights()
+        nn.init.zeros_(self.sinks)  # transformers' init: the sink starts at logit 0
+
+
+def _validate(args: DeepseekV4AttentionArgs, dim: int) -> None:
+    name = "window_attention"
+    for field in ("n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                  "sliding_window"):
+        if getattr(args, field) < 1:
+            raise ValueError(f"{name}: {field}={getattr(args, field)} must be at least 1")
+    if args.rope_head_dim % 2 or not 0 < args.rope_head_dim <= args.head_dim:
+        raise ValueError(f"{name}: rope_head_dim={args.rope_head_dim} must be even (rotary "
+                         f"embeddings rotate channel pairs) and in 2..head_dim={args.head_dim}")
+    if args.n_heads % args.o_groups:
+        raise ValueError(f"{name}: n_heads={args.n_heads} is not divisible by "
+                         f"o_groups={args.o_groups} (each output group takes whole heads)")
+
+
+def _core_flops(args: DeepseekV4AttentionArgs, dim: int, seq_len: int) -> int:
+    """QK^T and PV over the window (counted unmasked, as dense attention counts the whole
+    sequence): 2 * 2 * min(window, T) * head_dim per head and token, forward."""
+    return 4 * min(args.sliding_window, seq_len) * args.head_dim * args.n_heads
+
+
+KIND = LayerKind(
+    symbol="W", args_type=DeepseekV4AttentionArgs,
+    build=lambda args, dim, norm_eps: SlidingWindowAttention(dim=dim, args=args),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    tensor_parallel_sizes=lambda args, dim: [("window_attention.n_heads", args.n_heads),
+                                             ("window_attention.o_groups", args.o_groups)],
+    # No context-parallel rule yet: CP refuses patterns with this kind, by name.
+    context_parallel=None,
+)
