@@ -28,6 +28,11 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
     dense [T, T] additive mask from create_sliding_window_causal_mask); same weights (same
     parameter names). Hidden 512, 8 heads of 128 (32 rotary), q_lora_rank 256, 4 output
     groups of rank 128, window 128.
+  * DeepSeek-V4 heavily compressed attention layer (issue 27, `H`):
+    `titan_hybrid.model.deepseek_v4_hca.HeavilyCompressedAttention` vs `DeepseekV4Attention`
+    (layer type "heavily_compressed_attention": its DeepseekV4HCACompressor's rows joined to
+    the window's keys by its block bias); the same shapes, blocks of 128 tokens, the "compress"
+    rotary table (theta 160000) for the whole layer.
 
 Method: same inputs and weights for both; one warm-up step each (its outputs and input/weight
 gradients, for a fixed random cotangent, give the agreement column: max|ours - theirs| /
@@ -43,7 +48,7 @@ activations, autograd buffers and gradients, not weights or inputs (torch has no
 statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
 RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7, for the SSD scan, the Mamba2 mixer and the gated delta rule): at T = 2048,
-ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 have no target: measured only.
+ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, H) have no target: measured only.
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ from transformers.utils import logging as hf_logging
 from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs, SlidingWindowAttention
+from titan_hybrid.model.deepseek_v4_hca import (
+    DeepseekV4CompressedAttentionArgs,
+    HeavilyCompressedAttention,
+)
 from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
@@ -104,6 +113,8 @@ OPS = {  # op -> (label, baseline)
     "dsa": ("DSA layer", "transformers DeepseekV32Attention (eager, dense mask)"),
     "v4": ("DeepSeek-V4 sliding-window attention layer",
            "transformers DeepseekV4Attention (eager, dense mask)"),
+    "v4_hca": ("DeepSeek-V4 heavily compressed attention layer",
+               "transformers DeepseekV4Attention HCA (eager, dense mask)"),
 }
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -144,27 +155,39 @@ V4_SHAPES = dict(n_heads=8, head_dim=128, rope_head_dim=32, q_lora_rank=256, o_g
                  o_lora_rank=128, sliding_window=128)
 
 
-def _deepseek_v4_case(T: int, batch: int, x: torch.Tensor, seed: int) -> dict:
-    """Our V4 sliding-window layer and transformers', with the mask and rotary tables its model
-    builds, as make_case returns them."""
+def _deepseek_v4_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -> dict:
+    """Our V4 sliding-window (op "v4") or heavily compressed (op "v4_hca") layer and
+    transformers', with the mask and rotary tables its model builds, as make_case returns
+    them."""
     torch.manual_seed(seed)
-    args = DeepseekV4AttentionArgs(**V4_SHAPES)
-    ours = SlidingWindowAttention(dim=DIM, args=args)
+    if op == "v4":
+        args = DeepseekV4AttentionArgs(**V4_SHAPES)
+        ours = SlidingWindowAttention(dim=DIM, args=args)
+        layer_type, rope_type = "sliding_attention", "main"
+    else:
+        args = DeepseekV4CompressedAttentionArgs(**V4_SHAPES, compress_ratio=128)
+        ours = HeavilyCompressedAttention(dim=DIM, args=args)
+        layer_type, rope_type = "heavily_compressed_attention", "compress"
     with torch.no_grad():
         ours.init_weights(init_std=0.02, out_std=0.02)
         ours.sinks.normal_()  # zeros at init: give the sink a part to play
+        if op == "v4_hca":  # zeros at init: let the positions in a block weigh differently
+            ours.compressor.position_bias.normal_()
     config = DeepseekV4Config(
         hidden_size=DIM, num_attention_heads=args.n_heads, head_dim=args.head_dim,
         q_lora_rank=args.q_lora_rank, o_groups=args.o_groups, o_lora_rank=args.o_lora_rank,
         sliding_window=args.sliding_window, partial_rotary_factor=args.rope_head_dim / args.head_dim,
-        rope_theta=args.rope_theta, rms_norm_eps=args.norm_eps, num_hidden_layers=1,
-        layer_types=["sliding_attention"], mlp_layer_types=["moe"], attn_implementation="eager")
+        rope_theta=args.rope_theta, compress_rope_theta=args.rope_theta,
+        compress_rates={"compressed_sparse_attention": 4,
+                        "heavily_compressed_attention": getattr(args, "compress_ratio", 128)},
+        rms_norm_eps=args.norm_eps, num_hidden_layers=1, layer_types=[layer_type],
+        mlp_layer_types=["moe"], attn_implementation="eager")
     theirs = DeepseekV4Attention(config, layer_idx=0)
     theirs.load_state_dict(ours.state_dict())
     position_ids = torch.arange(T)[None].expand(batch, T)
     mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None,
                                              cache=None, position_ids=position_ids)
-    rotary = {"main": DeepseekV4RotaryEmbedding(config)(x, position_ids, layer_type="main")}
+    rotary = {rope_type: DeepseekV4RotaryEmbedding(config)(x, position_ids, layer_type=rope_type)}
     layout = TokenLayout(positions=None, seq_idx=None)
 
     def leaves(module):
@@ -233,8 +256,8 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
                 "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
     if op in ("mla", "dsa"):
         return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
-    if op == "v4":
-        return _deepseek_v4_case(T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
+    if op in ("v4", "v4_hca"):
+        return _deepseek_v4_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     raise ValueError(op)
 
 
@@ -338,7 +361,8 @@ def main() -> None:
     rows = []
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
                          ("gdn", args.gdn_seq_lens), ("mla", args.mla_seq_lens),
-                         ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens)):
+                         ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
+                         ("v4_hca", args.mla_seq_lens)):
         for T in seq_lens:
             res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
             if not args.no_memory:

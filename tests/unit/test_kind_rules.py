@@ -5,7 +5,7 @@ Both rules are checked on the syntax trees of every module of the package.
 
 1. `isinstance(x, C)` / `issubclass(x, C)`, where C (or one class of a tuple C) is a class
    defined in a layer kind's module (model/mamba.py, gdn.py, attention.py, mla.py, dsa.py,
-   deepseek_v4.py, mlp.py, moe.py), occurs only in the module that defines C. Code elsewhere reads
+   deepseek_v4.py, deepseek_v4_hca.py, mlp.py, moe.py), occurs only in the module that defines C. Code elsewhere reads
    `HybridLayer.kind` (isinstance of the generic HybridLayer is fine).
 
 2. A string constant equal to a pattern symbol (a key of SYMBOLS) is a symbol literal when it
@@ -35,7 +35,8 @@ from pathlib import Path
 from titan_hybrid.model.symbols import SYMBOLS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_hybrid"
-KIND_MODULES = ("mamba", "gdn", "attention", "mla", "dsa", "deepseek_v4", "mlp", "moe")
+KIND_MODULES = ("mamba", "gdn", "attention", "mla", "dsa", "deepseek_v4", "deepseek_v4_hca",
+                "mlp", "moe")
 SYMBOL_TABLE_FILES = {PACKAGE / "model" / "symbols.py", PACKAGE / "pattern.py"}
 NOT_SYMBOL_METHODS = {"split", "rsplit", "join", "strip", "lstrip", "rstrip", "glob", "rglob"}
 

@@ -24,7 +24,7 @@ def _raises(pattern, *fragments):
 def test_symbol_names():
     assert {symbol: spec.name for symbol, spec in SYMBOLS.items()} == {
         "M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa",
-        "W": "window_attention", "-": "mlp", "E": "moe"}
+        "W": "window_attention", "H": "heavily_compressed_attention", "-": "mlp", "E": "moe"}
 
 
 def test_physical_symbols():
@@ -130,6 +130,9 @@ def test_equal_and_hashable():
     ("MW-", ["M", "W", "-"], [], 0),
     ("[MW-]", [("M", "W", "-")], [], 0),
     ("MW-MD-/W-", ["M", "W", "-", "M", "D", "-"], ["W", "-"], 1),
+    ("MH-MW-", ["M", "H", "-", "M", "W", "-"], [], 0),
+    ("[MH-]W", [("M", "H", "-"), "W"], [], 0),
+    ("MH-/H-", ["M", "H", "-"], ["H", "-"], 1),
 ])
 def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp, depths):
     parsed = parse_hybrid_pattern(pattern)
@@ -148,11 +151,13 @@ def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp,
     ("+/*", "+", 0, 2),
     ("W*", "W", 0, 1),
     ("W-/*-", "W", 0, 3),
+    ("MH*", "H", 1, 2),
+    ("*-/H-", "H", 3, 0),
 ])
 def test_self_attention_cannot_share_a_model_with_the_mla_family(pattern, char, pos,
                                                                  other_pos):
     _raises(pattern, f"'{char}' at position {pos} cannot share a model with '*' at position "
-            f"{other_pos}: self-attention and the MLA family (+ D W) may not be mixed",
+            f"{other_pos}: self-attention and the MLA family (+ D W H) may not be mixed",
             "Not supported to have both Attention and MLA/DSA/CSA/HCA/Window in one model")
 
 

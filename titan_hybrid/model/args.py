@@ -17,6 +17,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 from titan_hybrid.model.attention import AttentionArgs
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs
+from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GDNArgs
@@ -28,7 +29,8 @@ from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
 from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern
 
-__all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
+__all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
+           "DeepseekV4CompressedAttentionArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
            "MambaArgs", "MoEArgs", "hybrid_flavors", "resolve_model_args"]
 
 
@@ -47,6 +49,8 @@ class HybridModelArgs(BaseModelArgs):
     mla: MLAArgs = field(default_factory=MLAArgs)
     dsa: DSAArgs = field(default_factory=DSAArgs)
     window_attention: DeepseekV4AttentionArgs = field(default_factory=DeepseekV4AttentionArgs)
+    heavily_compressed_attention: DeepseekV4CompressedAttentionArgs = field(
+        default_factory=DeepseekV4CompressedAttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
@@ -122,6 +126,11 @@ def _debug() -> HybridModelArgs:
         window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=32, rope_head_dim=16,
                                                  q_lora_rank=64, o_groups=2, o_lora_rank=32,
                                                  sliding_window=16),
+        # Blocks of 4 tokens and an 8-token window: a 64-token row has 16 compressed rows, and
+        # most of a query's rows lie beyond its window.
+        heavily_compressed_attention=DeepseekV4CompressedAttentionArgs(
+            n_heads=4, head_dim=32, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32,
+            sliding_window=8, compress_ratio=4),
         mlp=MLPArgs(hidden_dim=512),
         mamba=MambaArgs(d_state=32, head_dim=32, n_groups=2, chunk_size=64),
         gdn=GDNArgs(key_head_dim=64, value_head_dim=64, n_key_heads=2, n_value_heads=4),
@@ -147,6 +156,9 @@ def _gpu_sized(pattern: str) -> HybridModelArgs:
         window_attention=DeepseekV4AttentionArgs(n_heads=16, head_dim=256, rope_head_dim=64,
                                                  q_lora_rank=1024, o_groups=4, o_lora_rank=512,
                                                  sliding_window=128),
+        heavily_compressed_attention=DeepseekV4CompressedAttentionArgs(
+            n_heads=16, head_dim=256, rope_head_dim=64, q_lora_rank=1024, o_groups=4,
+            o_lora_rank=512, sliding_window=128, compress_ratio=128),
         mlp=MLPArgs(hidden_dim=8192),
         mamba=MambaArgs(d_state=128, head_dim=64, n_groups=8, chunk_size=128),
         gdn=GDNArgs(key_head_dim=128, value_head_dim=128, n_key_heads=8, n_value_heads=16),
@@ -170,6 +182,8 @@ hybrid_flavors = FlavorRegistry({
     "debug_dsa": dataclasses.replace(_debug(), pattern="MD-MD-"),
     # DeepSeek-V4's sliding-window attention hybrid.
     "debug_v4": dataclasses.replace(_debug(), pattern="MW-MW-"),
+    # ... with heavily compressed attention (blocks of 4 tokens) in the first attention layer.
+    "debug_v4_hca": dataclasses.replace(_debug(), pattern="MH-MW-"),
     # 6 GDN value heads over 2 key heads: per TP rank (3 at TP 2) they do not split over CP 2
     # or 4 by heads (head_a2a), which chunkwise context parallelism does not need.
     "debug_odd_heads": dataclasses.replace(

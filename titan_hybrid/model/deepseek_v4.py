@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention: sliding-window attention (pattern symbol `W`).
 
 The attention of every DeepSeek-V4 layer, here without the compressed branches (transformers'
-layer type "sliding_attention"; the compressed kinds will add their keys to this one's):
+layer type "sliding_attention"; the compressed kinds add their keys to this one's through
+`extra_keys`, deepseek_v4_hca.py):
 
 - queries from a low-rank projection: q_a_proj, its RMSNorm q_a_norm, q_b_proj to all heads,
   then an RMS norm without weight over each head's channels;
@@ -63,15 +64,19 @@ def rotary_cos_sin(args: DeepseekV4AttentionArgs, layout: TokenLayout, seq_len: 
     """cos, sin [B or 1, T, R / 2] of each token's position in its document, in at least fp32
     (angles of long positions need it). The rotary channels are fewer than the model's
     attention head (its `layout.rope_table`), so the layer computes its own R / 2 angles."""
+    if layout.positions is None:
+        return rotary_cos_sin_at(args, torch.arange(seq_len, device=like.device)[None], like)
+    return rotary_cos_sin_at(args, layout.positions, like)
+
+
+def rotary_cos_sin_at(args: DeepseekV4AttentionArgs, positions: torch.Tensor,
+                      like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*positions.shape, R / 2] of the angles at `positions`, in at least fp32."""
     dtype = upcast(like).dtype
     dim = args.rope_head_dim
     inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, dim, 2, dtype=dtype, device=like.device)
                                          / dim)
-    if layout.positions is None:
-        positions = torch.arange(seq_len, device=like.device, dtype=dtype)[None]
-    else:
-        positions = layout.positions.to(dtype)
-    angles = positions[..., None] * inv_freq
+    angles = positions.to(dtype)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
@@ -84,10 +89,16 @@ def rotate_trailing(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 # --------------------------------------------------------------------------- core
 def sliding_window_attention(q_BTHD: torch.Tensor, kv_BTD: torch.Tensor, sinks_H: torch.Tensor,
-                             layout: TokenLayout, window: int, scale: float) -> torch.Tensor:
+                             layout: TokenLayout, window: int, scale: float,
+                             extra_kv_BCD: torch.Tensor | None = None,
+                             extra_visible_BTC: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, H, D]: softmax attention of each query over the keys of its document at most
     `window - 1` positions before it, with a sink logit per head; `kv_BTD` is every head's key
     and value.
+
+    `extra_kv_BCD`: C more keys (also values) that every query may see where
+    `extra_visible_BTC` says so (the compressed rows of DeepSeek-V4's compressed kinds); they
+    join the window's keys and the sink in one softmax.
 
     Queries go in blocks of `window` rows; a block reads only the window - 1 keys before its
     first row and its own rows, so scores take [B, H, T, 2 * window - 1] instead of [T, T]."""
@@ -112,11 +123,21 @@ def sliding_window_attention(q_BTHD: torch.Tensor, kv_BTD: torch.Tensor, sinks_H
     kv_BNDK = F.pad(kv_BTD, (0, 0, before, after)).unfold(1, span, block)
     scores_BNHQK = torch.einsum("bnqhd,bndk->bnhqk", q_BNQHD, kv_BNDK)
     # The softmax in fp32 (bf16 logits lose the small differences that matter).
-    logits = (upcast(scores_BNHQK) * scale).masked_fill(~visible_BN1QK, float("-inf"))
-    sinks = upcast(sinks_H).to(logits.dtype)[:, None, None].expand(*logits.shape[:-1], 1)
+    logits = [(upcast(scores_BNHQK) * scale).masked_fill(~visible_BN1QK, float("-inf"))]
+    if extra_kv_BCD is not None:
+        extra_scores_BNHQC = torch.einsum("bnqhd,bcd->bnhqc", q_BNQHD, extra_kv_BCD)
+        # Padding queries see no extra key.
+        extra_visible_BN1QC = F.pad(extra_visible_BTC, (0, 0, 0, after)).view(
+            batch, n_blocks, 1, block, -1)
+        logits.append((upcast(extra_scores_BNHQC) * scale).masked_fill(~extra_visible_BN1QC,
+                                                                       float("-inf")))
+    sinks = upcast(sinks_H).to(logits[0].dtype)[:, None, None].expand(*logits[0].shape[:-1], 1)
     # Every row sees itself (real rows) or its sink: never a row of -inf only.
-    probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
-    out_BNQHD = torch.einsum("bnhqk,bndk->bnqhd", probs.type_as(kv_BTD), kv_BNDK)
+    probs = torch.softmax(torch.cat((*logits, sinks), dim=-1), dim=-1).type_as(kv_BTD)
+    out_BNQHD = torch.einsum("bnhqk,bndk->bnqhd", probs[..., :span], kv_BNDK)
+    if extra_kv_BCD is not None:
+        out_BNQHD = out_BNQHD + torch.einsum("bnhqc,bcd->bnqhd", probs[..., span:-1],
+                                             extra_kv_BCD)
     return out_BNQHD.flatten(1, 2)[:, :seq_len]
 
 
@@ -171,13 +192,20 @@ class SlidingWindowAttention(nn.Module):
         q = F.rms_norm(upcast(q), (args.head_dim,), eps=args.norm_eps).type_as(q)
         q_BTHD = rotate_trailing(q, cos, sin)
         kv_BTD = rotate_trailing(self.kv_norm(self.kv_proj(x_BTD))[:, :, None], cos, sin)[:, :, 0]
+        extra_kv_BCD, extra_visible_BTC = self.extra_keys(x_BTD, layout)
         out = sliding_window_attention(q_BTHD, kv_BTD, self.sinks, layout, args.sliding_window,
-                                       scale=args.head_dim ** -0.5)
+                                       args.head_dim ** -0.5, extra_kv_BCD, extra_visible_BTC)
         # The value carried the key's rotation by its own position s; rotating back by the
         # query's t leaves a rotation by s - t, as the reference does.
         out = rotate_trailing(out, cos, -sin)
         grouped_BTGI = out.reshape(batch, seq_len, -1, args.group_width)
         return self.o_b_proj(self.o_a_proj(grouped_BTGI).flatten(2))
+
+    def extra_keys(self, x_BTD: torch.Tensor, layout: TokenLayout
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Keys beyond the window, [B, C, D], and which queries see them, [B, T, C]: none here;
+        the compressed kinds (deepseek_v4_hca.py) add their compressed rows."""
+        return None, None
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for linear in (self.q_a_proj, self.q_b_proj, self.kv_proj):
@@ -189,8 +217,8 @@ class SlidingWindowAttention(nn.Module):
         nn.init.zeros_(self.sinks)  # transformers' init: the sink starts at logit 0
 
 
-def _validate(args: DeepseekV4AttentionArgs, dim: int) -> None:
-    name = "window_attention"
+def validate_shapes(args: DeepseekV4AttentionArgs, name: str) -> None:
+    """ValueError, naming the args section `name`, for shapes the layer cannot take."""
     for field in ("n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                   "sliding_window"):
         if getattr(args, field) < 1:
@@ -201,6 +229,10 @@ def _validate(args: DeepseekV4AttentionArgs, dim: int) -> None:
     if args.n_heads % args.o_groups:
         raise ValueError(f"{name}: n_heads={args.n_heads} is not divisible by "
                          f"o_groups={args.o_groups} (each output group takes whole heads)")
+
+
+def _validate(args: DeepseekV4AttentionArgs, dim: int) -> None:
+    validate_shapes(args, "window_attention")
 
 
 def _core_flops(args: DeepseekV4AttentionArgs, dim: int, seq_len: int) -> int:

@@ -1,6 +1,7 @@
-"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, +, D, -, E).
+"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, +, D, W, H, -, E).
 
-Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, mlp.py, moe.py) ends with
+Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, deepseek_v4.py,
+deepseek_v4_hca.py, mlp.py, moe.py) ends with
 its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that
 differs between kinds outside the layer's own module is read from here: model building, shape
 validation, FLOPs, the TP / CP / EP rules, checkpoint keys, Hugging Face names and the

@@ -12,10 +12,20 @@ for the training log names its counters, their reduction and its metrics in `sta
 
 from __future__ import annotations
 
-from titan_hybrid.model import attention, deepseek_v4, dsa, gdn, mamba, mla, mlp, moe
+from titan_hybrid.model import (
+    attention,
+    deepseek_v4,
+    deepseek_v4_hca,
+    dsa,
+    gdn,
+    mamba,
+    mla,
+    mlp,
+    moe,
+)
 from titan_hybrid.model.layer_kind import LayerKind
 
 LAYER_KINDS: dict[str, LayerKind] = {
     kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, attention.KIND, mla.KIND, dsa.KIND,
-                                   deepseek_v4.KIND, mlp.KIND, moe.KIND)
+                                   deepseek_v4.KIND, deepseek_v4_hca.KIND, mlp.KIND, moe.KIND)
 }

@@ -1,0 +1,285 @@
+"""DeepSeek-V4 heavily compressed attention (model/deepseek_v4_hca.py, pattern symbol `H`).
+
+1. A float64 reference written from the description: each document's compressed rows built
+   block by block (gated softmax over the block's tokens with the position bias, RMS norm,
+   rotation at the block's first position), then a per-query loop over an explicit list of
+   window keys and visible compressed rows with the sink. Output, every parameter gradient and
+   the input gradient agree to 1e-10 relative, for plain rows and packed rows whose documents
+   start inside a compression block of the row and inside a window.
+2. transformers' DeepseekV4Attention (layer type "heavily_compressed_attention") loads our
+   state dict 1:1 by name and gives the same output and gradients on plain rows, with the mask
+   and the "main" / "compress" rotary tables its model builds; on packed rows (which it does
+   not separate) ours equals it run on each document alone.
+3. Table rules: TP layouts (compressor replicated) and a TP split by hand, FLOPs, validation,
+   CP refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torchtitan.config import ConfigManager
+from transformers import DeepseekV4Config
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
+
+from tests.unit.test_deepseek_v4 import _rms, _rotate, randomize_, token_layout
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
+from titan_hybrid.model.deepseek_v4 import SlidingWindowAttention
+from titan_hybrid.model.deepseek_v4_hca import (
+    KIND,
+    DeepseekV4CompressedAttentionArgs,
+    HeavilyCompressedAttention,
+    compression_blocks,
+)
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.parallel.validate import validate_layout
+
+CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
+F64_TOL = 1e-10  # relative: max |got - expected| / max |expected|
+DIM, SEQ = 24, 21  # token_layout's rows: documents [0, 9, 21] and [0, 4, 5, 18, 21]
+
+
+def small_args(**changes) -> DeepseekV4CompressedAttentionArgs:
+    """test_deepseek_v4's sizes (all different), blocks of 4 tokens: the packed rows' documents
+    start inside blocks of the row grid (at 9, 5, 18) and inside windows of 5."""
+    fields = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
+                  o_lora_rank=7, sliding_window=5, rope_theta=300.0, norm_eps=1e-6,
+                  compress_ratio=4)
+    return DeepseekV4CompressedAttentionArgs(**(fields | changes))
+
+
+# ------------------------------------------------------------------------ float64 reference
+def compressed_rows(p: dict[str, torch.Tensor], x: torch.Tensor, tokens: list[int],
+                    a: DeepseekV4CompressedAttentionArgs) -> list[torch.Tensor]:
+    """The rows of one document (its token indices `tokens`, in order): block w holds its
+    positions w * ratio .. (w + 1) * ratio - 1 and rotates at position w * ratio."""
+    rows = []
+    for w in range(len(tokens) // a.compress_ratio):
+        block = x[tokens[w * a.compress_ratio:(w + 1) * a.compress_ratio]]  # [P, dim]
+        kv = block @ p["compressor.kv_proj.weight"].T
+        gate = block @ p["compressor.gate_proj.weight"].T + p["compressor.position_bias"]
+        weights = torch.exp(gate) / torch.exp(gate).sum(0)  # each channel over the block
+        pooled = (weights * kv).sum(0)
+        normed = _rms(pooled, a.norm_eps) * p["compressor.kv_norm.weight"]
+        rows.append(_rotate(normed, w * a.compress_ratio, a, 1.0))
+    return rows
+
+
+def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor,
+              positions: torch.Tensor, a: DeepseekV4CompressedAttentionArgs) -> torch.Tensor:
+    batch, seq_len, _ = x.shape
+    width = a.n_heads // a.o_groups * a.head_dim
+    out_rows = []
+    for b in range(batch):
+        q_latent = _rms(x[b] @ p["q_a_proj.weight"].T, a.norm_eps) * p["q_a_norm.weight"]
+        q_all = _rms((q_latent @ p["q_b_proj.weight"].T).view(seq_len, a.n_heads, a.head_dim),
+                     a.norm_eps)
+        kv_all = _rms(x[b] @ p["kv_proj.weight"].T, a.norm_eps) * p["kv_norm.weight"]
+        kv_rotated = [_rotate(kv_all[s], int(positions[b, s]), a, 1.0) for s in range(seq_len)]
+        documents = {}
+        for s in range(seq_len):
+            documents.setdefault(int(seq_idx[b, s]), []).append(s)
+        rows_of = {doc: compressed_rows(p, x[b], tokens, a) for doc, tokens in documents.items()}
+        outputs = []
+        for t in range(seq_len):
+            t_pos = int(positions[b, t])
+            window = [kv_rotated[s] for s in documents[int(seq_idx[b, t])]
+                      if t_pos - a.sliding_window < int(positions[b, s]) <= t_pos]
+            # Rows of complete blocks of its document that end at or before the query.
+            rows = [row for w, row in enumerate(rows_of[int(seq_idx[b, t])])
+                    if (w + 1) * a.compress_ratio - 1 <= t_pos]
+            assert len(rows) == (t_pos + 1) // a.compress_ratio
+            kv = torch.stack(window + rows)  # [keys, D]
+            q = _rotate(q_all[t], t_pos, a, 1.0)  # [H, D]
+            weights = torch.exp(q @ kv.T / a.head_dim ** 0.5)  # [H, keys]
+            total = weights.sum(-1) + torch.exp(p["sinks"])
+            heads = _rotate((weights / total[:, None]) @ kv, t_pos, a, -1.0)
+            groups = heads.reshape(a.o_groups, width)
+            blocks = p["o_a_proj.weight"].view(a.o_groups, a.o_lora_rank, width)
+            low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
+            outputs.append(p["o_b_proj.weight"] @ low_rank)
+        out_rows.append(torch.stack(outputs))
+    return torch.stack(out_rows)
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("ratio, window", [(4, 5), (3, 1), (1, 5), (4, 40), (30, 5)],
+                         ids=["ratio4", "ratio3-window1", "ratio1", "window-longer",
+                              "no-block"])
+def test_layer_matches_the_float64_reference_with_gradients(packed, ratio, window):
+    a = small_args(compress_ratio=ratio, sliding_window=window)
+    layer = randomize_(HeavilyCompressedAttention(dim=DIM, args=a), seed=1)
+    layout, seq_idx, positions = token_layout(packed)
+    torch.manual_seed(2)
+    x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+
+    got = layer(x, layout)
+    got_grads = torch.autograd.grad(got, [x, *layer.parameters()], grad_out,
+                                    allow_unused=ratio > SEQ)
+    params = {name: param.detach().clone().requires_grad_() for name, param in
+              layer.named_parameters()}
+    x_ref = x.detach().clone().requires_grad_()
+    expected = reference(params, x_ref, seq_idx, positions, a)
+    expected_grads = torch.autograd.grad(expected, [x_ref, *params.values()], grad_out,
+                                         allow_unused=True)
+
+    assert _relative(got, expected) < F64_TOL
+    for name, g, e in zip(["x", *params], got_grads, expected_grads, strict=True):
+        if e is None:  # no complete block: the compressor takes no part
+            assert ratio > SEQ and name.startswith("compressor.") and g is None
+        elif ratio == 1 and name in ("compressor.position_bias", "compressor.gate_proj.weight"):
+            # The gate is a softmax over one token: 1 whatever its logit.
+            assert g.abs().max() < 1e-14 and e.abs().max() < 1e-14
+        else:
+            assert _relative(g, e) < F64_TOL, name
+    # The compressed rows and the documents matter: without them the result differs.
+    if ratio <= SEQ:
+        window_only = SlidingWindowAttention(dim=DIM, args=a).double()
+        window_only.load_state_dict(layer.state_dict(), strict=False)
+        assert _relative(window_only(x, layout), expected) > 1e-3
+    if packed:
+        assert _relative(layer(x, TokenLayout(None, None)), expected) > 1e-3
+
+
+def test_blocks_count_from_each_document_start():
+    _, seq_idx, positions = token_layout(True)
+    first, complete = compression_blocks(TokenLayout(positions, seq_idx), SEQ, 4, "cpu")
+    # Row 0: documents [0, 9) (blocks at 0, 4) and [9, 21) (9, 13, 17); row 1: [0, 4) (0),
+    # [4, 5) and [18, 21) (none), [5, 18) (5, 9, 13). Five slots, the rest incomplete.
+    assert first[0].tolist() == [0, 4, 9, 13, 17] and complete[0].all()
+    assert first[1, :4].tolist() == [0, 5, 9, 13]
+    assert complete[1].tolist() == [True, True, True, True, False]
+
+
+# ----------------------------------------------------------------------- transformers parity
+def hf_config(a: DeepseekV4CompressedAttentionArgs) -> DeepseekV4Config:
+    # The "main" rotary base differs from the compressed layer's: the layer must take its
+    # "compress" table (our rope_theta) for queries, window keys and compressed rows alike.
+    return DeepseekV4Config(
+        hidden_size=DIM, num_attention_heads=a.n_heads, num_key_value_heads=1,
+        head_dim=a.head_dim, q_lora_rank=a.q_lora_rank, o_groups=a.o_groups,
+        o_lora_rank=a.o_lora_rank, sliding_window=a.sliding_window,
+        partial_rotary_factor=a.rope_head_dim / a.head_dim, rope_theta=77.0,
+        compress_rope_theta=a.rope_theta,
+        compress_rates={"compressed_sparse_attention": 4,
+                        "heavily_compressed_attention": a.compress_ratio},
+        rms_norm_eps=a.norm_eps, num_hidden_layers=1,
+        layer_types=["heavily_compressed_attention"], mlp_layer_types=["moe"],
+        max_position_embeddings=256, attn_implementation="eager")
+
+
+def hf_forward(hf: torch.nn.Module, config: DeepseekV4Config, x: torch.Tensor) -> torch.Tensor:
+    """What DeepseekV4Model.forward hands its layers for one unpacked batch: the sliding-window
+    mask and the "main" and "compress" rotary tables."""
+    position_ids = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    mask = create_sliding_window_causal_mask(config=config, inputs_embeds=x, attention_mask=None,
+                                             cache=None, position_ids=position_ids)
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(config)
+    tables = {kind: rotary(x, position_ids=position_ids, layer_type=kind)
+              for kind in ("main", "compress")}
+    return hf(x, position_embeddings=tables, position_ids=position_ids, attention_mask=mask)[0]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed-per-document"])
+def test_layer_matches_transformers_deepseek_v4_attention(packed):
+    a = small_args()
+    config = hf_config(a)
+    hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
+    assert isinstance(hf.compressor, hf_v4.DeepseekV4HCACompressor)
+    ours = HeavilyCompressedAttention(dim=DIM, args=a).to(torch.float64)
+    # The same parameters under the same names, none left over on either side.
+    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    layout, seq_idx, _ = token_layout(packed)
+    torch.manual_seed(4)
+    x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+
+    if not packed:
+        expected = hf_forward(hf, config, x)
+    else:  # transformers compresses whole rows: give it one document at a time
+        rows = []
+        for b in range(2):
+            cuts = [0, *(torch.nonzero(seq_idx[b].diff()).flatten() + 1).tolist(), SEQ]
+            rows.append(torch.cat([hf_forward(hf, config, x[b:b + 1, start:end])
+                                   for start, end in zip(cuts, cuts[1:])], dim=1))
+        expected = torch.cat(rows)
+    expected_grads = torch.autograd.grad(expected, [x, *hf.parameters()], grad_out)
+    got = ours(x, layout)
+    got_grads = torch.autograd.grad(got, [x, *ours.parameters()], grad_out)
+    # transformers computes its rotary angles in fp32 (positions.float() * inv_freq): 1e-6.
+    assert _relative(got, expected) < 1e-6
+    hf_grads = dict(zip(["x", *dict(hf.named_parameters())], expected_grads, strict=True))
+    for name, g in zip(["x", *dict(ours.named_parameters())], got_grads, strict=True):
+        assert _relative(g, hf_grads[name]) < 1e-6, name
+
+
+# ----------------------------------------------------------------------------- table rules
+def test_tensor_parallel_layouts_split_heads_and_replicate_the_compressor():
+    with torch.device("meta"):
+        layer = HeavilyCompressedAttention(dim=DIM, args=small_args())
+    plan = tensor_parallel_layouts(layer)
+    assert {name: layout for name, layout in plan.items() if layout.shard_dim is not None} == {
+        "q_b_proj.weight": TPLayout(0), "o_a_proj.weight": TPLayout(0),
+        "o_b_proj.weight": TPLayout(1), "sinks": TPLayout(0)}
+    assert {name for name in plan if name.startswith("compressor.")} == {
+        "compressor.kv_proj.weight", "compressor.gate_proj.weight",
+        "compressor.position_bias", "compressor.kv_norm.weight"}
+    assert KIND.tensor_parallel_sizes(small_args(), DIM) == [
+        ("heavily_compressed_attention.n_heads", 6),
+        ("heavily_compressed_attention.o_groups", 3)]
+
+
+def test_two_ranks_of_whole_groups_sum_to_the_layer():
+    """What TP computes, by hand: each rank's heads, their groups and o_b_proj's input columns,
+    with the whole compressor on both, give partial outputs that sum to the layer's output."""
+    a = small_args(n_heads=4, o_groups=2)
+    layer = randomize_(HeavilyCompressedAttention(dim=DIM, args=a), seed=6)
+    layout, _, _ = token_layout(True)
+    x = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+    total = 0
+    for rank in range(2):
+        part = copy.deepcopy(layer)
+        for name, layout_of in tensor_parallel_layouts(layer).items():
+            if layout_of.shard_dim is not None:
+                param = part.get_parameter(name)
+                param.data = param.data.chunk(2, dim=layout_of.shard_dim)[rank].clone()
+        total = total + part(x, layout)
+    assert _relative(total, layer(x, layout)) < F64_TOL
+
+
+def test_core_flops_count_the_window_the_compressed_rows_and_the_pooling():
+    a = small_args()  # window 5, blocks of 4, 6 heads of 10 channels
+    assert KIND.core_flops(a, DIM, 100) == 4 * (5 + 25) * 10 * 6 + 2 * 10
+    assert KIND.core_flops(a, DIM, 3) == 4 * 3 * 10 * 6 + 2 * 10
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_heads=6, o_groups=4),
+     "heavily_compressed_attention: n_heads=6 is not divisible by o_groups=4"),
+    (dict(rope_head_dim=3), "heavily_compressed_attention: rope_head_dim=3 must be even"),
+    (dict(compress_ratio=0), "heavily_compressed_attention: compress_ratio=0 must be at least 1"),
+])
+def test_validation_names_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        KIND.validate(small_args(**changes), DIM)
+
+
+def test_context_parallelism_is_refused_by_name():
+    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
+                                      "64", "--parallelism.context_parallel_degree", "2"])
+    args = copy.deepcopy(hybrid_flavors["debug_v4_hca"])
+    args.pattern = "MH-MH-"
+    with pytest.raises(ValueError, match=r"context parallelism \(head_a2a\) is not implemented "
+                       r"for DeepSeek-V4 heavily compressed attention \('H'\) layers; use CP = 1"):
+        validate_layout(job, args, 2)

@@ -1,0 +1,199 @@
+"""DeepSeek-V4 heavily compressed attention (pattern symbol `H`).
+
+The sliding-window layer of deepseek_v4.py (pattern symbol `W`: low-rank queries, one latent
+head as key and value, partial RoPE with its inverse on the output, sinks, grouped output
+projection, the window of the last `sliding_window` tokens) plus transformers'
+DeepseekV4HCACompressor (layer type "heavily_compressed_attention"): every `compress_ratio`
+consecutive tokens pool into one more key / value row, and each query attends to its window
+keys and to the compressed rows it may see in one softmax, with the sink.
+
+The compressor, for each block of `compress_ratio` tokens j (no overlap, no indexer):
+
+    row = kv_norm( sum_j softmax_j(gate_proj(x_j) + position_bias[j]) * kv_proj(x_j) )
+
+the softmax over the block's tokens per channel, `position_bias` [ratio, head_dim] a learned
+logit for each place in the block; then RoPE rotates the row's trailing channels at the
+position of the block's first token (block w of a document: w * ratio).
+
+Which rows a query sees, and how blocks align (ours; transformers has one document a row):
+- blocks count from the start of each document: block w of a document holds its positions
+  w * ratio .. (w + 1) * ratio - 1, so a block never mixes two documents; a document's
+  trailing partial block is not compressed;
+- a query at position t of a document sees the rows of its own document's complete blocks
+  that end at or before it: (t + 1) // ratio rows (transformers' block_bias); they overlap
+  its window keys, which it sees as well.
+
+The whole layer, queries and window keys included, rotates with `rope_theta`: transformers
+gives compressed layers their own "compress" rotary table (config.compress_rope_theta) for
+everything, so this section's `rope_theta` is that base (its default, 160000, is
+transformers'). YaRN scaling of that table is not implemented.
+
+Parameters carry transformers' DeepseekV4Attention names (compressor.kv_proj, .gate_proj,
+.position_bias, .kv_norm), so its HCA layer's state dict loads as it is
+(tests/unit/test_deepseek_v4_hca.py). Legend as in deepseek_v4.py; C compressed rows, P
+tokens of a block (`compress_ratio`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titan_hybrid.model.common import init_linear, upcast
+from titan_hybrid.model.deepseek_v4 import (
+    DeepseekV4AttentionArgs,
+    SlidingWindowAttention,
+    rotary_cos_sin_at,
+    rotate_trailing,
+    validate_shapes,
+)
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
+
+
+@dataclass
+class DeepseekV4CompressedAttentionArgs(DeepseekV4AttentionArgs):
+    compress_ratio: int = 128  # tokens pooled into one compressed row
+    rope_theta: float = 160000.0  # transformers' compress_rope_theta: the whole layer uses it
+
+
+def compression_blocks(layout: TokenLayout, seq_len: int, ratio: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first token index [B or 1, C], complete [B or 1, C]) of each row's compression blocks,
+    C = T // ratio slots (no row holds more complete blocks), complete blocks first; an
+    incomplete slot's index is a valid token (its row is computed, then never seen).
+
+    A block starts at each position that is a multiple of `ratio` whose document goes on for
+    `ratio - 1` more tokens in the row."""
+    n_slots = seq_len // ratio
+    if layout.positions is None:  # one document from the row's start: blocks tile the row
+        first = torch.arange(n_slots, device=device)[None] * ratio
+        return first, torch.ones_like(first, dtype=torch.bool)
+    order = layout.row_order(seq_len, device)
+    positions = layout.positions.long()
+    # The row order of the token ratio - 1 later is ratio - 1 above only in the same document
+    # (documents are 2**32 apart); past the row's end nothing is.
+    last_order = torch.nn.functional.pad(order, (0, ratio - 1), value=-1)[:, ratio - 1:]
+    starts = (positions % ratio == 0) & (last_order - order == ratio - 1)
+    # The starts in row order, then the other tokens: the first C are the complete blocks.
+    index = torch.arange(seq_len, device=device).expand_as(starts)
+    sort_key = torch.where(starts, index, index + seq_len)
+    first = sort_key.sort(dim=1).values[:, :n_slots]
+    complete = first < seq_len
+    return torch.where(complete, first, 0), complete
+
+
+class HCACompressor(nn.Module):
+    """Pools each block of `compress_ratio` tokens of a document into one key / value row
+    (module docstring); transformers' DeepseekV4HCACompressor's parameters."""
+
+    def __init__(self, *, dim: int, args: DeepseekV4CompressedAttentionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.kv_proj = nn.Linear(dim, args.head_dim, bias=False)
+        self.gate_proj = nn.Linear(dim, args.head_dim, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(args.compress_ratio, args.head_dim))
+        self.kv_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [B, C, D], visible [B, T, C]: which rows each query sees)."""
+        args = self.args
+        ratio = args.compress_ratio
+        batch, seq_len, _ = x_BTD.shape
+        first_BC, complete_BC = compression_blocks(layout, seq_len, ratio, x_BTD.device)
+        first_BC, complete_BC = first_BC.expand(batch, -1), complete_BC.expand(batch, -1)
+        n_rows = first_BC.shape[1]
+        kv_BTD, gate_BTD = self.kv_proj(x_BTD), self.gate_proj(x_BTD)
+        if layout.positions is None:  # blocks tile the row: a view, no gather
+            kv_BCPD = kv_BTD[:, :n_rows * ratio].unflatten(1, (n_rows, ratio))
+            gate_BCPD = gate_BTD[:, :n_rows * ratio].unflatten(1, (n_rows, ratio))
+        else:
+            token_BCP = first_BC[..., None] + torch.arange(ratio, device=x_BTD.device)
+            token_BN1 = token_BCP.flatten(1)[..., None]
+            kv_BCPD = kv_BTD.gather(1, token_BN1.expand(-1, -1, kv_BTD.shape[-1])).unflatten(
+                1, (n_rows, ratio))
+            gate_BCPD = gate_BTD.gather(1, token_BN1.expand(-1, -1, gate_BTD.shape[-1])
+                                        ).unflatten(1, (n_rows, ratio))
+        # Each channel's weights over the block's tokens, in fp32 as transformers' softmax.
+        weights_BCPD = torch.softmax(upcast(gate_BCPD) + upcast(self.position_bias), dim=2)
+        rows_BCD = self.kv_norm((kv_BCPD * weights_BCPD.type_as(kv_BCPD)).sum(2))
+        # A row rotates at its block's first position in the document (transformers:
+        # block index * ratio).
+        if layout.positions is None:
+            first_position_BC = first_BC
+        else:
+            first_position_BC = layout.positions.long().expand(batch, -1).gather(1, first_BC)
+        cos, sin = rotary_cos_sin_at(args, first_position_BC, x_BTD)
+        rows_BCD = rotate_trailing(rows_BCD[:, :, None], cos, sin)[:, :, 0]
+        return rows_BCD, self.visible_rows(layout, seq_len, first_BC, complete_BC)
+
+    def visible_rows(self, layout: TokenLayout, seq_len: int, first_BC: torch.Tensor,
+                     complete_BC: torch.Tensor) -> torch.Tensor:
+        """[B, T, C]: the query's document's complete blocks whose last token is at or before
+        the query ((t + 1) // ratio rows at position t)."""
+        order_BT = layout.row_order(seq_len, first_BC.device).expand(first_BC.shape[0], -1)
+        last_order_BC = order_BT.gather(1, first_BC) + self.args.compress_ratio - 1
+        visible_BTC = (last_order_BC[:, None, :] <= order_BT[:, :, None]) & complete_BC[:, None]
+        if layout.seq_idx is not None:
+            seq_idx_BT = layout.seq_idx.expand(first_BC.shape[0], -1)
+            visible_BTC &= seq_idx_BT.gather(1, first_BC)[:, None, :] == seq_idx_BT[:, :, None]
+        return visible_BTC
+
+    def init_weights(self, *, init_std: float) -> None:
+        init_linear(self.kv_proj, std=init_std)
+        init_linear(self.gate_proj, std=init_std)
+        nn.init.zeros_(self.position_bias)  # transformers' init: a plain softmax of the gates
+        self.kv_norm.init_weights()
+
+
+class HeavilyCompressedAttention(SlidingWindowAttention):
+    """The sliding-window layer whose queries also see the compressor's rows."""
+
+    def __init__(self, *, dim: int, args: DeepseekV4CompressedAttentionArgs) -> None:
+        super().__init__(dim=dim, args=args)
+        self.compressor = HCACompressor(dim=dim, args=args)
+
+    # tensor_parallel_layouts: the window layer's; the compressor serves every head, so it is
+    # replicated (partial gradients, as the latent key / value head).
+
+    def extra_keys(self, x_BTD: torch.Tensor, layout: TokenLayout
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if x_BTD.shape[1] < self.args.compress_ratio:
+            return None, None  # not one block: the window layer's attention
+        return self.compressor(x_BTD, layout)
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        super().init_weights(init_std=init_std, out_std=out_std)
+        self.compressor.init_weights(init_std=init_std)
+
+
+def _validate(args: DeepseekV4CompressedAttentionArgs, dim: int) -> None:
+    validate_shapes(args, "heavily_compressed_attention")
+    if args.compress_ratio < 1:
+        raise ValueError(f"heavily_compressed_attention: compress_ratio={args.compress_ratio} "
+                         "must be at least 1")
+
+
+def _core_flops(args: DeepseekV4CompressedAttentionArgs, dim: int, seq_len: int) -> int:
+    """Forward, per token: QK^T and PV over the window, 4 * min(window, T) * head_dim per head,
+    and over every compressed row of the row, 4 * (T // ratio) * head_dim per head (both
+    counted unmasked, as dense attention counts the whole sequence); the compressor's
+    weighted sum, 2 * head_dim (its projections are parameters: 6 * parameters counts them)."""
+    keys = min(args.sliding_window, seq_len) + seq_len // args.compress_ratio
+    return 4 * keys * args.head_dim * args.n_heads + 2 * args.head_dim
+
+
+KIND = LayerKind(
+    symbol="H", args_type=DeepseekV4CompressedAttentionArgs,
+    build=lambda args, dim, norm_eps: HeavilyCompressedAttention(dim=dim, args=args),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    tensor_parallel_sizes=lambda args, dim: [
+        ("heavily_compressed_attention.n_heads", args.n_heads),
+        ("heavily_compressed_attention.o_groups", args.o_groups)],
+    # No context-parallel rule yet: CP refuses patterns with this kind, by name.
+    context_parallel=None,
+)
