@@ -1,6 +1,7 @@
-"""DeepSeek-V4 attention in the real trainer: the loss curve of one process under FSDP2 and
-TP2 + SP (2 processes each), for sliding-window attention (`W`) and heavily compressed
-attention (`H`).
+"""DeepSeek-V4 attention in the real trainer: the loss curve of one process under FSDP2, TP2 +
+SP, PP2 (2 processes each) and full activation checkpointing with compile (aot_eager), for
+sliding-window attention (`W`) and heavily compressed attention (`H`); a TP2 checkpoint
+resumes at TP1.
 
 debug_v4 ("MW-MW-") has a 16-token window in 64-token rows, so every row crosses it;
 debug_v4_hca ("MH-MW-") adds an H layer with an 8-token window and blocks of 4 tokens: 16
@@ -10,7 +11,10 @@ test_deepseek_v4_hca.py. Context parallelism is refused for W and H (no rule yet
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training
 
@@ -20,13 +24,20 @@ STEPS = ("--training.steps", "4", "--training.seq_len", "64",
 LAYOUTS = {
     "fsdp2": (),
     "tp2": ("--parallelism.tensor_parallel_degree", "2"),
+    # "MW-|MW-": the same layers as debug_v4, in two stages
+    "pp2": ("--parallelism.pipeline_parallel_degree", "2"),
+    "ac + compile": ("--activation_checkpoint.mode", "full", "--compile.enable",
+                     "--compile.backend", "aot_eager"),
 }
+STAGED = {"debug_v4": "MW-|MW-", "debug_v4_hca": "MH-|MW-"}
 
 
 @pytest.mark.parametrize("flavor", ["debug_v4", "debug_v4_hca"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run, layout, flavor):
     job = ("--model.flavor", flavor, *STEPS)
+    if layout == "pp2":
+        job += ("--hybrid.pattern", STAGED[flavor])
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, *LAYOUTS[layout], nproc=2).check()
     if layout == "tp2":
@@ -34,3 +45,22 @@ def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run,
     assert len(result.losses) == len(single) == 4
     for a, b in zip(single, result.losses, strict=True):
         assert b == pytest.approx(a, rel=1e-5)
+
+
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
+    """Heads and output groups are split under TP; the checkpoint holds whole tensors, so a
+    TP2 save resumes in one process onto the uninterrupted curve."""
+    job = ("--model.flavor", "debug_v4_hca", *STEPS, *CHECKPOINT)
+    uninterrupted = reference_run("--model.flavor", "debug_v4_hca", *STEPS).losses
+    run_training(tmp_path, *job, "--parallelism.tensor_parallel_degree", "2", nproc=2).check()
+    shutil.rmtree(tmp_path / "outputs" / "ck" / "step-4")
+    keys = dcp.FileSystemReader(str(tmp_path / "outputs" / "ck" / "step-2")).read_metadata()
+    shape = keys.state_dict_metadata["layers.1.heavily_compressed_attention.q_b_proj.weight"]
+    assert tuple(shape.size)[0] == 4 * 32  # all heads, whatever the TP degree
+    resumed = run_training(tmp_path, *job).check()
+    assert "Training starts at step 3" in resumed.output
+    assert resumed.losses == pytest.approx(uninterrupted[2:], rel=1e-5)
