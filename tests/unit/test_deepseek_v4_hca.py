@@ -9,7 +9,10 @@
 2. transformers' DeepseekV4Attention (layer type "heavily_compressed_attention") loads our
    state dict 1:1 by name and gives the same output and gradients on plain rows, with the mask
    and the "main" / "compress" rotary tables its model builds; on packed rows (which it does
-   not separate) ours equals it run on each document alone.
+   not separate) ours equals it run on each document alone; also with YaRN on the "compress"
+   table (a small pretraining length, so one of the two rotary pairs is scaled), with and
+   without an attention factor. Our cos / sin equal transformers' DeepseekV4RotaryEmbedding
+   "compress" table at V4's sizes (YaRN factor 16, and plain), its "main" table stays plain.
 3. Table rules: TP layouts (compressor replicated) and a TP split by hand, FLOPs, validation,
    CP refused by name.
 """
@@ -29,7 +32,11 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 from tests.unit.test_deepseek_v4 import _rms, _rotate, randomize_, token_layout
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
-from titan_hybrid.model.deepseek_v4 import SlidingWindowAttention
+from titan_hybrid.model.deepseek_v4 import (
+    DeepseekV4AttentionArgs,
+    SlidingWindowAttention,
+    rotary_cos_sin_at,
+)
 from titan_hybrid.model.deepseek_v4_hca import (
     KIND,
     DeepseekV4CompressedAttentionArgs,
@@ -162,20 +169,86 @@ def test_blocks_count_from_each_document_start():
 
 
 # ----------------------------------------------------------------------- transformers parity
-def hf_config(a: DeepseekV4CompressedAttentionArgs) -> DeepseekV4Config:
+def hf_config(a: DeepseekV4CompressedAttentionArgs, hidden_size: int = DIM,
+              main_theta: float = 77.0) -> DeepseekV4Config:
     # The "main" rotary base differs from the compressed layer's: the layer must take its
     # "compress" table (our rope_theta) for queries, window keys and compressed rows alike.
+    # Our YaRN fields go in as a flat yarn rope_parameters, which transformers' V4 config
+    # gives to the "compress" table only.
+    yarn = None
+    if a.rope_scaling_factor != 1.0:
+        yarn = {"rope_type": "yarn", "factor": a.rope_scaling_factor,
+                "original_max_position_embeddings": a.original_max_position_embeddings,
+                "beta_fast": a.beta_fast, "beta_slow": a.beta_slow,
+                "attention_factor": a.attention_factor}
     return DeepseekV4Config(
-        hidden_size=DIM, num_attention_heads=a.n_heads, num_key_value_heads=1,
+        hidden_size=hidden_size, num_attention_heads=a.n_heads, num_key_value_heads=1,
         head_dim=a.head_dim, q_lora_rank=a.q_lora_rank, o_groups=a.o_groups,
         o_lora_rank=a.o_lora_rank, sliding_window=a.sliding_window,
-        partial_rotary_factor=a.rope_head_dim / a.head_dim, rope_theta=77.0,
-        compress_rope_theta=a.rope_theta,
+        partial_rotary_factor=a.rope_head_dim / a.head_dim, rope_theta=main_theta,
+        compress_rope_theta=a.rope_theta, rope_parameters=yarn,
         compress_rates={"compressed_sparse_attention": 4,
                         "heavily_compressed_attention": a.compress_ratio},
         rms_norm_eps=a.norm_eps, num_hidden_layers=1,
         layer_types=["heavily_compressed_attention"], mlp_layer_types=["moe"],
         max_position_embeddings=256, attn_implementation="eager")
+
+
+# YaRN on the small layer: 2 rotary pairs, theta 300, pretraining length 16. Pair 0 turns
+# 16 / (2 pi) ~ 2.5 times over it and keeps its frequency; pair 1 turns 16 * 300^(-1/2) / (2 pi)
+# ~ 0.15 times and is divided by the factor (the ramp runs over pairs 0 .. 1).
+SMALL_YARN = dict(rope_scaling_factor=4.0, original_max_position_embeddings=16, beta_fast=8.0,
+                  beta_slow=1.0)
+
+
+def test_compress_table_matches_transformers_rotary_embedding():
+    """Our cos / sin equal transformers' "compress" table: V4's sizes (64 rotary channels,
+    theta 160000, YaRN factor 16 over 65536 positions, attention factor 1 by default), a
+    factor of 1 (plain), and an attention factor that is not 1. The "main" table (sliding
+    layers, `W`) stays plain under the same yarn config."""
+    positions = torch.tensor([[0, 1, 7, 100, 4095, 65535, 300000, 1048575]])
+    like = torch.zeros(1, dtype=torch.float64)
+    for changes in (dict(rope_scaling_factor=16.0), dict(), dict(rope_scaling_factor=1.0),
+                    dict(rope_scaling_factor=16.0, attention_factor=1.25),
+                    dict(rope_scaling_factor=16.0, beta_fast=16.0, beta_slow=2.0,
+                         original_max_position_embeddings=4096)):
+        a = DeepseekV4CompressedAttentionArgs(n_heads=4, head_dim=512, rope_head_dim=64,
+                                              **changes)
+        config = hf_config(a, hidden_size=64, main_theta=10000.0)
+        rotary = hf_v4.DeepseekV4RotaryEmbedding(config)
+        # The scaled inverse frequencies themselves (transformers' in fp32).
+        ours_freq, ours_scale = a.rotary_frequencies(torch.float64, "cpu")
+        assert _relative(ours_freq, rotary.compress_inv_freq.double()) < 1e-6, changes
+        assert ours_scale == rotary.compress_attention_scaling, changes
+        if a.rope_scaling_factor != 1.0:  # YaRN changed some frequencies, kept others
+            plain = 1.0 / a.rope_theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+            changed = ~torch.isclose(ours_freq, plain, rtol=1e-9)
+            assert changed.any() and not changed.all(), changes
+        # cos / sin at the same positions, both in fp32 (angles to 1e6 * 1 rad: fp32's own
+        # rounding of the angle, ~1e6 * 6e-8, bounds the agreement).
+        hf_cos, hf_sin = rotary(like.float(), position_ids=positions, layer_type="compress")
+        cos, sin = rotary_cos_sin_at(a, positions, like.float())
+        assert (cos - hf_cos).abs().max() < 0.1 and (sin - hf_sin).abs().max() < 0.1, changes
+        # and exactly enough below 2**12 positions (fp32 angles good to ~1e-3 there), fp64 ours.
+        near = positions[:, :5]
+        hf_cos, hf_sin = rotary(like.float(), position_ids=near, layer_type="compress")
+        cos, sin = rotary_cos_sin_at(a, near, like)
+        assert (cos - hf_cos.double()).abs().max() < 1e-3, changes
+        assert (sin - hf_sin.double()).abs().max() < 1e-3, changes
+        # "main": plain theta 10000 whatever the compress table does.
+        main_cos, _ = rotary(like.float(), position_ids=near, layer_type="main")
+        window = DeepseekV4AttentionArgs(n_heads=4, head_dim=512, rope_head_dim=64)
+        assert rotary.main_attention_scaling == 1.0
+        assert (rotary_cos_sin_at(window, near, like)[0] - main_cos.double()).abs().max() < 1e-3
+
+
+def test_small_yarn_changes_a_frequency_within_the_test_positions():
+    """The parity test's YaRN config divides pair 1's frequency by the factor and keeps pair
+    0's: its angles over the SEQ positions differ from plain RoPE's."""
+    a = small_args(**SMALL_YARN)
+    inv_freq, _ = a.rotary_frequencies(torch.float64, "cpu")
+    plain, _ = small_args().rotary_frequencies(torch.float64, "cpu")
+    assert torch.allclose(inv_freq[0], plain[0]) and torch.allclose(inv_freq[1], plain[1] / 4)
 
 
 def hf_forward(hf: torch.nn.Module, config: DeepseekV4Config, x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +263,11 @@ def hf_forward(hf: torch.nn.Module, config: DeepseekV4Config, x: torch.Tensor) -
     return hf(x, position_embeddings=tables, position_ids=position_ids, attention_mask=mask)[0]
 
 
+@pytest.mark.parametrize("rope", [{}, SMALL_YARN, SMALL_YARN | dict(attention_factor=1.25)],
+                         ids=["plain-rope", "yarn", "yarn-attention-factor"])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed-per-document"])
-def test_layer_matches_transformers_deepseek_v4_attention(packed):
-    a = small_args()
+def test_layer_matches_transformers_deepseek_v4_attention(packed, rope):
+    a = small_args(**rope)
     config = hf_config(a)
     hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
     assert isinstance(hf.compressor, hf_v4.DeepseekV4HCACompressor)
@@ -269,6 +344,10 @@ def test_core_flops_count_the_window_the_compressed_rows_and_the_pooling():
      "heavily_compressed_attention: n_heads=6 is not divisible by o_groups=4"),
     (dict(rope_head_dim=3), "heavily_compressed_attention: rope_head_dim=3 must be even"),
     (dict(compress_ratio=0), "heavily_compressed_attention: compress_ratio=0 must be at least 1"),
+    (dict(rope_scaling_factor=0.5),
+     r"heavily_compressed_attention: rope_scaling_factor=0.5 must be at least 1 \(1: no YaRN\)"),
+    (dict(rope_scaling_factor=16.0, original_max_position_embeddings=0),
+     "heavily_compressed_attention: original_max_position_embeddings=0 must be at least 1"),
 ])
 def test_validation_names_the_field(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -27,6 +27,7 @@ R rope_head_dim, G groups, N query blocks, Q queries per block, K keys per block
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,13 @@ class DeepseekV4AttentionArgs:
         """Channels of one output group: n_heads / o_groups heads."""
         return self.n_heads // self.o_groups * self.head_dim
 
+    def rotary_frequencies(self, dtype: torch.dtype, device: torch.device
+                           ) -> tuple[torch.Tensor, float]:
+        """(inverse frequency of each rotary pair [R / 2], factor on cos and sin): plain RoPE,
+        theta^(-2i/R) and 1 (transformers' "main" table; the compressed kinds may scale theirs,
+        deepseek_v4_hca.py)."""
+        return plain_inverse_frequencies(self.rope_theta, self.rope_head_dim, dtype, device), 1.0
+
 
 # --------------------------------------------------------------------------- rotary
 def rotary_cos_sin(args: DeepseekV4AttentionArgs, layout: TokenLayout, seq_len: int,
@@ -73,11 +81,44 @@ def rotary_cos_sin_at(args: DeepseekV4AttentionArgs, positions: torch.Tensor,
                       like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [*positions.shape, R / 2] of the angles at `positions`, in at least fp32."""
     dtype = upcast(like).dtype
-    dim = args.rope_head_dim
-    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, dim, 2, dtype=dtype, device=like.device)
-                                         / dim)
+    inv_freq, scale = args.rotary_frequencies(dtype, like.device)
     angles = positions.to(dtype)[..., None] * inv_freq
-    return angles.cos(), angles.sin()
+    if scale == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * scale, angles.sin() * scale
+
+
+def plain_inverse_frequencies(theta: float, dim: int, dtype: torch.dtype,
+                              device: torch.device) -> torch.Tensor:
+    """[dim / 2]: theta^(-2i/dim), the angle per position of rotary pair i."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim)
+
+
+def yarn_inverse_frequencies(theta: float, dim: int, factor: float, original_positions: int,
+                             beta_fast: float, beta_slow: float, dtype: torch.dtype,
+                             device: torch.device) -> torch.Tensor:
+    """[dim / 2]: YaRN's inverse frequencies (arXiv 2309.00071, "NTK-by-parts"), as
+    transformers' yarn rope (with its correction range rounded outwards).
+
+    A pair whose wavelength fits many times into the `original_positions` of pretraining keeps
+    its frequency (extrapolation); one that turns less than once there is divided by `factor`
+    (interpolation); between, a linear ramp in the pair index blends the two. Pair i turns
+    L * f_i / (2 pi) times over L positions, f_i = theta^(-2i/dim): it turns r times at
+    i(r) = dim * ln(L / (2 pi r)) / (2 ln theta). The ramp runs from i(beta_fast) (floored,
+    at least 0) to i(beta_slow) (ceiled, at most dim - 1); pairs below it extrapolate, pairs
+    above interpolate."""
+    plain = plain_inverse_frequencies(theta, dim, dtype, device)
+
+    def pair_turning(turns: float) -> float:
+        return dim * math.log(original_positions / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_turning(beta_fast)), 0)
+    high = min(math.ceil(pair_turning(beta_slow)), dim - 1)
+    if high == low:
+        high += 0.001  # a step instead of a ramp, as transformers
+    pair = torch.arange(dim // 2, dtype=dtype, device=device)
+    interpolated = ((pair - low) / (high - low)).clamp(0, 1)  # 0: keep, 1: divide by factor
+    return plain * (1 - interpolated) + plain / factor * interpolated
 
 
 def rotate_trailing(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,11 @@ Which rows a query sees, and how blocks align (ours; transformers has one docume
 The whole layer, queries and window keys included, rotates with `rope_theta`: transformers
 gives compressed layers their own "compress" rotary table (config.compress_rope_theta) for
 everything, so this section's `rope_theta` is that base (its default, 160000, is
-transformers'). YaRN scaling of that table is not implemented.
+transformers'). That table may be YaRN-scaled (transformers: rope scaling of type yarn in the
+config applies to the "compress" table only; the sliding layers' "main" table stays plain):
+`rope_scaling_factor` above 1 turns it on, with `original_max_position_embeddings`,
+`beta_fast`, `beta_slow` and `attention_factor` (a factor on cos and sin, which transformers'
+V4 config sets to 1 for yarn unless given); deepseek_v4.yarn_inverse_frequencies has the math.
 
 Parameters carry transformers' DeepseekV4Attention names (compressor.kv_proj, .gate_proj,
 .position_bias, .kv_norm), so its HCA layer's state dict loads as it is
@@ -48,6 +52,7 @@ from titan_hybrid.model.deepseek_v4 import (
     rotary_cos_sin_at,
     rotate_trailing,
     validate_shapes,
+    yarn_inverse_frequencies,
 )
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layout import TokenLayout
@@ -58,6 +63,24 @@ from titan_hybrid.model.norms import RMSNorm
 class DeepseekV4CompressedAttentionArgs(DeepseekV4AttentionArgs):
     compress_ratio: int = 128  # tokens pooled into one compressed row
     rope_theta: float = 160000.0  # transformers' compress_rope_theta: the whole layer uses it
+    # YaRN on this layer's table (transformers' rope_parameters of rope_type "yarn"; V4
+    # checkpoints: factor 16). A factor of 1 is plain RoPE and ignores the rest.
+    rope_scaling_factor: float = 1.0  # transformers' "factor"
+    original_max_position_embeddings: int = 65536  # the pretraining length YaRN extends
+    beta_fast: float = 32.0  # pairs turning more often than this over it keep their frequency
+    beta_slow: float = 1.0  # pairs turning less often than this are divided by the factor
+    attention_factor: float = 1.0  # on cos and sin (transformers' V4 yarn default: 1)
+
+    def rotary_frequencies(self, dtype: torch.dtype, device: torch.device
+                           ) -> tuple[torch.Tensor, float]:
+        """transformers' "compress" table: plain, or YaRN-scaled when the factor is not 1."""
+        if self.rope_scaling_factor == 1.0:
+            return super().rotary_frequencies(dtype, device)
+        inv_freq = yarn_inverse_frequencies(
+            self.rope_theta, self.rope_head_dim, self.rope_scaling_factor,
+            self.original_max_position_embeddings, self.beta_fast, self.beta_slow, dtype,
+            device)
+        return inv_freq, self.attention_factor
 
 
 def compression_blocks(layout: TokenLayout, seq_len: int, ratio: int, device: torch.device
@@ -176,6 +199,12 @@ def _validate(args: DeepseekV4CompressedAttentionArgs, dim: int) -> None:
     if args.compress_ratio < 1:
         raise ValueError(f"heavily_compressed_attention: compress_ratio={args.compress_ratio} "
                          "must be at least 1")
+    if args.rope_scaling_factor < 1:
+        raise ValueError("heavily_compressed_attention: rope_scaling_factor="
+                         f"{args.rope_scaling_factor} must be at least 1 (1: no YaRN)")
+    if args.rope_scaling_factor != 1 and args.original_max_position_embeddings < 1:
+        raise ValueError("heavily_compressed_attention: original_max_position_embeddings="
+                         f"{args.original_max_position_embeddings} must be at least 1")
 
 
 def _core_flops(args: DeepseekV4CompressedAttentionArgs, dim: int, seq_len: int) -> int:
