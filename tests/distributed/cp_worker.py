@@ -19,6 +19,7 @@ import torch.distributed as dist
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import (
     AttentionArgs,
+    DeepseekV4AttentionArgs,
     DSAArgs,
     GDNArgs,
     MambaArgs,
@@ -47,6 +48,10 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
         mlp=MLPArgs(hidden_dim=24),
         mamba=MambaArgs(d_state=4, head_dim=8, n_groups=mamba_groups, chunk_size=8),
         gdn=GDNArgs(key_head_dim=8, value_head_dim=6, n_key_heads=2, n_value_heads=4),
+        # a 6-token window over 8-token pieces: most windows reach into the piece before
+        window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=8, rope_head_dim=4,
+                                                 q_lora_rank=16, o_groups=2, o_lora_rank=6,
+                                                 sliding_window=6),
         mla=MLAArgs(n_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
                     qk_rope_head_dim=4, v_head_dim=6),
         # 6 of up to 32 keys per query, and a trained indexer.

@@ -7,7 +7,7 @@ debug_v4 ("MW-MW-") has a 16-token window in 64-token rows, so every row crosses
 debug_v4_hca ("MH-MW-") adds an H layer with an 8-token window and blocks of 4 tokens: 16
 compressed rows a row, most of them beyond a query's window. The layers' float64 checks
 (reference, transformers, TP split by hand) are in tests/unit/test_deepseek_v4.py and
-test_deepseek_v4_hca.py. Context parallelism is refused for W and H (no rule yet)."""
+test_deepseek_v4_hca.py. W runs under CP2 by its key halo; H refuses CP by name."""
 
 from __future__ import annotations
 
@@ -64,3 +64,14 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     resumed = run_training(tmp_path, *job).check()
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(uninterrupted[2:], rel=1e-5)
+
+
+def test_cp2_window_attention_gives_the_one_process_curve(tmp_path, reference_run):
+    """Each rank's pieces read the window's last keys from the piece before them (a 16-token
+    window over 16-token pieces); H refuses CP by name (tests/unit/test_deepseek_v4_hca.py)."""
+    job = ("--model.flavor", "debug_v4", *STEPS)
+    single = reference_run(*job).losses
+    result = run_training(tmp_path, *job, "--parallelism.context_parallel_degree", "2",
+                          nproc=2).check()
+    assert "Applied context parallel over 2 ranks" in result.output
+    assert result.losses == pytest.approx(single, rel=1e-5)

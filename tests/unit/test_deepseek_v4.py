@@ -8,7 +8,7 @@
 2. transformers' DeepseekV4Attention (layer type "sliding_attention") loads our state dict 1:1
    by name and gives the same output and gradients, with the mask and rotary tables its model
    builds (create_sliding_window_causal_mask, DeepseekV4RotaryEmbedding "main").
-3. Table rules: TP layouts, FLOPs, validation, CP refused by name.
+3. Table rules: TP layouts, FLOPs, validation, CP's halo rule.
 """
 
 from __future__ import annotations
@@ -262,9 +262,14 @@ def test_validation_names_the_field(changes, message):
         KIND.validate(small_args(**changes), DIM)
 
 
-def test_context_parallelism_is_refused_by_name():
-    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                      "64", "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ValueError, match=r"context parallelism \(head_a2a\) is not implemented "
-                       r"for DeepSeek-V4 sliding-window attention \('W'\) layers; use CP = 1"):
-        validate_layout(job, hybrid_flavors["debug_v4"], 2)
+def test_context_parallel_needs_pieces_as_long_as_the_window_halo():
+    def job(seq_len):
+        return ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
+                                           str(seq_len), "--parallelism.context_parallel_degree",
+                                           "2"])
+
+    validate_layout(job(64), hybrid_flavors["debug_v4"], 2)  # pieces of 16 >= 15 halo rows
+    with pytest.raises(ValueError, match=r"training.seq_len=32 with context_parallel_degree=2: "
+                       r"pieces of 8 tokens are shorter than the DeepSeek-V4 sliding-window "
+                       r"attention window's halo \(15 tokens\)"):
+        validate_layout(job(32), hybrid_flavors["debug_v4"], 2)

@@ -36,7 +36,7 @@ from torch import nn
 
 from titan_hybrid.model.attention import apply_rotary_pairs
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
-from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -182,6 +182,21 @@ def sliding_window_attention(q_BTHD: torch.Tensor, kv_BTD: torch.Tensor, sinks_H
     return out_BNQHD.flatten(1, 2)[:, :seq_len]
 
 
+class WindowCore(nn.Module):
+    """The part of the layer that runs along the sequence (no parameters; the sinks come in as
+    an argument), so context parallelism can wrap it: parallel/context_parallel_window.py
+    gives each rank's queries the window's keys held by the rank before."""
+
+    def __init__(self, window: int, scale: float) -> None:
+        super().__init__()
+        self.window, self.scale = window, scale
+
+    def forward(self, q_BTHD, kv_BTD, sinks_H, layout: TokenLayout, extra_kv_BCD=None,
+                extra_visible_BTC=None) -> torch.Tensor:
+        return sliding_window_attention(q_BTHD, kv_BTD, sinks_H, layout, self.window,
+                                        self.scale, extra_kv_BCD, extra_visible_BTC)
+
+
 class GroupedLinear(nn.Module):
     """Block-diagonal projection [..., G, in] -> [..., G, out]: each group through its own
     [out, in] block of `weight` [G * out, in] (rows group by group, as transformers'
@@ -214,6 +229,7 @@ class SlidingWindowAttention(nn.Module):
         self.o_a_proj = GroupedLinear(args.group_width, args.o_lora_rank, args.o_groups)
         self.o_b_proj = nn.Linear(args.o_groups * args.o_lora_rank, dim, bias=False)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
+        self.window_core = WindowCore(args.sliding_window, args.head_dim ** -0.5)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Heads split: q_b_proj's rows and the sinks are head-major; o_a_proj's rows are group
@@ -234,8 +250,8 @@ class SlidingWindowAttention(nn.Module):
         q_BTHD = rotate_trailing(q, cos, sin)
         kv_BTD = rotate_trailing(self.kv_norm(self.kv_proj(x_BTD))[:, :, None], cos, sin)[:, :, 0]
         extra_kv_BCD, extra_visible_BTC = self.extra_keys(x_BTD, layout)
-        out = sliding_window_attention(q_BTHD, kv_BTD, self.sinks, layout, args.sliding_window,
-                                       args.head_dim ** -0.5, extra_kv_BCD, extra_visible_BTC)
+        out = self.window_core(q_BTHD, kv_BTD, self.sinks, layout, extra_kv_BCD,
+                               extra_visible_BTC)
         # The value carried the key's rotation by its own position s; rotating back by the
         # query's t leaves a rotation by s - t, as the reference does.
         out = rotate_trailing(out, cos, -sin)
@@ -288,6 +304,7 @@ KIND = LayerKind(
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     tensor_parallel_sizes=lambda args, dim: [("window_attention.n_heads", args.n_heads),
                                              ("window_attention.o_groups", args.o_groups)],
-    # No context-parallel rule yet: CP refuses patterns with this kind, by name.
-    context_parallel=None,
+    # Context parallelism: each rank's pieces read the window's keys from the piece before
+    # them (parallel/context_parallel_window.py).
+    context_parallel=ContextParallelRule(core="window_core"),
 )

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hybrid.model import gdn, mamba
+from titan_hybrid.model import deepseek_v4, gdn, mamba
 from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
@@ -35,6 +35,7 @@ from titan_hybrid.parallel.context_parallel_chunkwise import (
     ChunkwiseConvAndDeltaRule,
     ChunkwiseConvAndScan,
 )
+from titan_hybrid.parallel.context_parallel_window import ContextParallelWindowHalo
 from titan_hybrid.parallel.zigzag import zigzag_index
 
 
@@ -231,6 +232,10 @@ CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ChunkwiseConvAndScan,
     gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
 }
+
+# Kinds whose wrapper does not depend on the linear mode: DeepSeek-V4 window attention.
+for wrappers in (CONTEXT_PARALLEL_WRAPPERS, CHUNKWISE_WRAPPERS):
+    wrappers[deepseek_v4.KIND.context_parallel] = ContextParallelWindowHalo
 
 LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
 

@@ -74,7 +74,7 @@ class ZigzagPieces:
         halo = width - 1
         if halo > self.length:
             raise ValueError(f"context parallel pieces of {self.length} tokens are shorter than "
-                             f"the conv's left context ({halo})")
+                             f"the {halo} rows before each piece that the layer reads")
         tails = all_gather(self.by_slot(x_PLC[:, self.length - halo:]), group=self.group)
         seq_tails = (None if seq_idx_PL is None else
                      all_gather(self.by_slot(seq_idx_PL[:, self.length - halo:]),

@@ -132,12 +132,21 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
             except ValueError as error:
                 raise ValueError(f"{error} (parallelism.context_parallel_linear_mode "
                                  "'chunkwise' has no head-count rule)") from None
+        # Wrappers that read the rows before each piece from the rank that holds them: the
+        # chunkwise conv, and window attention's key halo.
+        piece = seq_len // (2 * cp)
         width = getattr(section, "conv_width", 1)
-        if not rule.gather and mode == "chunkwise" and seq_len // (2 * cp) < width - 1:
+        if not rule.gather and mode == "chunkwise" and piece < width - 1:
             raise ValueError(
                 f"training.seq_len={seq_len} with context_parallel_degree={cp}: chunkwise pieces "
-                f"of {seq_len // (2 * cp)} tokens are shorter than the {kind.title} conv's "
-                f"left context ({width - 1} tokens)")
+                f"of {piece} tokens are shorter than the {kind.title} conv's left context "
+                f"({width - 1} tokens)")
+        window = getattr(section, "sliding_window", 1)
+        if piece < window - 1:
+            raise ValueError(
+                f"training.seq_len={seq_len} with context_parallel_degree={cp}: pieces of "
+                f"{piece} tokens are shorter than the {kind.title} window's halo "
+                f"({window - 1} tokens); use a longer sequence or a smaller CP degree")
 
 
 def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
