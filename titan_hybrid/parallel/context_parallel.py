@@ -218,25 +218,21 @@ class ContextParallelConvAndDeltaRule(nn.Module):
         return exchange.to_sequence(o)
 
 
-# The wrapper of the sequence-mixing core of each kind whose CP exchanges heads for sequence,
-# by the kind's ContextParallelRule (kinds whose rule names arguments to gather need none).
+# The wrapper of the sequence-mixing core of each kind without a gather rule, by the kind's
+# ContextParallelRule, for each `context_parallel_linear_mode`: Mamba2 and GDN exchange heads
+# for sequence (head_a2a) or pass states between sequence pieces (chunkwise,
+# context_parallel_chunkwise.py); DeepSeek-V4 window attention reads a key halo in both
+# (context_parallel_window.py).
 CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ContextParallelConvAndScan,
     gdn.KIND.context_parallel: ContextParallelConvAndDeltaRule,
+    deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
 }
-
-
-# The same for `context_parallel_linear_mode = "chunkwise"`: state passing between sequence
-# pieces (context_parallel_chunkwise.py), each rank keeping all of its heads.
 CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ChunkwiseConvAndScan,
     gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
+    deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
 }
-
-# Kinds whose wrapper does not depend on the linear mode: DeepSeek-V4 window attention.
-for wrappers in (CONTEXT_PARALLEL_WRAPPERS, CHUNKWISE_WRAPPERS):
-    wrappers[deepseek_v4.KIND.context_parallel] = ContextParallelWindowHalo
-
 LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
 
 
