@@ -60,32 +60,6 @@ def outputs_and_grads(core, inputs, layout):
 SEQ_IDX = torch.tensor([[0] * 5 + [1] * 25 + [2] * 18, [0] * 24 + [1] * 24])
 
 
-@pytest.mark.parametrize("documents", [False, True])
-def test_two_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group,
-                                                                        documents):
-    core, inputs = mamba_inputs(torch.float64)
-    layout = TokenLayout(positions=None, seq_idx=SEQ_IDX if documents else None)
-    want = outputs_and_grads(core, inputs, layout)
-    got = outputs_and_grads(ChunkwiseConvAndScan(core, one_rank_group), inputs, layout)
-    for name, a, b in zip(["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D",
-                           "dt_bias"], got, want):
-        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
-
-
-@pytest.mark.triton_interpreter
-def test_state_passing_through_mamba_ssm_kernels_matches_the_torch_path(one_rank_group):
-    """The pieces' scans run in mamba_ssm's kernels (final states out, and their gradient
-    in), with documents; against the whole-sequence torch path, float32."""
-    core, inputs = mamba_inputs(torch.float32, seq_len=64)
-    seq_idx = torch.tensor([[0] * 5 + [1] * 37 + [2] * 22, [0] * 32 + [1] * 32])
-    layout = TokenLayout(positions=None, seq_idx=seq_idx)
-    want = outputs_and_grads(core, inputs, layout)
-    with kernels_on():
-        got = outputs_and_grads(ChunkwiseConvAndScan(core, one_rank_group), inputs, layout)
-    for a, b in zip(got, want):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-
-
 def gdn_inputs(dtype, seq_len=48, seed=0):
     torch.manual_seed(seed)
     mixer = GatedDeltaNet(dim=32, args=GDNArgs(key_head_dim=8, value_head_dim=8,
@@ -101,27 +75,40 @@ def gdn_inputs(dtype, seq_len=48, seed=0):
                                        for t in (qkv, alpha, beta, *params)]
 
 
+# Each kind: its inputs, its chunkwise wrapper, and the names of (output, *inputs).
+KINDS = {
+    "mamba": (mamba_inputs, ChunkwiseConvAndScan,
+              ["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias"]),
+    "gdn": (gdn_inputs, ChunkwiseConvAndDeltaRule,
+            ["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"]),
+}
+
+
 @pytest.mark.parametrize("documents", [False, True])
-def test_gdn_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group,
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_two_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group, kind,
                                                                         documents):
-    core, inputs = gdn_inputs(torch.float64)
+    make_inputs, wrapper, names = KINDS[kind]
+    core, inputs = make_inputs(torch.float64)
     layout = TokenLayout(positions=None, seq_idx=SEQ_IDX if documents else None)
     want = outputs_and_grads(core, inputs, layout)
-    got = outputs_and_grads(ChunkwiseConvAndDeltaRule(core, one_rank_group), inputs, layout)
-    for name, a, b in zip(["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"],
-                          got, want):
+    got = outputs_and_grads(wrapper(core, one_rank_group), inputs, layout)
+    for name, a, b in zip(names, got, want, strict=True):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
 
 
 @pytest.mark.triton_interpreter
-def test_gdn_state_passing_through_fla_kernels_matches_the_torch_path(one_rank_group):
-    """The identity columns enter fla's kernel as initial states and leave as final states
-    (with their gradients), with documents; against the whole-sequence torch path."""
-    core, inputs = gdn_inputs(torch.float32, seq_len=64)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_state_passing_through_the_kernels_matches_the_torch_path(one_rank_group, kind):
+    """The pieces' scans run in the kernels, with documents, against the whole-sequence torch
+    path, float32: mamba_ssm's (final states out, and their gradient in), and fla's (the
+    identity columns enter as initial states and leave as final states, with gradients)."""
+    make_inputs, wrapper, _ = KINDS[kind]
+    core, inputs = make_inputs(torch.float32, seq_len=64)
     seq_idx = torch.tensor([[0] * 5 + [1] * 37 + [2] * 22, [0] * 32 + [1] * 32])
     layout = TokenLayout(positions=None, seq_idx=seq_idx)
     want = outputs_and_grads(core, inputs, layout)
     with kernels_on():
-        got = outputs_and_grads(ChunkwiseConvAndDeltaRule(core, one_rank_group), inputs, layout)
+        got = outputs_and_grads(wrapper(core, one_rank_group), inputs, layout)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()

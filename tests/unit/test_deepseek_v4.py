@@ -23,6 +23,7 @@ from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+from tests.unit.test_mla_dsa import randomize_  # every parameter, sinks too
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.deepseek_v4 import (
@@ -46,17 +47,6 @@ def small_args(**changes) -> DeepseekV4AttentionArgs:
     fields = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
                   o_lora_rank=7, sliding_window=5, rope_theta=100.0, norm_eps=1e-6)
     return DeepseekV4AttentionArgs(**(fields | changes))
-
-
-@torch.no_grad()
-def randomize_(module: torch.nn.Module, seed: int, dtype=torch.float64) -> torch.nn.Module:
-    """Random values for every parameter (norm weights and sinks too)."""
-    torch.manual_seed(seed)
-    module.to(dtype)
-    for name, param in module.named_parameters():
-        is_norm_weight = "norm" in name and name.endswith("weight")
-        param.copy_((1.0 if is_norm_weight else 0.0) + 0.3 * torch.randn_like(param))
-    return module
 
 
 def token_layout(packed: bool) -> tuple[TokenLayout, torch.Tensor, torch.Tensor]:
@@ -201,6 +191,12 @@ def test_layer_matches_transformers_deepseek_v4_attention(packed):
                                                    layer_type="main")
     expected = hf(x, position_embeddings={"main": rope}, position_ids=position_ids,
                   attention_mask=mask)[0]
+    assert_matches_transformers(ours, hf, x, layout, expected, grad_out)
+
+
+def assert_matches_transformers(ours, hf, x, layout, expected, grad_out) -> None:
+    """Our layer's output and its gradients (input and every parameter, by name) against
+    transformers' `expected` output of the same input and weights."""
     expected_grads = torch.autograd.grad(expected, [x, *hf.parameters()], grad_out)
     got = ours(x, layout)
     got_grads = torch.autograd.grad(got, [x, *ours.parameters()], grad_out)
@@ -231,13 +227,18 @@ def test_two_ranks_of_whole_groups_sum_to_the_layer():
     layer's output."""
     a = small_args(n_heads=4, o_groups=2)
     layer = randomize_(SlidingWindowAttention(dim=DIM, args=a), seed=6)
+    assert_tensor_parallel_parts_sum_to_the_layer(layer)
+
+
+def assert_tensor_parallel_parts_sum_to_the_layer(layer) -> None:
+    """Two copies of `layer`, each with its rank's half of every sharded parameter (its
+    declared TP layout), give outputs that sum to the whole layer's."""
     layout, _, _ = token_layout(True)
     x = torch.randn(2, SEQ, DIM, dtype=torch.float64)
-    plan = tensor_parallel_layouts(layer)
     total = 0
     for rank in range(2):
         part = copy.deepcopy(layer)
-        for name, layout_of in plan.items():
+        for name, layout_of in tensor_parallel_layouts(layer).items():
             if layout_of.shard_dim is not None:
                 param = part.get_parameter(name)
                 param.data = param.data.chunk(2, dim=layout_of.shard_dim)[rank].clone()

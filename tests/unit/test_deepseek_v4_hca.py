@@ -29,7 +29,15 @@ from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
-from tests.unit.test_deepseek_v4 import _rms, _rotate, randomize_, token_layout
+from tests.unit.test_deepseek_v4 import (
+    _relative,
+    _rms,
+    _rotate,
+    assert_matches_transformers,
+    assert_tensor_parallel_parts_sum_to_the_layer,
+    randomize_,
+    token_layout,
+)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.deepseek_v4 import (
@@ -112,10 +120,6 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
             outputs.append(p["o_b_proj.weight"] @ low_rank)
         out_rows.append(torch.stack(outputs))
     return torch.stack(out_rows)
-
-
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
@@ -289,14 +293,7 @@ def test_layer_matches_transformers_deepseek_v4_attention(packed, rope):
             rows.append(torch.cat([hf_forward(hf, config, x[b:b + 1, start:end])
                                    for start, end in zip(cuts, cuts[1:])], dim=1))
         expected = torch.cat(rows)
-    expected_grads = torch.autograd.grad(expected, [x, *hf.parameters()], grad_out)
-    got = ours(x, layout)
-    got_grads = torch.autograd.grad(got, [x, *ours.parameters()], grad_out)
-    # transformers computes its rotary angles in fp32 (positions.float() * inv_freq): 1e-6.
-    assert _relative(got, expected) < 1e-6
-    hf_grads = dict(zip(["x", *dict(hf.named_parameters())], expected_grads, strict=True))
-    for name, g in zip(["x", *dict(ours.named_parameters())], got_grads, strict=True):
-        assert _relative(g, hf_grads[name]) < 1e-6, name
+    assert_matches_transformers(ours, hf, x, layout, expected, grad_out)
 
 
 # ----------------------------------------------------------------------------- table rules
@@ -320,17 +317,7 @@ def test_two_ranks_of_whole_groups_sum_to_the_layer():
     with the whole compressor on both, give partial outputs that sum to the layer's output."""
     a = small_args(n_heads=4, o_groups=2)
     layer = randomize_(HeavilyCompressedAttention(dim=DIM, args=a), seed=6)
-    layout, _, _ = token_layout(True)
-    x = torch.randn(2, SEQ, DIM, dtype=torch.float64)
-    total = 0
-    for rank in range(2):
-        part = copy.deepcopy(layer)
-        for name, layout_of in tensor_parallel_layouts(layer).items():
-            if layout_of.shard_dim is not None:
-                param = part.get_parameter(name)
-                param.data = param.data.chunk(2, dim=layout_of.shard_dim)[rank].clone()
-        total = total + part(x, layout)
-    assert _relative(total, layer(x, layout)) < F64_TOL
+    assert_tensor_parallel_parts_sum_to_the_layer(layer)
 
 
 def test_core_flops_count_the_window_the_compressed_rows_and_the_pooling():

@@ -99,6 +99,15 @@ class ZigzagPieces:
         seq_idx = None if seq_tails is None else torch.cat((torch.cat(seq_halos), seq_idx_PL), 1)
         return x, seq_idx, torch.cat(continues)
 
+    def conv_with_left_context(self, x_BTC: torch.Tensor, layout: TokenLayout | None,
+                               width: int, conv: Callable):
+        """(`conv(x, seq_idx)` of each piece, reading the width-1 rows before it [2B, L, C],
+        the pieces' seq_idx [2B, L] or None, continues [2B])."""
+        seq_idx = None if layout is None or layout.seq_idx is None else self.stack(
+            layout.seq_idx)
+        x, conv_seq_idx, continues = self.with_left_context(self.stack(x_BTC), seq_idx, width)
+        return conv(x, conv_seq_idx)[:, width - 1:], seq_idx, continues
+
     def incoming_states(self, transition_P: torch.Tensor, state_P: torch.Tensor,
                         continues_P: torch.Tensor,
                         apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -139,13 +148,11 @@ class ChunkwiseConvAndScan(nn.Module):
 
     def forward(self, xbc, dt, conv_weight, conv_bias, A_log, D, dt_bias,
                 layout: TokenLayout | None):
-        core, width = self.core, conv_weight.shape[-1]
+        core = self.core
         pieces = ZigzagPieces(self.group, xbc.shape[1], xbc.shape[0])
-        seq_idx = None if layout is None or layout.seq_idx is None else pieces.stack(
-            layout.seq_idx)
-        xbc, conv_seq_idx, continues = pieces.with_left_context(pieces.stack(xbc), seq_idx,
-                                                                width)
-        xbc = core.conv(xbc, conv_weight, conv_bias, conv_seq_idx)[:, width - 1:]
+        xbc, seq_idx, continues = pieces.conv_with_left_context(
+            xbc, layout, conv_weight.shape[-1],
+            lambda x, conv_seq_idx: core.conv(x, conv_weight, conv_bias, conv_seq_idx))
         dt = pieces.stack(dt)
         y, exit_state = core.scan(xbc, dt, A_log, D, dt_bias, seq_idx,
                                   return_final_states=True)  # y_0, S_0 [2B, H, P, N]
@@ -177,13 +184,11 @@ class ChunkwiseConvAndDeltaRule(nn.Module):
         self.core, self.group = core, group
 
     def forward(self, qkv, alpha, beta, conv_weight, A_log, dt_bias, layout: TokenLayout | None):
-        core, width = self.core, conv_weight.shape[-1]
+        core = self.core
         pieces = ZigzagPieces(self.group, qkv.shape[1], qkv.shape[0])
-        seq_idx = None if layout is None or layout.seq_idx is None else pieces.stack(
-            layout.seq_idx)
-        qkv, conv_seq_idx, continues = pieces.with_left_context(pieces.stack(qkv), seq_idx,
-                                                                width)
-        qkv = core.conv(qkv, conv_weight, conv_seq_idx)[:, width - 1:]
+        qkv, seq_idx, continues = pieces.conv_with_left_context(
+            qkv, layout, conv_weight.shape[-1],
+            lambda x, conv_seq_idx: core.conv(x, conv_weight, conv_seq_idx))
         q, k, v, g, beta = core.delta_rule_inputs(qkv, pieces.stack(alpha), pieces.stack(beta),
                                                   A_log, dt_bias)
         rows, _, value_heads, value_dim = v.shape
