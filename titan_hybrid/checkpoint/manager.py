@@ -105,6 +105,13 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.uncommitted: tuple[Path, Path, OwnFileChecksums] | None = None
         if self.enable:
             self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
+        # A gloo group of the training thread's own for agreeing that a background save is
+        # done: the save's collectives run on self.pg at times that differ by rank, and two
+        # threads sharing one group interleave their collectives differently on each rank (a
+        # hang).
+        self.agreement_group = None
+        if self.enable and self.async_mode != AsyncMode.DISABLED and dist.is_initialized():
+            self.agreement_group = dist.new_group(backend="gloo")
         if self.enable and self.async_mode == AsyncMode.ASYNC:
             # torchtitan stages `async` saves on the training thread, into buffers allocated
             # anew each time (most of what a save blocked). A stager of our own copies in a
@@ -150,7 +157,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         # torchtitan calls this every step: a background save that every rank has finished
         # is committed at the first step after it (the ranks agree, so all commit together).
         if self.uncommitted is not None and integrity.all_ranks(self.background_save_done(),
-                                                                    self.pg):
+                                                                    self.agreement_group):
             self.wait_for_background_save()
         super().save(curr_step, last_step)
 

@@ -21,12 +21,17 @@ The two that touch private names live in titan_hybrid.compat and are only called
 torchtitan's own MoE needs two more patches on CPU (int64 `torch.histc`, its Triton token
 permute); titan_hybrid's MoE uses neither, so they are not applied.
 
-The gloo-at-exit abort is handled by the launcher (`titan_hybrid.train`), which leaves with
-`os._exit` once the process group is gone.
+- gloo at exit: a gloo worker thread drops its finished collective (and the tensors it holds)
+  just after the caller's wait returns. If that falls into the interpreter's finalization, the
+  thread cannot take the GIL to release the tensors' Python objects, and the process aborts
+  ("terminate called without an active exception"). `titan_hybrid.train` leaves with
+  `os._exit` once the process group is gone; for `python -m torchtitan.train` an exit hook of a
+  distributed worker sleeps a moment with the GIL released, so the threads finish first.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -42,6 +47,8 @@ from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
 from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
 
 _applied = False
+# How long a worker's exit waits for gloo's threads (see "gloo at exit" above).
+GLOO_SETTLE_SECONDS = 0.25
 
 
 def accelerator_available() -> bool:
@@ -158,5 +165,7 @@ def apply() -> bool:
     force_sum_reduction_on_cpu()
     # The MFU denominator; on CPU torchtitan would fall back to an A100 figure.
     tt_utils.get_peak_flops = lambda device_name: measured_peak_flops()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit.register(time.sleep, GLOO_SETTLE_SECONDS)
     _applied = True
     return True
