@@ -6,6 +6,7 @@ A pattern has one character per layer, one symbol per layer kind of the table
     M  Mamba2          G  gated DeltaNet      *  self-attention
     +  MLA             D  DeepSeek sparse attention (DSA)
     W  DeepSeek-V4 sliding-window attention     H  DeepSeek-V4 heavily compressed attention
+    C  DeepSeek-V4 compressed sparse attention
     -  dense MLP       E  mixture of experts
 
 ``|`` marks a pipeline-segment boundary in the main part, and each ``/`` starts
@@ -17,10 +18,10 @@ has 3 logical and 4 physical layers); ``E`` may only close a group. Groups and
 ``|`` are not allowed in MTP depths. Two rules of Megatron's (its head, which checks the
 main part and the MTP depths as one string):
 
-- self-attention ``*`` and the MLA family (``MLA_FAMILY``: ``+``, ``D``, ``W``, ``H``) may
+- self-attention ``*`` and the MLA family (``MLA_FAMILY``: ``+``, ``D``, ``C``, ``H``, ``W``) may
   not both appear in one model, so ``"M*-/+-"`` is refused as well as ``"M*-+"``;
 - a group holds at most one layer of each checkpoint namespace (``LayerSymbol.namespace``:
-  mixer ``M``; self_attention ``G * + D W H``; mlp ``- E``), so ``[MM]``, ``[*G]`` and ``[-E]``
+  mixer ``M``; self_attention ``G * + D C H W``; mlp ``- E``), so ``[MM]``, ``[*G]`` and ``[-E]``
   are refused.
 
 Every malformed pattern raises ``ValueError`` naming the offending character and its 0-based

@@ -1,13 +1,14 @@
 """DeepSeek-V4 attention in the real trainer: the loss curve of one process under FSDP2, TP2 +
-SP, PP2 (2 processes each) and full activation checkpointing with compile (aot_eager), for
-sliding-window attention (`W`) and heavily compressed attention (`H`); a TP2 checkpoint
-resumes at TP1.
+SP, PP2 (2 processes each) and full activation checkpointing with compile (aot_eager), for a
+model with all three kinds, compressed sparse (`C`), heavily compressed (`H`) and sliding-window
+(`W`) attention, with dense MLPs and with MoE; a TP2 checkpoint resumes at TP1.
 
-debug_v4 ("MW-MW-") has a 16-token window in 64-token rows, so every row crosses it;
-debug_v4_hca ("MH-MW-") adds an H layer with an 8-token window and blocks of 4 tokens: 16
-compressed rows a row, most of them beyond a query's window. The layers' float64 checks
-(reference, transformers, TP split by hand) are in tests/unit/test_deepseek_v4.py and
-test_deepseek_v4_hca.py. W runs under CP2 by its key halo; H refuses CP by name."""
+debug_v4_all ("MC-MH-MW-") has 64-token rows, 8-token windows in C and H and a 16-token one in
+W, blocks of 4 tokens (16 compressed rows a row, most of them beyond a query's window), and a
+C indexer that keeps 6 rows a query and trains (its KL joins the auxiliary loss);
+debug_v4_all_moe ("MC-MHEMWE") puts MoE layers after H and W. The layers' float64 checks
+(reference, transformers, TP split by hand) are in tests/unit/test_deepseek_v4*.py. W runs
+under CP2 by its key halo; C and H refuse CP by name."""
 
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ STEPS = ("--training.steps", "4", "--training.seq_len", "64",
 LAYOUTS = {
     "fsdp2": (),
     "tp2": ("--parallelism.tensor_parallel_degree", "2"),
-    # "MW-|MW-": the same layers as debug_v4, in two stages
+    # the same layers in two stages (STAGED)
     "pp2": ("--parallelism.pipeline_parallel_degree", "2"),
     "ac + compile": ("--activation_checkpoint.mode", "full", "--compile.enable",
                      "--compile.backend", "aot_eager"),
 }
-STAGED = {"debug_v4": "MW-|MW-", "debug_v4_hca": "MH-|MW-"}
+STAGED = {"debug_v4_all": "MC-M|H-MW-", "debug_v4_all_moe": "MC-MHE|MWE"}
 
 
-@pytest.mark.parametrize("flavor", ["debug_v4", "debug_v4_hca"])
+@pytest.mark.parametrize("flavor", ["debug_v4_all", "debug_v4_all_moe"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run, layout, flavor):
     job = ("--model.flavor", flavor, *STEPS)
@@ -54,13 +55,14 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
 def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     """Heads and output groups are split under TP; the checkpoint holds whole tensors, so a
     TP2 save resumes in one process onto the uninterrupted curve."""
-    job = ("--model.flavor", "debug_v4_hca", *STEPS, *CHECKPOINT)
-    uninterrupted = reference_run("--model.flavor", "debug_v4_hca", *STEPS).losses
+    job = ("--model.flavor", "debug_v4_all", *STEPS, *CHECKPOINT)
+    uninterrupted = reference_run("--model.flavor", "debug_v4_all", *STEPS).losses
     run_training(tmp_path, *job, "--parallelism.tensor_parallel_degree", "2", nproc=2).check()
     shutil.rmtree(tmp_path / "outputs" / "ck" / "step-4")
     keys = dcp.FileSystemReader(str(tmp_path / "outputs" / "ck" / "step-2")).read_metadata()
-    shape = keys.state_dict_metadata["layers.1.heavily_compressed_attention.q_b_proj.weight"]
-    assert tuple(shape.size)[0] == 4 * 32  # all heads, whatever the TP degree
+    for layer, kind in ((1, "compressed_sparse_attention"), (4, "heavily_compressed_attention")):
+        shape = keys.state_dict_metadata[f"layers.{layer}.{kind}.q_b_proj.weight"]
+        assert tuple(shape.size)[0] == 4 * 32  # all heads, whatever the TP degree
     resumed = run_training(tmp_path, *job).check()
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(uninterrupted[2:], rel=1e-5)
@@ -68,7 +70,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
 
 def test_cp2_window_attention_gives_the_one_process_curve(tmp_path, reference_run):
     """Each rank's pieces read the window's last keys from the piece before them (a 16-token
-    window over 16-token pieces); H refuses CP by name (tests/unit/test_deepseek_v4_hca.py)."""
+    window over 16-token pieces); C and H refuse CP by name (tests/unit/test_deepseek_v4_*.py)."""
     job = ("--model.flavor", "debug_v4", *STEPS)
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, "--parallelism.context_parallel_degree", "2",

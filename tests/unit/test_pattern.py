@@ -24,7 +24,8 @@ def _raises(pattern, *fragments):
 def test_symbol_names():
     assert {symbol: spec.name for symbol, spec in SYMBOLS.items()} == {
         "M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa",
-        "W": "window_attention", "H": "heavily_compressed_attention", "-": "mlp", "E": "moe"}
+        "W": "window_attention", "C": "compressed_sparse_attention",
+        "H": "heavily_compressed_attention", "-": "mlp", "E": "moe"}
 
 
 def test_physical_symbols():
@@ -133,6 +134,8 @@ def test_equal_and_hashable():
     ("MH-MW-", ["M", "H", "-", "M", "W", "-"], [], 0),
     ("[MH-]W", [("M", "H", "-"), "W"], [], 0),
     ("MH-/H-", ["M", "H", "-"], ["H", "-"], 1),
+    ("MC-MH-MW-", ["M", "C", "-", "M", "H", "-", "M", "W", "-"], [], 0),
+    ("[MC-]|[MHE]W/C-", [("M", "C", "-"), ("M", "H", "E"), "W"], ["C", "-"], 1),
 ])
 def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp, depths):
     parsed = parse_hybrid_pattern(pattern)
@@ -153,11 +156,14 @@ def test_mla_and_dsa_symbols_parse_everywhere_a_layer_may_be(pattern, main, mtp,
     ("W-/*-", "W", 0, 3),
     ("MH*", "H", 1, 2),
     ("*-/H-", "H", 3, 0),
+    ("MC*", "C", 1, 2),
+    ("*-/C-", "C", 3, 0),
+    ("[M*]|C-", "C", 5, 2),
 ])
 def test_self_attention_cannot_share_a_model_with_the_mla_family(pattern, char, pos,
                                                                  other_pos):
     _raises(pattern, f"'{char}' at position {pos} cannot share a model with '*' at position "
-            f"{other_pos}: self-attention and the MLA family (+ D W H) may not be mixed",
+            f"{other_pos}: self-attention and the MLA family (+ D C H W) may not be mixed",
             "Not supported to have both Attention and MLA/DSA/CSA/HCA/Window in one model")
 
 
@@ -171,6 +177,9 @@ def test_self_attention_cannot_share_a_model_with_the_mla_family(pattern, char, 
     # later groups, positions in the full pattern
     ("M-[M*][D-+]", "+", 9, "D", 7, "self_attention", "[D-+]"),
     ("[--", "-", 2, "-", 1, "mlp", "[--"),  # reported before the unclosed group
+    # the DeepSeek-V4 kinds share the self_attention namespace
+    ("[CH]", "H", 2, "C", 1, "self_attention", "[CH]"),
+    ("M[MW-C]", "C", 5, "W", 3, "self_attention", "[MW-C]"),
 ])
 def test_a_group_holds_one_layer_per_checkpoint_namespace(pattern, char, pos, first,
                                                           first_pos, namespace, group):

@@ -17,6 +17,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 from titan_hybrid.model.attention import AttentionArgs
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs
+from titan_hybrid.model.deepseek_v4_csa import DeepseekV4SparseAttentionArgs
 from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
@@ -49,6 +50,8 @@ class HybridModelArgs(BaseModelArgs):
     mla: MLAArgs = field(default_factory=MLAArgs)
     dsa: DSAArgs = field(default_factory=DSAArgs)
     window_attention: DeepseekV4AttentionArgs = field(default_factory=DeepseekV4AttentionArgs)
+    compressed_sparse_attention: DeepseekV4SparseAttentionArgs = field(
+        default_factory=DeepseekV4SparseAttentionArgs)
     heavily_compressed_attention: DeepseekV4CompressedAttentionArgs = field(
         default_factory=DeepseekV4CompressedAttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
@@ -126,6 +129,12 @@ def _debug() -> HybridModelArgs:
         window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=32, rope_head_dim=16,
                                                  q_lora_rank=64, o_groups=2, o_lora_rank=32,
                                                  sliding_window=16),
+        # Overlapping blocks of 4 tokens, an 8-token window, and an indexer that keeps 6 of a
+        # 64-token row's 16 compressed rows and trains.
+        compressed_sparse_attention=DeepseekV4SparseAttentionArgs(
+            n_heads=4, head_dim=32, rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32,
+            sliding_window=8, compress_ratio=4, index_n_heads=4, index_head_dim=32,
+            index_topk=6, indexer_loss_coeff=0.01),
         # Blocks of 4 tokens and an 8-token window: a 64-token row has 16 compressed rows, and
         # most of a query's rows lie beyond its window.
         heavily_compressed_attention=DeepseekV4CompressedAttentionArgs(
@@ -156,6 +165,10 @@ def _gpu_sized(pattern: str) -> HybridModelArgs:
         window_attention=DeepseekV4AttentionArgs(n_heads=16, head_dim=256, rope_head_dim=64,
                                                  q_lora_rank=1024, o_groups=4, o_lora_rank=512,
                                                  sliding_window=128),
+        compressed_sparse_attention=DeepseekV4SparseAttentionArgs(
+            n_heads=16, head_dim=256, rope_head_dim=64, q_lora_rank=1024, o_groups=4,
+            o_lora_rank=512, sliding_window=128, compress_ratio=4, index_n_heads=32,
+            index_head_dim=128, index_topk=512),
         heavily_compressed_attention=DeepseekV4CompressedAttentionArgs(
             n_heads=16, head_dim=256, rope_head_dim=64, q_lora_rank=1024, o_groups=4,
             o_lora_rank=512, sliding_window=128, compress_ratio=128),
@@ -184,6 +197,9 @@ hybrid_flavors = FlavorRegistry({
     "debug_v4": dataclasses.replace(_debug(), pattern="MW-MW-"),
     # ... with heavily compressed attention (blocks of 4 tokens) in the first attention layer.
     "debug_v4_hca": dataclasses.replace(_debug(), pattern="MH-MW-"),
+    # All three DeepSeek-V4 kinds: compressed sparse, heavily compressed, sliding window.
+    "debug_v4_all": dataclasses.replace(_debug(), pattern="MC-MH-MW-"),
+    "debug_v4_all_moe": dataclasses.replace(_debug(), pattern="MC-MHEMWE"),
     # 6 GDN value heads over 2 key heads: per TP rank (3 at TP 2) they do not split over CP 2
     # or 4 by heads (head_a2a), which chunkwise context parallelism does not need.
     "debug_odd_heads": dataclasses.replace(

@@ -240,22 +240,34 @@ class SlidingWindowAttention(nn.Module):
                 "o_a_proj.weight": sharded(0), "o_b_proj.weight": sharded(1)}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        _, q_BTHD, kv_BTD, cos, sin = self.project(x_BTD, layout)
+        extra_kv_BCD, extra_visible_BTC = self.extra_keys(x_BTD, layout)
+        return self.attend(q_BTHD, kv_BTD, cos, sin, layout, extra_kv_BCD, extra_visible_BTC)
+
+    def project(self, x_BTD: torch.Tensor, layout: TokenLayout):
+        """(query latent [B, T, q_lora_rank], rotated queries [B, T, H, D], rotated latent
+        key / value [B, T, D], cos, sin)."""
         args = self.args
         batch, seq_len, _ = x_BTD.shape
         cos, sin = rotary_cos_sin(args, layout, seq_len, x_BTD)
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD))).view(batch, seq_len, -1,
-                                                                    args.head_dim)
+        query_latent = self.q_a_norm(self.q_a_proj(x_BTD))
+        q = self.q_b_proj(query_latent).view(batch, seq_len, -1, args.head_dim)
         # Each head's query RMS-normed without a weight (transformers' q_b_norm), in fp32.
         q = F.rms_norm(upcast(q), (args.head_dim,), eps=args.norm_eps).type_as(q)
         q_BTHD = rotate_trailing(q, cos, sin)
         kv_BTD = rotate_trailing(self.kv_norm(self.kv_proj(x_BTD))[:, :, None], cos, sin)[:, :, 0]
-        extra_kv_BCD, extra_visible_BTC = self.extra_keys(x_BTD, layout)
+        return query_latent, q_BTHD, kv_BTD, cos, sin
+
+    def attend(self, q_BTHD, kv_BTD, cos, sin, layout: TokenLayout, extra_kv_BCD=None,
+               extra_visible_BTC=None) -> torch.Tensor:
+        """The attention core and the output projection, [B, T, dim]."""
+        batch, seq_len = q_BTHD.shape[:2]
         out = self.window_core(q_BTHD, kv_BTD, self.sinks, layout, extra_kv_BCD,
                                extra_visible_BTC)
         # The value carried the key's rotation by its own position s; rotating back by the
         # query's t leaves a rotation by s - t, as the reference does.
         out = rotate_trailing(out, cos, -sin)
-        grouped_BTGI = out.reshape(batch, seq_len, -1, args.group_width)
+        grouped_BTGI = out.reshape(batch, seq_len, -1, self.args.group_width)
         return self.o_b_proj(self.o_a_proj(grouped_BTGI).flatten(2))
 
     def extra_keys(self, x_BTD: torch.Tensor, layout: TokenLayout
@@ -297,6 +309,9 @@ def _core_flops(args: DeepseekV4AttentionArgs, dim: int, seq_len: int) -> int:
     sequence): 2 * 2 * min(window, T) * head_dim per head and token, forward."""
     return 4 * min(args.sliding_window, seq_len) * args.head_dim * args.n_heads
 
+
+# transformers' deepseek_v4 layer type (checkpoint/hf_deepseek_v4.py)
+HF_LAYER_TYPE = "sliding_attention"
 
 KIND = LayerKind(
     symbol="W", args_type=DeepseekV4AttentionArgs,

@@ -109,6 +109,44 @@ def compression_blocks(layout: TokenLayout, seq_len: int, ratio: int, device: to
     return torch.where(complete, first, 0), complete
 
 
+def block_tokens(x_BTE: torch.Tensor, first_BC: torch.Tensor, ratio: int, tiled: bool
+                 ) -> torch.Tensor:
+    """[B, C, P, E]: the `ratio` tokens of each block from its first token's index; `tiled`:
+    the blocks tile the row from its start (a view, no gather)."""
+    n_rows = first_BC.shape[1]
+    if tiled:
+        return x_BTE[:, :n_rows * ratio].unflatten(1, (n_rows, ratio))
+    token_BN1 = (first_BC[..., None] + torch.arange(ratio, device=x_BTE.device)).flatten(1)
+    return x_BTE.gather(1, token_BN1[..., None].expand(-1, -1, x_BTE.shape[-1])).unflatten(
+        1, (n_rows, ratio))
+
+
+def rotate_rows(args: DeepseekV4CompressedAttentionArgs, rows_BCD: torch.Tensor,
+                first_BC: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Rotate each compressed row at its block's first position in its document
+    (transformers: block index * ratio)."""
+    if layout.positions is None:
+        first_position_BC = first_BC
+    else:
+        first_position_BC = layout.positions.long().expand(first_BC.shape[0], -1).gather(
+            1, first_BC)
+    cos, sin = rotary_cos_sin_at(args, first_position_BC, rows_BCD)
+    return rotate_trailing(rows_BCD[:, :, None], cos, sin)[:, :, 0]
+
+
+def visible_rows(layout: TokenLayout, seq_len: int, first_BC: torch.Tensor,
+                 complete_BC: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[B, T, C]: the query's document's complete blocks whose last token is at or before the
+    query ((t + 1) // ratio rows at position t)."""
+    order_BT = layout.row_order(seq_len, first_BC.device).expand(first_BC.shape[0], -1)
+    last_order_BC = order_BT.gather(1, first_BC) + ratio - 1
+    visible_BTC = (last_order_BC[:, None, :] <= order_BT[:, :, None]) & complete_BC[:, None]
+    if layout.seq_idx is not None:
+        seq_idx_BT = layout.seq_idx.expand(first_BC.shape[0], -1)
+        visible_BTC &= seq_idx_BT.gather(1, first_BC)[:, None, :] == seq_idx_BT[:, :, None]
+    return visible_BTC
+
+
 class HCACompressor(nn.Module):
     """Pools each block of `compress_ratio` tokens of a document into one key / value row
     (module docstring); transformers' DeepseekV4HCACompressor's parameters."""
@@ -129,42 +167,14 @@ class HCACompressor(nn.Module):
         batch, seq_len, _ = x_BTD.shape
         first_BC, complete_BC = compression_blocks(layout, seq_len, ratio, x_BTD.device)
         first_BC, complete_BC = first_BC.expand(batch, -1), complete_BC.expand(batch, -1)
-        n_rows = first_BC.shape[1]
-        kv_BTD, gate_BTD = self.kv_proj(x_BTD), self.gate_proj(x_BTD)
-        if layout.positions is None:  # blocks tile the row: a view, no gather
-            kv_BCPD = kv_BTD[:, :n_rows * ratio].unflatten(1, (n_rows, ratio))
-            gate_BCPD = gate_BTD[:, :n_rows * ratio].unflatten(1, (n_rows, ratio))
-        else:
-            token_BCP = first_BC[..., None] + torch.arange(ratio, device=x_BTD.device)
-            token_BN1 = token_BCP.flatten(1)[..., None]
-            kv_BCPD = kv_BTD.gather(1, token_BN1.expand(-1, -1, kv_BTD.shape[-1])).unflatten(
-                1, (n_rows, ratio))
-            gate_BCPD = gate_BTD.gather(1, token_BN1.expand(-1, -1, gate_BTD.shape[-1])
-                                        ).unflatten(1, (n_rows, ratio))
+        tiled = layout.positions is None
+        kv_BCPD = block_tokens(self.kv_proj(x_BTD), first_BC, ratio, tiled)
+        gate_BCPD = block_tokens(self.gate_proj(x_BTD), first_BC, ratio, tiled)
         # Each channel's weights over the block's tokens, in fp32 as transformers' softmax.
         weights_BCPD = torch.softmax(upcast(gate_BCPD) + upcast(self.position_bias), dim=2)
         rows_BCD = self.kv_norm((kv_BCPD * weights_BCPD.type_as(kv_BCPD)).sum(2))
-        # A row rotates at its block's first position in the document (transformers:
-        # block index * ratio).
-        if layout.positions is None:
-            first_position_BC = first_BC
-        else:
-            first_position_BC = layout.positions.long().expand(batch, -1).gather(1, first_BC)
-        cos, sin = rotary_cos_sin_at(args, first_position_BC, x_BTD)
-        rows_BCD = rotate_trailing(rows_BCD[:, :, None], cos, sin)[:, :, 0]
-        return rows_BCD, self.visible_rows(layout, seq_len, first_BC, complete_BC)
-
-    def visible_rows(self, layout: TokenLayout, seq_len: int, first_BC: torch.Tensor,
-                     complete_BC: torch.Tensor) -> torch.Tensor:
-        """[B, T, C]: the query's document's complete blocks whose last token is at or before
-        the query ((t + 1) // ratio rows at position t)."""
-        order_BT = layout.row_order(seq_len, first_BC.device).expand(first_BC.shape[0], -1)
-        last_order_BC = order_BT.gather(1, first_BC) + self.args.compress_ratio - 1
-        visible_BTC = (last_order_BC[:, None, :] <= order_BT[:, :, None]) & complete_BC[:, None]
-        if layout.seq_idx is not None:
-            seq_idx_BT = layout.seq_idx.expand(first_BC.shape[0], -1)
-            visible_BTC &= seq_idx_BT.gather(1, first_BC)[:, None, :] == seq_idx_BT[:, :, None]
-        return visible_BTC
+        rows_BCD = rotate_rows(args, rows_BCD, first_BC, layout)
+        return rows_BCD, visible_rows(layout, seq_len, first_BC, complete_BC, ratio)
 
     def init_weights(self, *, init_std: float) -> None:
         init_linear(self.kv_proj, std=init_std)
@@ -194,17 +204,21 @@ class HeavilyCompressedAttention(SlidingWindowAttention):
         self.compressor.init_weights(init_std=init_std)
 
 
-def _validate(args: DeepseekV4CompressedAttentionArgs, dim: int) -> None:
-    validate_shapes(args, "heavily_compressed_attention")
+def validate_compressed(args: DeepseekV4CompressedAttentionArgs, name: str) -> None:
+    """ValueError, naming the args section `name`, for what the compressed kinds cannot take."""
+    validate_shapes(args, name)
     if args.compress_ratio < 1:
-        raise ValueError(f"heavily_compressed_attention: compress_ratio={args.compress_ratio} "
-                         "must be at least 1")
+        raise ValueError(f"{name}: compress_ratio={args.compress_ratio} must be at least 1")
     if args.rope_scaling_factor < 1:
-        raise ValueError("heavily_compressed_attention: rope_scaling_factor="
-                         f"{args.rope_scaling_factor} must be at least 1 (1: no YaRN)")
+        raise ValueError(f"{name}: rope_scaling_factor={args.rope_scaling_factor} must be at "
+                         "least 1 (1: no YaRN)")
     if args.rope_scaling_factor != 1 and args.original_max_position_embeddings < 1:
-        raise ValueError("heavily_compressed_attention: original_max_position_embeddings="
+        raise ValueError(f"{name}: original_max_position_embeddings="
                          f"{args.original_max_position_embeddings} must be at least 1")
+
+
+def _validate(args: DeepseekV4CompressedAttentionArgs, dim: int) -> None:
+    validate_compressed(args, "heavily_compressed_attention")
 
 
 def _core_flops(args: DeepseekV4CompressedAttentionArgs, dim: int, seq_len: int) -> int:
@@ -215,6 +229,9 @@ def _core_flops(args: DeepseekV4CompressedAttentionArgs, dim: int, seq_len: int)
     keys = min(args.sliding_window, seq_len) + seq_len // args.compress_ratio
     return 4 * keys * args.head_dim * args.n_heads + 2 * args.head_dim
 
+
+# transformers' deepseek_v4 layer type (checkpoint/hf_deepseek_v4.py)
+HF_LAYER_TYPE = "heavily_compressed_attention"
 
 KIND = LayerKind(
     symbol="H", args_type=DeepseekV4CompressedAttentionArgs,

@@ -217,12 +217,14 @@ def attend_selected(q_BTHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Te
 
 def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
                    support_BTS: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(target || softmax(scores)) over the keys in `support`."""
+    """Mean over the queries with a key in `support` of KL(target || softmax(scores)) over
+    those keys (every DSA query has one, itself; a DeepSeek-V4 `C` query may see no
+    compressed row yet)."""
     outside = ~support_BTS
     log_q = torch.log_softmax(scores_BTS.masked_fill(outside, float("-inf")), dim=-1)
     log_q = log_q.masked_fill(outside, 0.0)  # target is 0 there: no 0 * -inf
     kl = torch.xlogy(target_BTS, target_BTS) - target_BTS * log_q
-    return kl.sum(-1).mean()
+    return kl.sum() / support_BTS.any(-1).sum().clamp_min(1)
 
 
 def trains_indexer(args: DSAArgs) -> bool:
@@ -335,11 +337,14 @@ def _core_flops(args: DSAArgs, dim: int, seq_len: int) -> int:
     return mla_core_flops(args, keys) // 2 + seq_len * args.index_n_heads * args.index_head_dim
 
 
-def _indexer_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The indexer's KL before its coefficient, averaged over layers and microbatches (as
-    Megatron logs it), from the counters summed over layers and ranks."""
-    loss_sum, count = sums["indexer_loss_sum"].tolist()
-    return {"dsa/indexer_loss": loss_sum / count} if count else {}
+def indexer_loss_log(metric: str):
+    """The log of an indexer's KL before its coefficient under the name `metric`, averaged over
+    layers and microbatches (as Megatron logs it), from the counters summed over layers and
+    ranks."""
+    def log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        loss_sum, count = sums["indexer_loss_sum"].tolist()
+        return {metric: loss_sum / count} if count else {}
+    return log
 
 
 KIND = LayerKind(
@@ -353,5 +358,5 @@ KIND = LayerKind(
     # Summed over every rank that may hold other tokens or other layers.
     statistics=KindStatistics(counters=("indexer_loss_sum",),
                               summed_over=(DATA, CONTEXT, PIPELINE), per_layer=False,
-                              log=_indexer_log),
+                              log=indexer_loss_log("dsa/indexer_loss")),
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from titan_hybrid.model import (
     attention,
     deepseek_v4,
+    deepseek_v4_csa,
     deepseek_v4_hca,
     dsa,
     gdn,
@@ -27,5 +28,6 @@ from titan_hybrid.model.layer_kind import LayerKind
 
 LAYER_KINDS: dict[str, LayerKind] = {
     kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, attention.KIND, mla.KIND, dsa.KIND,
-                                   deepseek_v4.KIND, deepseek_v4_hca.KIND, mlp.KIND, moe.KIND)
+                                   deepseek_v4.KIND, deepseek_v4_csa.KIND, deepseek_v4_hca.KIND, mlp.KIND,
+                                   moe.KIND)
 }

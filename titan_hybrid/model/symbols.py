@@ -33,6 +33,8 @@ SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
                 namespace=SELF_ATTENTION),
     LayerSymbol(symbol="W", name="window_attention",
                 title="DeepSeek-V4 sliding-window attention", namespace=SELF_ATTENTION),
+    LayerSymbol(symbol="C", name="compressed_sparse_attention",
+                title="DeepSeek-V4 compressed sparse attention", namespace=SELF_ATTENTION),
     LayerSymbol(symbol="H", name="heavily_compressed_attention",
                 title="DeepSeek-V4 heavily compressed attention", namespace=SELF_ATTENTION),
     LayerSymbol(symbol="-", name="mlp", title="MLP", namespace=MLP),
@@ -43,4 +45,4 @@ SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
 # Self-attention and the MLA family (Megatron's "MLA/DSA/CSA/HCA/Window") may not both appear
 # in one model, main part and MTP depths together.
 SELF_ATTENTION_SYMBOL = "*"
-MLA_FAMILY = ("+", "D", "W", "H")
+MLA_FAMILY = ("+", "D", "C", "H", "W")
