@@ -28,6 +28,12 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
     dense [T, T] additive mask from create_sliding_window_causal_mask); same weights (same
     parameter names). Hidden 512, 8 heads of 128 (32 rotary), q_lora_rank 256, 4 output
     groups of rank 128, window 128.
+  * DeepSeek-V4 compressed sparse attention layer (issue 27, `C`):
+    `titan_hybrid.model.deepseek_v4_csa.CompressedSparseAttention` (indexer untrained, as
+    transformers' never trains) vs `DeepseekV4Attention` (layer type
+    "compressed_sparse_attention": overlapping blocks of 4, its indexer's top-k rows joined to
+    the window's keys by its block bias); the same shapes, 8 indexer heads of 64, top-128. The
+    indexer's parameters get no gradient in either, so they are not compared.
   * DeepSeek-V4 heavily compressed attention layer (issue 27, `H`):
     `titan_hybrid.model.deepseek_v4_hca.HeavilyCompressedAttention` vs `DeepseekV4Attention`
     (layer type "heavily_compressed_attention": its DeepseekV4HCACompressor's rows joined to
@@ -48,7 +54,7 @@ activations, autograd buffers and gradients, not weights or inputs (torch has no
 statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
 RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7, for the SSD scan, the Mamba2 mixer and the gated delta rule): at T = 2048,
-ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, H) have no target: measured only.
+ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, C, H) have no target: measured only.
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ from transformers.utils import logging as hf_logging
 from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs, SlidingWindowAttention
+from titan_hybrid.model.deepseek_v4_csa import (
+    CompressedSparseAttention,
+    DeepseekV4SparseAttentionArgs,
+)
 from titan_hybrid.model.deepseek_v4_hca import (
     DeepseekV4CompressedAttentionArgs,
     HeavilyCompressedAttention,
@@ -115,6 +125,8 @@ OPS = {  # op -> (label, baseline)
            "transformers DeepseekV4Attention (eager, dense mask)"),
     "v4_hca": ("DeepSeek-V4 heavily compressed attention layer",
                "transformers DeepseekV4Attention HCA (eager, dense mask)"),
+    "v4_csa": ("DeepSeek-V4 compressed sparse attention layer",
+               "transformers DeepseekV4Attention CSA (eager, dense mask)"),
 }
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -156,14 +168,19 @@ V4_SHAPES = dict(n_heads=8, head_dim=128, rope_head_dim=32, q_lora_rank=256, o_g
 
 
 def _deepseek_v4_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -> dict:
-    """Our V4 sliding-window (op "v4") or heavily compressed (op "v4_hca") layer and
-    transformers', with the mask and rotary tables its model builds, as make_case returns
-    them."""
+    """Our V4 sliding-window (op "v4"), compressed sparse ("v4_csa") or heavily compressed
+    ("v4_hca") layer and transformers', with the mask and rotary tables its model builds, as
+    make_case returns them."""
     torch.manual_seed(seed)
     if op == "v4":
         args = DeepseekV4AttentionArgs(**V4_SHAPES)
         ours = SlidingWindowAttention(dim=DIM, args=args)
         layer_type, rope_type = "sliding_attention", "main"
+    elif op == "v4_csa":
+        args = DeepseekV4SparseAttentionArgs(**V4_SHAPES, compress_ratio=4, index_n_heads=8,
+                                             index_head_dim=64, index_topk=128)
+        ours = CompressedSparseAttention(dim=DIM, args=args)
+        layer_type, rope_type = "compressed_sparse_attention", "compress"
     else:
         args = DeepseekV4CompressedAttentionArgs(**V4_SHAPES, compress_ratio=128)
         ours = HeavilyCompressedAttention(dim=DIM, args=args)
@@ -171,7 +188,7 @@ def _deepseek_v4_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -
     with torch.no_grad():
         ours.init_weights(init_std=0.02, out_std=0.02)
         ours.sinks.normal_()  # zeros at init: give the sink a part to play
-        if op == "v4_hca":  # zeros at init: let the positions in a block weigh differently
+        if op != "v4":  # zeros at init: let the positions in a block weigh differently
             ours.compressor.position_bias.normal_()
     config = DeepseekV4Config(
         hidden_size=DIM, num_attention_heads=args.n_heads, head_dim=args.head_dim,
@@ -180,6 +197,9 @@ def _deepseek_v4_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -
         rope_theta=args.rope_theta, compress_rope_theta=args.rope_theta,
         compress_rates={"compressed_sparse_attention": 4,
                         "heavily_compressed_attention": getattr(args, "compress_ratio", 128)},
+        index_n_heads=getattr(args, "index_n_heads", 64),
+        index_head_dim=getattr(args, "index_head_dim", 128),
+        index_topk=getattr(args, "index_topk", 512),
         rms_norm_eps=args.norm_eps, num_hidden_layers=1, layer_types=[layer_type],
         mlp_layer_types=["moe"], attn_implementation="eager")
     theirs = DeepseekV4Attention(config, layer_idx=0)
@@ -190,9 +210,13 @@ def _deepseek_v4_case(op: str, T: int, batch: int, x: torch.Tensor, seed: int) -
     rotary = {rope_type: DeepseekV4RotaryEmbedding(config)(x, position_ids, layer_type=rope_type)}
     layout = TokenLayout(positions=None, seq_idx=None)
 
-    def leaves(module):
-        return [x] + [p for _, p in sorted(module.named_parameters())]
-    return {"ours": (lambda: ours(x, layout), leaves(ours)),
+    def ours_fn():
+        out = ours(x, layout)
+        return out[0] if isinstance(out, tuple) else out
+
+    def leaves(module):  # C's indexer gets no gradient in either (untrained)
+        return [x] + [p for name, p in sorted(module.named_parameters()) if "indexer" not in name]
+    return {"ours": (ours_fn, leaves(ours)),
             "theirs": (lambda: theirs(x, rotary, position_ids, mask)[0], leaves(theirs))}
 
 
@@ -256,7 +280,7 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
                 "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
     if op in ("mla", "dsa"):
         return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
-    if op in ("v4", "v4_hca"):
+    if op in ("v4", "v4_csa", "v4_hca"):
         return _deepseek_v4_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     raise ValueError(op)
 
@@ -344,6 +368,8 @@ def main() -> None:
                         help="sequence lengths for the gated delta rule")
     parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the MLA, DSA and V4 layers")
+    parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS),
+                        help="which comparisons to run (default: all)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
@@ -362,7 +388,9 @@ def main() -> None:
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
                          ("gdn", args.gdn_seq_lens), ("mla", args.mla_seq_lens),
                          ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
-                         ("v4_hca", args.mla_seq_lens)):
+                         ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens)):
+        if op not in args.ops:
+            continue
         for T in seq_lens:
             res = compare(op, T, min(args.repeats, 3) if T >= 8192 else args.repeats)
             if not args.no_memory:
@@ -375,6 +403,8 @@ def main() -> None:
     head = ("| T | ours tok/s | baseline tok/s | speed ours/base (best; paired median) | "
             "ours peak MiB | baseline peak MiB | memory ours/base | max rel err out / grads |")
     for op, (label, baseline) in OPS.items():
+        if op not in args.ops:
+            continue
         print(f"\n{label} vs {baseline}, batch {BATCH}\n\n{head}\n" + "| --- " * 8 + "|")
         for row_op, T, r in rows:
             if row_op != op:

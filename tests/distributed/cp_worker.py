@@ -20,6 +20,8 @@ import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU ru
 from titan_hybrid.model.args import (
     AttentionArgs,
     DeepseekV4AttentionArgs,
+    DeepseekV4CompressedAttentionArgs,
+    DeepseekV4SparseAttentionArgs,
     DSAArgs,
     GDNArgs,
     MambaArgs,
@@ -52,6 +54,15 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
         window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=8, rope_head_dim=4,
                                                  q_lora_rank=16, o_groups=2, o_lora_rank=6,
                                                  sliding_window=6),
+        # Blocks of 3 (C, overlapping: a 5-token halo) and 4 (H: a 3-token halo) over 8-token
+        # pieces, so blocks straddle pieces; C keeps 3 of up to 10 rows and trains its indexer.
+        compressed_sparse_attention=DeepseekV4SparseAttentionArgs(
+            n_heads=4, head_dim=8, rope_head_dim=4, q_lora_rank=16, o_groups=2, o_lora_rank=6,
+            sliding_window=6, compress_ratio=3, index_n_heads=2, index_head_dim=8, index_topk=3,
+            indexer_loss_coeff=0.1),
+        heavily_compressed_attention=DeepseekV4CompressedAttentionArgs(
+            n_heads=4, head_dim=8, rope_head_dim=4, q_lora_rank=16, o_groups=2, o_lora_rank=6,
+            sliding_window=5, compress_ratio=4),
         mla=MLAArgs(n_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
                     qk_rope_head_dim=4, v_head_dim=6),
         # 6 of up to 32 keys per query, and a trained indexer.

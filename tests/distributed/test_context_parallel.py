@@ -87,15 +87,17 @@ def test_cp2_chunkwise_layers_match_one_device():
     """Mamba and GDN with state passing between pieces, next to attention, MLA and DSA;
     packed rows zigzagged as a whole, so documents start inside pieces, exactly at a piece's
     start, and span several pieces and both ranks."""
-    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-", "--linear-mode", "chunkwise",
-                         nproc=2)
-    assert list(results) == ["M*G-M", "M+-D-", "MW-"]  # MW-: DeepSeek-V4 window key halo
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-,MC-MH-W-", "--linear-mode",
+                         "chunkwise", nproc=2)
+    # MW-: DeepSeek-V4's window key halo; MC-MH-W-: its compressors' rows gathered (blocks
+    # straddling pieces, C's top-k and trained indexer).
+    assert list(results) == ["M*G-M", "M+-D-", "MW-", "MC-MH-W-"]
     _check(results)
 
 
 @pytest.mark.slow
 def test_cp4_chunkwise_layers_match_one_device():
-    _check(run_worker(WORKER, "--pattern", "M*G-M,MW-", "--mamba-groups", "1",
+    _check(run_worker(WORKER, "--pattern", "M*G-M,MW-,MC-MH-W-", "--mamba-groups", "1",
                       "--linear-mode", "chunkwise", nproc=4))
 
 

@@ -7,8 +7,9 @@ debug_v4_all ("MC-MH-MW-") has 64-token rows, 8-token windows in C and H and a 1
 W, blocks of 4 tokens (16 compressed rows a row, most of them beyond a query's window), and a
 C indexer that keeps 6 rows a query and trains (its KL joins the auxiliary loss);
 debug_v4_all_moe ("MC-MHEMWE") puts MoE layers after H and W. The layers' float64 checks
-(reference, transformers, TP split by hand) are in tests/unit/test_deepseek_v4*.py. W runs
-under CP2 by its key halo; C and H refuse CP by name."""
+(reference, transformers, TP split by hand) are in tests/unit/test_deepseek_v4*.py; their
+float64 CP2 / CP4 parity in tests/distributed/test_context_parallel.py. CP2 here: W's key halo,
+C's and H's rows gathered, with and without packed documents."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ LAYOUTS = {
     "fsdp2": (),
     "tp2": ("--parallelism.tensor_parallel_degree", "2"),
     # the same layers in two stages (STAGED)
-    "pp2": ("--parallelism.pipeline_parallel_degree", "2"),
+    "pp2": ("--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_microbatch_size", "2"),
     "ac + compile": ("--activation_checkpoint.mode", "full", "--compile.enable",
                      "--compile.backend", "aot_eager"),
 }
@@ -37,9 +39,13 @@ STAGED = {"debug_v4_all": "MC-M|H-MW-", "debug_v4_all_moe": "MC-MHE|MWE"}
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run, layout, flavor):
     job = ("--model.flavor", flavor, *STEPS)
+    reference_job = job
     if layout == "pp2":
         job += ("--hybrid.pattern", STAGED[flavor])
-    single = reference_run(*job).losses
+        # MoE's load-balancing loss is per microbatch: the reference accumulates the
+        # pipeline's 2-row microbatches (tests/distributed/test_pipeline.py).
+        reference_job = (*job, "--training.local_batch_size", "2")
+    single = reference_run(*reference_job).losses
     result = run_training(tmp_path, *job, *LAYOUTS[layout], nproc=2).check()
     if layout == "tp2":
         assert "Applied tensor parallel (sequence parallel: True)" in result.output
@@ -68,10 +74,13 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     assert resumed.losses == pytest.approx(uninterrupted[2:], rel=1e-5)
 
 
-def test_cp2_window_attention_gives_the_one_process_curve(tmp_path, reference_run):
-    """Each rank's pieces read the window's last keys from the piece before them (a 16-token
-    window over 16-token pieces); C and H refuse CP by name (tests/unit/test_deepseek_v4_*.py)."""
-    job = ("--model.flavor", "debug_v4", *STEPS)
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+def test_cp2_gives_the_one_process_curve(tmp_path, reference_run, documents):
+    """Each rank's pieces read the window's last keys from the piece before them (W's 16-token
+    window over 16-token pieces), and the C and H rows of every piece are gathered (blocks of 4
+    tokens, C's top-k over all of them, its indexer training)."""
+    job = ("--model.flavor", "debug_v4_all", *STEPS,
+           *(("--hybrid.document_masking",) if documents else ()))
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, "--parallelism.context_parallel_degree", "2",
                           nproc=2).check()

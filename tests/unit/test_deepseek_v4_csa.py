@@ -9,8 +9,8 @@
    compression block and a window, with a top-k that drops rows and one that keeps all.
 2. The indexer's training rule (DSA's, on compressed rows): the auxiliary output is the
    coefficient times the reference KL (dense support, sparse support), its gradient reaches
-   the indexer's parameters only and equals the reference's; queries with no visible row are
-   left out of the mean.
+   the indexer's parameters only and equals the reference's; queries with no visible row count
+   0 in the mean.
 3. transformers' DeepseekV4Attention (layer type "compressed_sparse_attention") loads our
    state dict 1:1 by name and gives the same output and gradients, on plain rows and (one
    document at a time) packed ones, with a top-k that drops rows.
@@ -91,7 +91,7 @@ def overlapping_rows(p: dict[str, torch.Tensor], prefix: str, x: torch.Tensor,
 def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor,
               positions: torch.Tensor, a: DeepseekV4SparseAttentionArgs
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, the indexer's KL: mean over queries that see a row)."""
+    """(output, the indexer's KL: mean over queries, 0 for those that see no row)."""
     batch, seq_len, _ = x.shape
     width = a.n_heads // a.o_groups * a.head_dim
     out_rows, kls = [], []
@@ -143,7 +143,8 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
             low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
             outputs.append(p["o_b_proj.weight"] @ low_rank)
         out_rows.append(torch.stack(outputs))
-    return torch.stack(out_rows), torch.stack(kls).mean()
+    # A query that sees no row counts 0 in the mean over all queries.
+    return torch.stack(out_rows), torch.stack(kls).sum() / (batch * seq_len)
 
 
 def _run_both(a, packed, seed=1):
@@ -315,11 +316,20 @@ def test_validation_names_the_field(changes, message):
         KIND.validate(small_args(**changes), DIM)
 
 
-def test_context_parallelism_is_refused_by_name():
-    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                      "64", "--parallelism.context_parallel_degree", "2"])
+def test_context_parallel_needs_pieces_as_long_as_the_compressor_halo():
+    """A piece reads the 2 * ratio - 1 tokens before it (the rest of a block and the block
+    before it): blocks of 4 need pieces of 7 tokens (seq 32 at CP 2 has 8, seq 24 has 6)."""
     args = copy.deepcopy(hybrid_flavors["debug_v4_all"])
     args.pattern = "MC-MC-"
-    with pytest.raises(ValueError, match=r"context parallelism \(head_a2a\) is not implemented "
-                       r"for DeepSeek-V4 compressed sparse attention \('C'\) layers; use CP = 1"):
-        validate_layout(job, args, 2)
+    args.compressed_sparse_attention.sliding_window = 4
+    for seq_len in (32, 24):
+        job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
+                                          str(seq_len), "--parallelism.context_parallel_degree",
+                                          "2"])
+        if seq_len == 32:
+            validate_layout(job, args, 2)
+            continue
+        with pytest.raises(ValueError, match=r"training.seq_len=24 with context_parallel_degree=2:"
+                           r" pieces of 6 tokens are shorter than the DeepSeek-V4 compressed "
+                           r"sparse attention compressor's halo \(7 tokens"):
+            validate_layout(job, args, 2)

@@ -341,11 +341,17 @@ def test_validation_names_the_field(changes, message):
         KIND.validate(small_args(**changes), DIM)
 
 
-def test_context_parallelism_is_refused_by_name():
-    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                      "64", "--parallelism.context_parallel_degree", "2"])
+def test_context_parallel_needs_pieces_as_long_as_the_compressor_halo():
+    """A piece reads the ratio - 1 tokens before it (the rest of a block that ends in it):
+    blocks of 4 need pieces of 3 tokens (seq 16 at CP 2 has 4, seq 8 has 2)."""
     args = copy.deepcopy(hybrid_flavors["debug_v4_hca"])
     args.pattern = "MH-MH-"
-    with pytest.raises(ValueError, match=r"context parallelism \(head_a2a\) is not implemented "
-                       r"for DeepSeek-V4 heavily compressed attention \('H'\) layers; use CP = 1"):
+    args.heavily_compressed_attention.sliding_window = 2
+    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
+                                      "16", "--parallelism.context_parallel_degree", "2"])
+    validate_layout(job, args, 2)
+    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
+                                      "8", "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ValueError, match=r"pieces of 2 tokens are shorter than the DeepSeek-V4 "
+                       r"heavily compressed attention compressor's halo \(3 tokens"):
         validate_layout(job, args, 2)

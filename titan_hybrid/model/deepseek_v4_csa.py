@@ -33,7 +33,8 @@ What differs from DSA: the candidates are compressed rows, not tokens, so the ta
 heads' softmax over the visible (or, with `sparse_loss`, the picked) rows alone, summed over
 heads and normalised; the window keys and the sink, which every query keeps whatever the
 indexer says, are not in it; and queries that see no row yet (the first ratio - 1 of each
-document) have no target and are left out of the mean.
+document) have no target and count 0 in the mean over queries (as many queries on every rank of
+a layout: the ranks' means average to the whole batch's).
 
 Parameters carry transformers' names (compressor.kv_proj, .gate_proj, .position_bias,
 .kv_norm, compressor.indexer.kv_proj, .gate_proj, .position_bias, .kv_norm, .q_b_proj,
@@ -54,12 +55,13 @@ from torch import nn
 from titan_hybrid.model.common import TensorParallelHeadSum, init_linear, upcast
 from titan_hybrid.model.deepseek_v4 import SlidingWindowAttention, rotate_trailing
 from titan_hybrid.model.deepseek_v4_hca import (
+    CompressedRows,
     DeepseekV4CompressedAttentionArgs,
+    block_last_order,
     block_tokens,
     compression_blocks,
     rotate_rows,
     validate_compressed,
-    visible_rows,
 )
 from titan_hybrid.model.dsa import (
     MODES,
@@ -69,7 +71,14 @@ from titan_hybrid.model.dsa import (
     query_blocks,
     trains_indexer,
 )
-from titan_hybrid.model.layer_kind import CONTEXT, DATA, PIPELINE, KindStatistics, LayerKind
+from titan_hybrid.model.layer_kind import (
+    CONTEXT,
+    DATA,
+    PIPELINE,
+    ContextParallelRule,
+    KindStatistics,
+    LayerKind,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -83,6 +92,11 @@ class DeepseekV4SparseAttentionArgs(DeepseekV4CompressedAttentionArgs):
     mode: str = "sparse"  # "dense": attention over every visible row (indexer warm-up)
     sparse_loss: bool = False  # the indexer's KL over the picked rows only
     indexer_loss_coeff: float = 0.0  # 0: the indexer is not trained
+
+    @property
+    def compressor_halo(self) -> int:
+        """A row also reads the block before its own: 2 * ratio - 1 tokens before a piece."""
+        return 2 * self.compress_ratio - 1
 
 
 class Blocks(NamedTuple):
@@ -163,13 +177,13 @@ class CSAIndexer(OverlappingCompressor):
                                   bias=False)
         self.scorer = IndexerScorer(dim=dim, args=args)
 
-    def forward(self, x_BTD: torch.Tensor, query_latent: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, blocks: Blocks, layout: TokenLayout):
-        """(queries [B, T, I, K], keys [B, C, K], head weights [B, T, I])."""
+    def queries(self, x_BTD: torch.Tensor, query_latent: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [B, T, I, K], head weights [B, T, I]); its keys are its `rows`."""
         args = self.args
         q = self.q_b_proj(query_latent).unflatten(-1, (args.index_n_heads, args.index_head_dim))
         weights = self.scorer.weights_proj(x_BTD) * args.index_n_heads ** -0.5
-        return rotate_trailing(q, cos, sin), self.rows(x_BTD, blocks, layout), weights
+        return rotate_trailing(q, cos, sin), weights
 
     def init_weights(self, *, init_std: float) -> None:
         super().init_weights(init_std=init_std)
@@ -181,6 +195,17 @@ class CSACompressor(OverlappingCompressor):
     def __init__(self, *, dim: int, args: DeepseekV4SparseAttentionArgs) -> None:
         super().__init__(dim=dim, width=args.head_dim, args=args)
         self.indexer = CSAIndexer(dim=dim, args=args)
+
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> CompressedRows:
+        """The rows and, from the detached input (the indexer learns from its own loss
+        only), the indexer's keys of the same blocks."""
+        args = self.args
+        batch, seq_len, _ = x_BTD.shape
+        blocks = overlapping_blocks(layout, batch, seq_len, args.compress_ratio, x_BTD.device)
+        return CompressedRows(
+            self.rows(x_BTD, blocks, layout), self.indexer.rows(x_BTD.detach(), blocks, layout),
+            block_last_order(layout, seq_len, blocks.first, args.compress_ratio),
+            blocks.complete)
 
     def init_weights(self, *, init_std: float) -> None:
         super().init_weights(init_std=init_std)
@@ -222,15 +247,14 @@ class CompressedSparseAttention(SlidingWindowAttention):
         no_loss = x_BTD.new_zeros((), dtype=torch.float32)
         if seq_len < args.compress_ratio:  # not one block: the window layer's attention
             return self.attend(q_BTHD, kv_BTD, cos, sin, layout), no_loss
-        blocks = overlapping_blocks(layout, batch, seq_len, args.compress_ratio, x_BTD.device)
-        rows_BCD = self.compressor.rows(x_BTD, blocks, layout)
-        visible_BTC = visible_rows(layout, seq_len, blocks.first, blocks.complete,
-                                   args.compress_ratio)
+        rows = self.compressor(x_BTD, layout)
+        visible_BTC = rows.visible_to(layout, seq_len)
         # Detached: the indexer learns from its own loss only (module docstring).
-        index = self.compressor.indexer(x_BTD.detach(), query_latent.detach(), cos, sin, blocks,
-                                        layout)
-        used_BTC, kl = self.select_rows(q_BTHD, rows_BCD, visible_BTC, *index)
-        out = self.attend(q_BTHD, kv_BTD, cos, sin, layout, rows_BCD, used_BTC)
+        index_q, index_weights = self.compressor.indexer.queries(
+            x_BTD.detach(), query_latent.detach(), cos, sin)
+        used_BTC, kl = self.select_rows(q_BTHD, rows.kv, visible_BTC, index_q, rows.index_keys,
+                                        index_weights)
+        out = self.attend(q_BTHD, kv_BTD, cos, sin, layout, rows.kv, used_BTC)
         if trains_indexer(args):
             with torch.no_grad():
                 value = kl.detach().to(self.indexer_loss_sum.dtype)
@@ -315,8 +339,9 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [
         ("compressed_sparse_attention.n_heads", args.n_heads),
         ("compressed_sparse_attention.o_groups", args.o_groups)],
-    # No context-parallel rule yet: CP refuses patterns with this kind, by name.
-    context_parallel=None,
+    # Context parallelism: the window's key halo, and the rows and indexer keys of every piece
+    # gathered, so the top-k sees the whole causal context (context_parallel_compressed.py).
+    context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
     # Summed over every rank that may hold other tokens or other layers.
     statistics=KindStatistics(counters=("indexer_loss_sum",),
                               summed_over=(DATA, CONTEXT, PIPELINE), per_layer=False,

@@ -41,6 +41,7 @@ tokens of a block (`compress_ratio`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ from titan_hybrid.model.deepseek_v4 import (
     validate_shapes,
     yarn_inverse_frequencies,
 )
-from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -81,6 +82,12 @@ class DeepseekV4CompressedAttentionArgs(DeepseekV4AttentionArgs):
             self.original_max_position_embeddings, self.beta_fast, self.beta_slow, dtype,
             device)
         return inv_freq, self.attention_factor
+
+    @property
+    def compressor_halo(self) -> int:
+        """Tokens before a block's first that its row reads, plus the rest of a block that
+        ends in a context-parallel piece but starts before it: ratio - 1 (no overlap)."""
+        return self.compress_ratio - 1
 
 
 def compression_blocks(layout: TokenLayout, seq_len: int, ratio: int, device: torch.device
@@ -134,17 +141,28 @@ def rotate_rows(args: DeepseekV4CompressedAttentionArgs, rows_BCD: torch.Tensor,
     return rotate_trailing(rows_BCD[:, :, None], cos, sin)[:, :, 0]
 
 
-def visible_rows(layout: TokenLayout, seq_len: int, first_BC: torch.Tensor,
-                 complete_BC: torch.Tensor, ratio: int) -> torch.Tensor:
-    """[B, T, C]: the query's document's complete blocks whose last token is at or before the
-    query ((t + 1) // ratio rows at position t)."""
+class CompressedRows(NamedTuple):
+    """A compressor's rows: every block slot of the rows ([B, C, ...]), complete or not."""
+    kv: torch.Tensor  # [B, C, D] rotated key / value rows
+    index_keys: torch.Tensor | None  # [B, C, K] the `C` indexer's keys of the same blocks
+    last_order: torch.Tensor  # [B, C] TokenLayout.row_order of each block's last token
+    complete: torch.Tensor  # [B, C] the slot holds a complete block
+
+    def visible_to(self, layout: TokenLayout, seq_len: int) -> torch.Tensor:
+        """[B, T, C]: each query sees its document's complete blocks whose last token is at or
+        before it ((t + 1) // ratio rows at position t). Documents are 2**32 apart in row
+        order, so the same document is the same order >> 32."""
+        order_BT1 = layout.row_order(seq_len, self.kv.device)[..., None]
+        last_order_B1C = self.last_order[:, None, :]
+        return ((last_order_B1C <= order_BT1) & (last_order_B1C >> 32 == order_BT1 >> 32)
+                & self.complete[:, None, :])
+
+
+def block_last_order(layout: TokenLayout, seq_len: int, first_BC: torch.Tensor,
+                     ratio: int) -> torch.Tensor:
+    """[B, C]: the row order of each block's last token (ratio - 1 after its first)."""
     order_BT = layout.row_order(seq_len, first_BC.device).expand(first_BC.shape[0], -1)
-    last_order_BC = order_BT.gather(1, first_BC) + ratio - 1
-    visible_BTC = (last_order_BC[:, None, :] <= order_BT[:, :, None]) & complete_BC[:, None]
-    if layout.seq_idx is not None:
-        seq_idx_BT = layout.seq_idx.expand(first_BC.shape[0], -1)
-        visible_BTC &= seq_idx_BT.gather(1, first_BC)[:, None, :] == seq_idx_BT[:, :, None]
-    return visible_BTC
+    return order_BT.gather(1, first_BC) + ratio - 1
 
 
 class HCACompressor(nn.Module):
@@ -159,9 +177,7 @@ class HCACompressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(args.compress_ratio, args.head_dim))
         self.kv_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [B, C, D], visible [B, T, C]: which rows each query sees)."""
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> CompressedRows:
         args = self.args
         ratio = args.compress_ratio
         batch, seq_len, _ = x_BTD.shape
@@ -174,7 +190,8 @@ class HCACompressor(nn.Module):
         weights_BCPD = torch.softmax(upcast(gate_BCPD) + upcast(self.position_bias), dim=2)
         rows_BCD = self.kv_norm((kv_BCPD * weights_BCPD.type_as(kv_BCPD)).sum(2))
         rows_BCD = rotate_rows(args, rows_BCD, first_BC, layout)
-        return rows_BCD, visible_rows(layout, seq_len, first_BC, complete_BC, ratio)
+        return CompressedRows(rows_BCD, None, block_last_order(layout, seq_len, first_BC, ratio),
+                              complete_BC)
 
     def init_weights(self, *, init_std: float) -> None:
         init_linear(self.kv_proj, std=init_std)
@@ -197,7 +214,8 @@ class HeavilyCompressedAttention(SlidingWindowAttention):
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if x_BTD.shape[1] < self.args.compress_ratio:
             return None, None  # not one block: the window layer's attention
-        return self.compressor(x_BTD, layout)
+        rows = self.compressor(x_BTD, layout)
+        return rows.kv, rows.visible_to(layout, x_BTD.shape[1])
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         super().init_weights(init_std=init_std, out_std=out_std)
@@ -240,6 +258,7 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [
         ("heavily_compressed_attention.n_heads", args.n_heads),
         ("heavily_compressed_attention.o_groups", args.o_groups)],
-    # No context-parallel rule yet: CP refuses patterns with this kind, by name.
-    context_parallel=None,
+    # Context parallelism: the window's key halo, and the rows of every piece gathered
+    # (parallel/context_parallel_compressed.py).
+    context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
 )

@@ -217,14 +217,14 @@ def attend_selected(q_BTHK: torch.Tensor, k_BSHK: torch.Tensor, v_BSHV: torch.Te
 
 def kl_from_target(target_BTS: torch.Tensor, scores_BTS: torch.Tensor,
                    support_BTS: torch.Tensor) -> torch.Tensor:
-    """Mean over the queries with a key in `support` of KL(target || softmax(scores)) over
-    those keys (every DSA query has one, itself; a DeepSeek-V4 `C` query may see no
-    compressed row yet)."""
+    """Mean over queries of KL(target || softmax(scores)) over the keys in `support`; a query
+    with none (a DeepSeek-V4 `C` query that sees no compressed row yet) counts 0, so that
+    every layout's ranks, each holding as many queries, average alike."""
     outside = ~support_BTS
     log_q = torch.log_softmax(scores_BTS.masked_fill(outside, float("-inf")), dim=-1)
     log_q = log_q.masked_fill(outside, 0.0)  # target is 0 there: no 0 * -inf
     kl = torch.xlogy(target_BTS, target_BTS) - target_BTS * log_q
-    return kl.sum() / support_BTS.any(-1).sum().clamp_min(1)
+    return kl.sum(-1).mean()
 
 
 def trains_indexer(args: DSAArgs) -> bool:

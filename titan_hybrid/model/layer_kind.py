@@ -60,6 +60,9 @@ class ContextParallelRule:
     core: str
     gather: tuple[str, ...] = ()
     head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
+    # A compressor submodule (DeepSeek-V4 `C`, `H`) whose rows every query may need, whatever
+    # rank holds their tokens: parallel/context_parallel_compressed.py gathers them.
+    compressor: str | None = None
 
 
 # The parallel dimensions over which a kind's statistics add up (KindStatistics.summed_over).

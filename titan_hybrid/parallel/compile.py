@@ -21,6 +21,9 @@ eagerly, as torchtitan does for its MoE blocks. In parts are compiled
   own inside the layer, and FSDP's hooks cannot run inside a graph, so the mixer's own
   submodules (its sequence core and its gated norm) are compiled, and its projections run
   between them.
+
+Compiling sets one process-wide dynamo option: a checkpointed graph may add to the kinds'
+statistics counters in forward, once per forward (compat.dynamo).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 from torchtitan.config.job_config import Compile
 
+from titan_hybrid.compat.dynamo import count_forward_side_effects_once_under_checkpoint
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.ops.kernels import probe_kernels
 
@@ -88,6 +92,8 @@ def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = 
     autocast on one device); `expert_parallel`: EP's dispatch hooks are on the experts."""
     if torch.cuda.is_available():
         probe_kernels()  # imports the kernel packages here: dynamo cannot trace an import
+    # Statistics counters that a checkpointed forward adds to (compat.dynamo).
+    count_forward_side_effects_once_under_checkpoint()
     whole_in_bf16 = bf16_compute and not expert_parallel
     for unit in compile_units(model):
         _compile_unit(unit, config, split_precision, whole_in_bf16)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hybrid.model import deepseek_v4, gdn, mamba
+from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca, gdn, mamba
 from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
@@ -35,6 +35,7 @@ from titan_hybrid.parallel.context_parallel_chunkwise import (
     ChunkwiseConvAndDeltaRule,
     ChunkwiseConvAndScan,
 )
+from titan_hybrid.parallel.context_parallel_compressed import ContextParallelCompressedRows
 from titan_hybrid.parallel.context_parallel_window import ContextParallelWindowHalo
 from titan_hybrid.parallel.zigzag import zigzag_index
 
@@ -222,16 +223,21 @@ class ContextParallelConvAndDeltaRule(nn.Module):
 # ContextParallelRule, for each `context_parallel_linear_mode`: Mamba2 and GDN exchange heads
 # for sequence (head_a2a) or pass states between sequence pieces (chunkwise,
 # context_parallel_chunkwise.py); DeepSeek-V4 window attention reads a key halo in both
-# (context_parallel_window.py).
+# (context_parallel_window.py), as do the compressed kinds, whose compressors' rows are
+# gathered (`ContextParallelRule.compressor`, context_parallel_compressed.py).
 CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ContextParallelConvAndScan,
     gdn.KIND.context_parallel: ContextParallelConvAndDeltaRule,
     deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
+    deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
+    deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
 }
 CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ChunkwiseConvAndScan,
     gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
     deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
+    deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
+    deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
 }
 LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
 
@@ -251,6 +257,9 @@ def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_
         wrapped = (ContextParallelGatherCore(core, cp_group, rule.gather) if rule.gather
                    else wrappers[rule](core, cp_group))
         setattr(layer.mixer, rule.core, wrapped)
+        if rule.compressor is not None:
+            ContextParallelCompressedRows.install(getattr(layer.mixer, rule.compressor),
+                                                  cp_group)
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, cp_group):

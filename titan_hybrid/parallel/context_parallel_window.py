@@ -5,7 +5,8 @@ of every row (parallel/zigzag.py), so all a piece lacks is the last window - 1 k
 piece before it in row order: one all-gather of every piece's last window - 1 latent keys
 (already rotated; the latent is also the value) and of their row order (document, position),
 whatever the sequence length. Each piece then runs the layer's own windowed attention over
-[halo | piece], with the halo's queries left out. The first piece of a row gets a halo that
+[halo | piece], with the halo's queries left out. The compressed kinds' rows (`C`, `H`) come
+in whole (context_parallel_compressed.py) and join each piece's softmax as they are. The first piece of a row gets a halo that
 no query may see. The backward is autograd's: the all-gather returns the halo keys' gradients
 to the ranks that hold them.
 """
@@ -29,8 +30,6 @@ class ContextParallelWindowHalo(nn.Module):
 
     def forward(self, q_BTHD, kv_BTD, sinks_H, layout: TokenLayout | None, extra_kv_BCD=None,
                 extra_visible_BTC=None):
-        if extra_kv_BCD is not None:
-            raise ValueError("context parallel window attention has no compressed keys")
         if layout is None or layout.positions is None:
             raise ValueError("context parallel needs the positions of the local tokens: call "
                              "the model with positions= (and seq_idx= for packed documents)")
@@ -44,5 +43,11 @@ class ContextParallelWindowHalo(nn.Module):
             halo_order[:batch, :halo] = _UNSEEN
         q = pieces.stack(q_BTHD)
         q = torch.cat((q.new_zeros(q.shape[0], halo, *q.shape[2:]), q), 1)
-        out = self.core(q, kv, sinks_H, TokenLayout(positions=halo_order, seq_idx=None))
+        if extra_kv_BCD is not None:  # the compressed rows: the same for both pieces
+            extra_kv_BCD = torch.cat((extra_kv_BCD, extra_kv_BCD))
+            visible = pieces.stack(extra_visible_BTC)
+            extra_visible_BTC = torch.cat((visible.new_zeros(visible.shape[0], halo,
+                                                             visible.shape[-1]), visible), 1)
+        out = self.core(q, kv, sinks_H, TokenLayout(positions=halo_order, seq_idx=None),
+                        extra_kv_BCD, extra_visible_BTC)
         return pieces.unstack(out[:, halo:])

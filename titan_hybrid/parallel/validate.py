@@ -147,6 +147,13 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
                 f"training.seq_len={seq_len} with context_parallel_degree={cp}: pieces of "
                 f"{piece} tokens are shorter than the {kind.title} window's halo "
                 f"({window - 1} tokens); use a longer sequence or a smaller CP degree")
+        compressor_halo = getattr(section, "compressor_halo", 0)
+        if piece < compressor_halo:
+            raise ValueError(
+                f"training.seq_len={seq_len} with context_parallel_degree={cp}: pieces of "
+                f"{piece} tokens are shorter than the {kind.title} compressor's halo "
+                f"({compressor_halo} tokens: the rest of a block and the block before it); use "
+                "a longer sequence or a smaller CP degree")
 
 
 def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
