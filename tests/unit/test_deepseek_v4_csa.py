@@ -37,7 +37,7 @@ from tests.unit.test_deepseek_v4 import (
     randomize_,
     token_layout,
 )
-from tests.unit.test_deepseek_v4_hca import hf_forward
+from tests.unit.test_deepseek_v4_hca import hf_forward_by_document
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.deepseek_v4_csa import (
@@ -243,15 +243,7 @@ def test_layer_matches_transformers_deepseek_v4_attention(packed):
     torch.manual_seed(4)
     x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
-    if not packed:
-        expected = hf_forward(hf, config, x)
-    else:  # transformers compresses whole rows: give it one document at a time
-        rows = []
-        for b in range(2):
-            cuts = [0, *(torch.nonzero(seq_idx[b].diff()).flatten() + 1).tolist(), SEQ]
-            rows.append(torch.cat([hf_forward(hf, config, x[b:b + 1, start:end])
-                                   for start, end in zip(cuts, cuts[1:])], dim=1))
-        expected = torch.cat(rows)
+    expected = hf_forward_by_document(hf, config, x, seq_idx if packed else None)
     got = ours(x, layout)[0]
     # transformers computes its rotary angles in fp32 (positions.float() * inv_freq): 1e-6.
     assert _relative(got, expected) < 1e-6

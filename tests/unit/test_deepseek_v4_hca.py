@@ -283,17 +283,22 @@ def test_layer_matches_transformers_deepseek_v4_attention(packed, rope):
     torch.manual_seed(4)
     x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
-
-    if not packed:
-        expected = hf_forward(hf, config, x)
-    else:  # transformers compresses whole rows: give it one document at a time
-        rows = []
-        for b in range(2):
-            cuts = [0, *(torch.nonzero(seq_idx[b].diff()).flatten() + 1).tolist(), SEQ]
-            rows.append(torch.cat([hf_forward(hf, config, x[b:b + 1, start:end])
-                                   for start, end in zip(cuts, cuts[1:])], dim=1))
-        expected = torch.cat(rows)
+    expected = hf_forward_by_document(hf, config, x, seq_idx if packed else None)
     assert_matches_transformers(ours, hf, x, layout, expected, grad_out)
+
+
+def hf_forward_by_document(hf: torch.nn.Module, config: DeepseekV4Config, x: torch.Tensor,
+                           seq_idx: torch.Tensor | None) -> torch.Tensor:
+    """hf_forward on whole rows, or (packed rows: transformers compresses whole rows) on one
+    document at a time."""
+    if seq_idx is None:
+        return hf_forward(hf, config, x)
+    rows = []
+    for b in range(x.shape[0]):
+        cuts = [0, *(torch.nonzero(seq_idx[b].diff()).flatten() + 1).tolist(), x.shape[1]]
+        rows.append(torch.cat([hf_forward(hf, config, x[b:b + 1, start:end])
+                               for start, end in zip(cuts, cuts[1:])], dim=1))
+    return torch.cat(rows)
 
 
 # ----------------------------------------------------------------------------- table rules

@@ -69,6 +69,7 @@ from titan_hybrid.model.dsa import (
     indexer_loss_log,
     kl_from_target,
     query_blocks,
+    record_indexer_loss,
     trains_indexer,
 )
 from titan_hybrid.model.layer_kind import (
@@ -255,10 +256,7 @@ class CompressedSparseAttention(SlidingWindowAttention):
         used_BTC, kl = self.select_rows(q_BTHD, rows.kv, visible_BTC, index_q, rows.index_keys,
                                         index_weights)
         out = self.attend(q_BTHD, kv_BTD, cos, sin, layout, rows.kv, used_BTC)
-        if trains_indexer(args):
-            with torch.no_grad():
-                value = kl.detach().to(self.indexer_loss_sum.dtype)
-                self.indexer_loss_sum += torch.stack((value, torch.ones_like(value)))
+        record_indexer_loss(self.indexer_loss_sum, kl, args)
         return out, kl * args.indexer_loss_coeff
 
     def select_rows(self, q_BTHD, rows_BCD, visible_BTC, index_q_BTIK, index_k_BCK,

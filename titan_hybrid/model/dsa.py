@@ -232,6 +232,16 @@ def trains_indexer(args: DSAArgs) -> bool:
     return args.indexer_loss_coeff > 0 and torch.is_grad_enabled()
 
 
+def record_indexer_loss(counter: torch.Tensor, kl: torch.Tensor, args: DSAArgs) -> None:
+    """Add (KL, 1) to a layer's `indexer_loss_sum` counter (KindStatistics) in a forward that
+    computed the KL. Which forwards count in the log (not validation's) is
+    titan_hybrid.kind_statistics' rule, the same for every kind."""
+    if trains_indexer(args):
+        with torch.no_grad():
+            value = kl.detach().to(counter.dtype)
+            counter += torch.stack((value, torch.ones_like(value)))
+
+
 class SparseLatentAttentionCore(nn.Module):
     """Top-k selection, attention over the selected keys, and the indexer's KL divergence
     (before its coefficient; 0 when the indexer does not train)."""
@@ -295,12 +305,7 @@ class DeepSeekSparseAttention(MultiLatentAttention):
         index_q, index_k, weights = self.indexer(x_BTD.detach(), query_latent.detach(), cos, sin)
         out, kl = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k, weights,
                             layout, layout)
-        # Only a forward that computed the KL has one to record. Which forwards count in the
-        # log (not validation's) is titan_hybrid.kind_statistics' rule, the same for every kind.
-        if trains_indexer(self.args):
-            with torch.no_grad():
-                value = kl.detach().to(self.indexer_loss_sum.dtype)
-                self.indexer_loss_sum += torch.stack((value, torch.ones_like(value)))
+        record_indexer_loss(self.indexer_loss_sum, kl, self.args)
         return self.o_proj(out.flatten(2)), kl * self.args.indexer_loss_coeff
 
     def reset_indexer_statistics(self) -> None:
