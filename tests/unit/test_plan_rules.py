@@ -33,6 +33,9 @@ ALLOWED = {
     ("parallel/compile.py", "module.forward"): "compiled code in place, as Module.compile",
     ("parallel/context_parallel.py", "setattr(layer.mixer, rule.core, wrapped)"):
         "a submodule replaced by its CP wrapper, as torch's parallelize_module does",
+    ("parallel/context_parallel_compressed.py", "compressor.forward"):
+        "the compressor's forward wrapped in place for CP, as compile does: its parameters "
+        "keep their names",
     ("parallel/ep_overlap.py", "dispatcher.overlap"):
         "the plan's dispatcher (a plain object, not a module) learns its coordinator",
     ("parallel/zero1.py", "param.grad"): "torch's own gradient slot",
