@@ -74,15 +74,19 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     assert resumed.losses == pytest.approx(uninterrupted[2:], rel=1e-5)
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
-def test_cp2_gives_the_one_process_curve(tmp_path, reference_run, documents):
+@pytest.mark.parametrize("documents, extra", [
+    (False, ()), (True, ()),
+    (True, ("--activation_checkpoint.mode", "full", "--compile.enable", "--compile.backend",
+            "aot_eager"))], ids=["plain", "documents", "documents-ac-compile"])
+def test_cp2_gives_the_one_process_curve(tmp_path, reference_run, documents, extra):
     """Each rank's pieces read the window's last keys from the piece before them (W's 16-token
     window over 16-token pieces), and the C and H rows of every piece are gathered (blocks of 4
-    tokens, C's top-k over all of them, its indexer training)."""
+    tokens, C's top-k over all of them, its indexer training); also under full activation
+    checkpointing with compile."""
     job = ("--model.flavor", "debug_v4_all", *STEPS,
            *(("--hybrid.document_masking",) if documents else ()))
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, "--parallelism.context_parallel_degree", "2",
-                          nproc=2).check()
+                          *extra, nproc=2).check()
     assert "Applied context parallel over 2 ranks" in result.output
     assert result.losses == pytest.approx(single, rel=1e-5)
