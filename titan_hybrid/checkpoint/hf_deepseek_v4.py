@@ -6,7 +6,7 @@ counterpart here, so no whole V4 checkpoint maps onto a hybrid model. Its attent
 our `W`, `C` and `H` layers carry transformers' DeepseekV4Attention parameter names, so the
 j-th V4 attention layer of our pattern (physical order, main part) is HF decoder layer j's
 `model.layers.{j}.self_attn.*`, with layer type `sliding_attention`, `compressed_sparse_attention`
-or `heavily_compressed_attention` (each kind module's HF_LAYER_TYPE).
+or `heavily_compressed_attention` (each kind's `hf_names["deepseek_v4"].block_type`).
 
 - `to_deepseek_v4_attention`: our state dict -> those keys; `deepseek_v4_attention_config`: the
   config fields they need (layer_types and the attention shapes, which transformers holds once
@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.deepseek_v4_csa import DeepseekV4SparseAttentionArgs
+from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
+HF_FORMAT = "deepseek_v4"  # the key of this format's names in LayerKind.hf_names
 # Our kind of each transformers layer type.
-V4_KINDS: dict[str, LayerKind] = {module.HF_LAYER_TYPE: module.KIND for module in (
-    deepseek_v4, deepseek_v4_csa, deepseek_v4_hca)}
+V4_KINDS: dict[str, LayerKind] = {kind.hf_names[HF_FORMAT].block_type: kind
+                                  for kind in LAYER_KINDS.values() if HF_FORMAT in kind.hf_names}
 FORMAT = "DeepSeek-V4 attention blocks"
 
 
@@ -99,7 +102,7 @@ def deepseek_v4_attention_config(args: HybridModelArgs) -> dict:
             put(theirs, getattr(section, ours), f"{name}.{ours}")
         put("partial_rotary_factor", section.rope_head_dim / section.head_dim,
             f"{name}.rope_head_dim / head_dim")
-        if layer_type == deepseek_v4.HF_LAYER_TYPE:
+        if not isinstance(section, DeepseekV4CompressedAttentionArgs):  # W: the main table
             put("rope_theta", section.rope_theta, f"{name}.rope_theta")
             continue
         put("compress_rope_theta", section.rope_theta, f"{name}.rope_theta")
@@ -111,7 +114,7 @@ def deepseek_v4_attention_config(args: HybridModelArgs) -> dict:
                     "beta_fast": section.beta_fast, "beta_slow": section.beta_slow,
                     "attention_factor": section.attention_factor}
         put("rope_parameters", yarn, f"{name}'s YaRN fields")
-        if layer_type == deepseek_v4_csa.HF_LAYER_TYPE:
+        if isinstance(section, DeepseekV4SparseAttentionArgs):  # C: its indexer
             for field in ("index_n_heads", "index_head_dim", "index_topk"):
                 put(field, getattr(section, field), f"{name}.{field}")
     return config

@@ -36,7 +36,7 @@ from torch import nn
 
 from titan_hybrid.model.attention import apply_rotary_pairs
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
-from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -310,9 +310,6 @@ def _core_flops(args: DeepseekV4AttentionArgs, dim: int, seq_len: int) -> int:
     return 4 * min(args.sliding_window, seq_len) * args.head_dim * args.n_heads
 
 
-# transformers' deepseek_v4 layer type (checkpoint/hf_deepseek_v4.py)
-HF_LAYER_TYPE = "sliding_attention"
-
 KIND = LayerKind(
     symbol="W", args_type=DeepseekV4AttentionArgs,
     build=lambda args, dim, norm_eps: SlidingWindowAttention(dim=dim, args=args),
@@ -322,4 +319,6 @@ KIND = LayerKind(
     # Context parallelism: each rank's pieces read the window's keys from the piece before
     # them (parallel/context_parallel_window.py).
     context_parallel=ContextParallelRule(core="window_core"),
+    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
+    hf_names={"deepseek_v4": HFNames(block_type="sliding_attention", renames={})},
 )

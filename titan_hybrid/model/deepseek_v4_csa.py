@@ -77,6 +77,7 @@ from titan_hybrid.model.layer_kind import (
     DATA,
     PIPELINE,
     ContextParallelRule,
+    HFNames,
     KindStatistics,
     LayerKind,
 )
@@ -327,9 +328,6 @@ def _core_flops(args: DeepseekV4SparseAttentionArgs, dim: int, seq_len: int) -> 
             + 4 * (args.head_dim + args.index_head_dim))
 
 
-# transformers' deepseek_v4 layer type (checkpoint/hf_deepseek_v4.py)
-HF_LAYER_TYPE = "compressed_sparse_attention"
-
 KIND = LayerKind(
     symbol="C", args_type=DeepseekV4SparseAttentionArgs,
     build=lambda args, dim, norm_eps: CompressedSparseAttention(dim=dim, args=args),
@@ -340,6 +338,8 @@ KIND = LayerKind(
     # Context parallelism: the window's key halo, and the rows and indexer keys of every piece
     # gathered, so the top-k sees the whole causal context (context_parallel_compressed.py).
     context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
+    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
+    hf_names={"deepseek_v4": HFNames(block_type="compressed_sparse_attention", renames={})},
     # Summed over every rank that may hold other tokens or other layers.
     statistics=KindStatistics(counters=("indexer_loss_sum",),
                               summed_over=(DATA, CONTEXT, PIPELINE), per_layer=False,

@@ -55,7 +55,7 @@ from titan_hybrid.model.deepseek_v4 import (
     validate_shapes,
     yarn_inverse_frequencies,
 )
-from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -248,9 +248,6 @@ def _core_flops(args: DeepseekV4CompressedAttentionArgs, dim: int, seq_len: int)
     return 4 * keys * args.head_dim * args.n_heads + 2 * args.head_dim
 
 
-# transformers' deepseek_v4 layer type (checkpoint/hf_deepseek_v4.py)
-HF_LAYER_TYPE = "heavily_compressed_attention"
-
 KIND = LayerKind(
     symbol="H", args_type=DeepseekV4CompressedAttentionArgs,
     build=lambda args, dim, norm_eps: HeavilyCompressedAttention(dim=dim, args=args),
@@ -261,4 +258,6 @@ KIND = LayerKind(
     # Context parallelism: the window's key halo, and the rows of every piece gathered
     # (parallel/context_parallel_compressed.py).
     context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
+    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
+    hf_names={"deepseek_v4": HFNames(block_type="heavily_compressed_attention", renames={})},
 )
