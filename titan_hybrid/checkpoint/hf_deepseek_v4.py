@@ -22,8 +22,6 @@ from __future__ import annotations
 import torch
 
 from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.model.deepseek_v4_csa import DeepseekV4SparseAttentionArgs
-from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
@@ -102,7 +100,7 @@ def deepseek_v4_attention_config(args: HybridModelArgs) -> dict:
             put(theirs, getattr(section, ours), f"{name}.{ours}")
         put("partial_rotary_factor", section.rope_head_dim / section.head_dim,
             f"{name}.rope_head_dim / head_dim")
-        if not isinstance(section, DeepseekV4CompressedAttentionArgs):  # W: the main table
+        if not hasattr(section, "compress_ratio"):  # W: the "main" rotary table
             put("rope_theta", section.rope_theta, f"{name}.rope_theta")
             continue
         put("compress_rope_theta", section.rope_theta, f"{name}.rope_theta")
@@ -114,7 +112,7 @@ def deepseek_v4_attention_config(args: HybridModelArgs) -> dict:
                     "beta_fast": section.beta_fast, "beta_slow": section.beta_slow,
                     "attention_factor": section.attention_factor}
         put("rope_parameters", yarn, f"{name}'s YaRN fields")
-        if isinstance(section, DeepseekV4SparseAttentionArgs):  # C: its indexer
+        if hasattr(section, "index_topk"):  # C: its indexer
             for field in ("index_n_heads", "index_head_dim", "index_topk"):
                 put(field, getattr(section, field), f"{name}.{field}")
     return config
