@@ -41,12 +41,15 @@ DIM, SEQ = 24, 21
 ROW_DOCUMENTS = ([0, 9, 21], [0, 4, 5, 18, 21])
 
 
+# Sizes all different (6 heads of 10 channels, 4 rotary, 3 groups of 2 heads, ranks 14 / 7),
+# so that swapped sizes fail; a window of 5 tokens in 21-token rows. The compressed kinds'
+# tests start from these too.
+SMALL_FIELDS = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
+                    o_lora_rank=7, sliding_window=5, rope_theta=100.0, norm_eps=1e-6)
+
+
 def small_args(**changes) -> DeepseekV4AttentionArgs:
-    """Sizes all different (6 heads of 10 channels, 4 rotary, 3 groups of 2 heads, ranks
-    14 / 7), so that swapped sizes fail; a window of 5 tokens in 21-token rows."""
-    fields = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
-                  o_lora_rank=7, sliding_window=5, rope_theta=100.0, norm_eps=1e-6)
-    return DeepseekV4AttentionArgs(**(fields | changes))
+    return DeepseekV4AttentionArgs(**(SMALL_FIELDS | changes))
 
 
 def token_layout(packed: bool) -> tuple[TokenLayout, torch.Tensor, torch.Tensor]:
@@ -76,17 +79,40 @@ def _rotate(x: torch.Tensor, position: int, a: DeepseekV4AttentionArgs, sign: fl
     return torch.cat((plain, torch.view_as_real(pairs).flatten(-2)), dim=-1)
 
 
+def reference_projections(p: dict[str, torch.Tensor], x_TD: torch.Tensor,
+                          positions_T: torch.Tensor, a: DeepseekV4AttentionArgs):
+    """(query latent [T, q_lora_rank], each token's rotated queries [H, D], each token's
+    rotated latent key / value [D]) of one row."""
+    seq_len = x_TD.shape[0]
+    q_latent = _rms(x_TD @ p["q_a_proj.weight"].T, a.norm_eps) * p["q_a_norm.weight"]
+    q_all = _rms((q_latent @ p["q_b_proj.weight"].T).view(seq_len, a.n_heads, a.head_dim),
+                 a.norm_eps)
+    kv_all = _rms(x_TD @ p["kv_proj.weight"].T, a.norm_eps) * p["kv_norm.weight"]
+    positions = [int(position) for position in positions_T]
+    return (q_latent, [_rotate(q_all[t], positions[t], a, 1.0) for t in range(seq_len)],
+            [_rotate(kv_all[s], positions[s], a, 1.0) for s in range(seq_len)])
+
+
+def reference_output(p: dict[str, torch.Tensor], q_HD: torch.Tensor, kv_KD: torch.Tensor,
+                     position: int, a: DeepseekV4AttentionArgs) -> torch.Tensor:
+    """One query's output [dim]: softmax over its keys with the sink, the inverse rotation,
+    the grouped output projection."""
+    width = a.n_heads // a.o_groups * a.head_dim
+    weights = torch.exp(q_HD @ kv_KD.T / a.head_dim ** 0.5)  # [H, keys]
+    total = weights.sum(-1) + torch.exp(p["sinks"])
+    heads = _rotate((weights / total[:, None]) @ kv_KD, position, a, -1.0)  # [H, D]
+    groups = heads.reshape(a.o_groups, width)
+    blocks = p["o_a_proj.weight"].view(a.o_groups, a.o_lora_rank, width)
+    low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
+    return p["o_b_proj.weight"] @ low_rank
+
+
 def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor,
               positions: torch.Tensor, a: DeepseekV4AttentionArgs) -> torch.Tensor:
     batch, seq_len, _ = x.shape
-    width = a.n_heads // a.o_groups * a.head_dim
     rows = []
     for b in range(batch):
-        q_latent = _rms(x[b] @ p["q_a_proj.weight"].T, a.norm_eps) * p["q_a_norm.weight"]
-        q_all = _rms((q_latent @ p["q_b_proj.weight"].T).view(seq_len, a.n_heads, a.head_dim),
-                     a.norm_eps)
-        kv_all = _rms(x[b] @ p["kv_proj.weight"].T, a.norm_eps) * p["kv_norm.weight"]
-        kv_rotated = [_rotate(kv_all[s], int(positions[b, s]), a, 1.0) for s in range(seq_len)]
+        _, q_rotated, kv_rotated = reference_projections(p, x[b], positions[b], a)
         outputs = []
         for t in range(seq_len):
             t_pos = int(positions[b, t])
@@ -94,15 +120,7 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
                     and t_pos - a.sliding_window < int(positions[b, s]) <= t_pos]
             assert t in keys
             kv = torch.stack([kv_rotated[s] for s in keys])  # [keys, D]
-            q = _rotate(q_all[t], t_pos, a, 1.0)  # [H, D]
-            weights = torch.exp(q @ kv.T / a.head_dim ** 0.5)  # [H, keys]
-            total = weights.sum(-1) + torch.exp(p["sinks"])
-            heads = (weights / total[:, None]) @ kv  # [H, D]
-            heads = _rotate(heads, t_pos, a, -1.0)
-            groups = heads.reshape(a.o_groups, width)
-            blocks = p["o_a_proj.weight"].view(a.o_groups, a.o_lora_rank, width)
-            low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
-            outputs.append(p["o_b_proj.weight"] @ low_rank)
+            outputs.append(reference_output(p, q_rotated[t], kv, t_pos, a))
         rows.append(torch.stack(outputs))
     return torch.stack(rows)
 
@@ -171,15 +189,9 @@ def hf_config(a: DeepseekV4AttentionArgs) -> DeepseekV4Config:
 def test_layer_matches_transformers_deepseek_v4_attention(packed):
     a = small_args()
     config = hf_config(a)
-    hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
-    ours = SlidingWindowAttention(dim=DIM, args=a).to(torch.float64)
-    # The same parameters under the same names, none left over on either side.
-    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    ours, hf = transformers_twin(SlidingWindowAttention, a, config)
     layout, _, positions = token_layout(packed)
-    torch.manual_seed(4)
-    x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+    x, grad_out = parity_inputs()
 
     # What DeepseekV4Model.forward hands its layers: the sliding-window mask (packed rows are
     # found from restarting position ids) and the "main" rotary table.
@@ -194,17 +206,41 @@ def test_layer_matches_transformers_deepseek_v4_attention(packed):
     assert_matches_transformers(ours, hf, x, layout, expected, grad_out)
 
 
-def assert_matches_transformers(ours, hf, x, layout, expected, grad_out) -> None:
+def transformers_twin(layer_type, a, config: DeepseekV4Config):
+    """(ours, transformers' DeepseekV4Attention) with the same random weights, float64: the
+    same parameters under the same names, none left over on either side."""
+    hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
+    ours = layer_type(dim=DIM, args=a).to(torch.float64)
+    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return ours, hf
+
+
+def parity_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, the output's cotangent) of the transformers parity tests."""
+    torch.manual_seed(4)
+    return (torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True),
+            torch.randn(2, SEQ, DIM, dtype=torch.float64))
+
+
+def assert_matches_transformers(ours, hf, x, layout, expected, grad_out,
+                                no_gradient: str | None = None) -> None:
     """Our layer's output and its gradients (input and every parameter, by name) against
-    transformers' `expected` output of the same input and weights."""
-    expected_grads = torch.autograd.grad(expected, [x, *hf.parameters()], grad_out)
-    got = ours(x, layout)
-    got_grads = torch.autograd.grad(got, [x, *ours.parameters()], grad_out)
+    transformers' `expected` output of the same input and weights; the parameters under the
+    prefix `no_gradient` get none in either."""
+    expected_grads = torch.autograd.grad(expected, [x, *hf.parameters()], grad_out,
+                                         allow_unused=no_gradient is not None)
+    got = _output(ours(x, layout))
+    got_grads = torch.autograd.grad(got, [x, *ours.parameters()], grad_out,
+                                    allow_unused=no_gradient is not None)
     # transformers computes its rotary angles in fp32 (positions.float() * inv_freq): 1e-6.
     assert _relative(got, expected) < 1e-6
     hf_grads = dict(zip(["x", *dict(hf.named_parameters())], expected_grads, strict=True))
     for name, g in zip(["x", *dict(ours.named_parameters())], got_grads, strict=True):
-        assert _relative(g, hf_grads[name]) < 1e-6, name
+        if no_gradient is not None and name.startswith(no_gradient):
+            assert g is None and hf_grads[name] is None, name
+        else:
+            assert _relative(g, hf_grads[name]) < 1e-6, name
 
 
 # ----------------------------------------------------------------------------- table rules

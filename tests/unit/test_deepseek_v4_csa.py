@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,14 +29,23 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from tests.unit.test_deepseek_v4 import (
+    CONFIG,
+    DIM,
+    F64_TOL,
+    SEQ,
     _relative,
     _rms,
     _rotate,
+    assert_matches_transformers,
     assert_tensor_parallel_parts_sum_to_the_layer,
+    parity_inputs,
     randomize_,
+    reference_output,
+    reference_projections,
     token_layout,
+    transformers_twin,
 )
-from tests.unit.test_deepseek_v4_hca import hf_forward_by_document
+from tests.unit.test_deepseek_v4_hca import COMPRESSED_FIELDS, hf_forward_by_document
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.deepseek_v4_csa import (
@@ -48,17 +56,11 @@ from titan_hybrid.model.deepseek_v4_csa import (
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.parallel.validate import validate_layout
 
-CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
-F64_TOL = 1e-10  # relative: max |got - expected| / max |expected|
-DIM, SEQ = 24, 21  # token_layout's rows: documents [0, 9, 21] and [0, 4, 5, 18, 21]
-
 
 def small_args(**changes) -> DeepseekV4SparseAttentionArgs:
-    """test_deepseek_v4's sizes, blocks of 4 (documents start inside blocks at 9, 5, 18), 3
-    indexer heads of 8 channels (4 rotary), top-2 of up to 5 rows."""
-    fields = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
-                  o_lora_rank=7, sliding_window=5, rope_theta=300.0, norm_eps=1e-6,
-                  compress_ratio=4, index_n_heads=3, index_head_dim=8, index_topk=2)
+    """test_deepseek_v4_hca's sizes (blocks of 4; documents start inside blocks at 9, 5, 18),
+    3 indexer heads of 8 channels (4 rotary), top-2 of up to 5 rows."""
+    fields = COMPRESSED_FIELDS | dict(index_n_heads=3, index_head_dim=8, index_topk=2)
     return DeepseekV4SparseAttentionArgs(**(fields | changes))
 
 
@@ -93,14 +95,9 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, the indexer's KL: mean over queries, 0 for those that see no row)."""
     batch, seq_len, _ = x.shape
-    width = a.n_heads // a.o_groups * a.head_dim
     out_rows, kls = [], []
     for b in range(batch):
-        q_latent = _rms(x[b] @ p["q_a_proj.weight"].T, a.norm_eps) * p["q_a_norm.weight"]
-        q_all = _rms((q_latent @ p["q_b_proj.weight"].T).view(seq_len, a.n_heads, a.head_dim),
-                     a.norm_eps)
-        kv_all = _rms(x[b] @ p["kv_proj.weight"].T, a.norm_eps) * p["kv_norm.weight"]
-        kv_rotated = [_rotate(kv_all[s], int(positions[b, s]), a, 1.0) for s in range(seq_len)]
+        q_latent, q_rotated, kv_rotated = reference_projections(p, x[b], positions[b], a)
         index_q_all = (q_latent.detach() @ p["compressor.indexer.q_b_proj.weight"].T).view(
             seq_len, a.index_n_heads, a.index_head_dim)
         index_w_all = (x[b].detach() @ p["compressor.indexer.scorer.weights_proj.weight"].T
@@ -119,7 +116,7 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
             window = [kv_rotated[s] for s in documents[doc]
                       if t_pos - a.sliding_window < int(positions[b, s]) <= t_pos]
             seen = (t_pos + 1) // a.compress_ratio  # rows of blocks ending at or before t
-            q = _rotate(q_all[t], t_pos, a, 1.0)  # [H, D]
+            q = q_rotated[t]  # [H, D]
             picked = list(range(seen))
             if seen:
                 index_q = _rotate(index_q_all[t], t_pos, a, 1.0)  # [I, K]
@@ -127,7 +124,8 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
                 scores = (index_w_all[t][:, None] * torch.relu(index_q @ keys.T)
                           * a.index_head_dim ** -0.5).sum(0)  # [seen]
                 if a.mode == "sparse" and seen > a.index_topk:
-                    picked = sorted(range(seen), key=lambda w: -float(scores[w].detach()))[:a.index_topk]
+                    by_score = sorted(range(seen), key=lambda w: -float(scores[w].detach()))
+                    picked = by_score[:a.index_topk]
                 support = picked if a.sparse_loss else list(range(seen))
                 rows = torch.stack(rows_of[doc][:seen]).detach()
                 probs = torch.softmax((q.detach() @ rows[support].T) / a.head_dim ** 0.5, -1)
@@ -135,13 +133,7 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
                 kls.append((target * (target.log()
                                       - torch.log_softmax(scores[support], -1))).sum())
             kv = torch.stack(window + [rows_of[doc][w] for w in picked])  # [keys, D]
-            weights = torch.exp(q @ kv.T / a.head_dim ** 0.5)  # [H, keys]
-            total = weights.sum(-1) + torch.exp(p["sinks"])
-            heads = _rotate((weights / total[:, None]) @ kv, t_pos, a, -1.0)
-            groups = heads.reshape(a.o_groups, width)
-            blocks = p["o_a_proj.weight"].view(a.o_groups, a.o_lora_rank, width)
-            low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
-            outputs.append(p["o_b_proj.weight"] @ low_rank)
+            outputs.append(reference_output(p, q, kv, t_pos, a))
         out_rows.append(torch.stack(outputs))
     # A query that sees no row counts 0 in the mean over all queries.
     return torch.stack(out_rows), torch.stack(kls).sum() / (batch * seq_len)
@@ -234,29 +226,14 @@ def hf_config(a: DeepseekV4SparseAttentionArgs) -> DeepseekV4Config:
 def test_layer_matches_transformers_deepseek_v4_attention(packed):
     a = small_args()
     config = hf_config(a)
-    hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
+    ours, hf = transformers_twin(CompressedSparseAttention, a, config)
     assert isinstance(hf.compressor, hf_v4.DeepseekV4CSACompressor)
-    ours = CompressedSparseAttention(dim=DIM, args=a).to(torch.float64)
-    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
-    ours.load_state_dict(hf.state_dict(), strict=True)
     layout, seq_idx, _ = token_layout(packed)
-    torch.manual_seed(4)
-    x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+    x, grad_out = parity_inputs()
     expected = hf_forward_by_document(hf, config, x, seq_idx if packed else None)
-    got = ours(x, layout)[0]
-    # transformers computes its rotary angles in fp32 (positions.float() * inv_freq): 1e-6.
-    assert _relative(got, expected) < 1e-6
-    hf_names, our_names = list(dict(hf.named_parameters())), list(dict(ours.named_parameters()))
-    expected_grads = dict(zip(["x", *hf_names], torch.autograd.grad(
-        expected, [x, *hf.parameters()], grad_out, allow_unused=True), strict=True))
-    got_grads = dict(zip(["x", *our_names], torch.autograd.grad(
-        got, [x, *ours.parameters()], grad_out, allow_unused=True), strict=True))
-    for name in ["x", *our_names]:
-        if name.startswith("compressor.indexer."):  # the top-k's indices carry no gradient
-            assert got_grads[name] is None and expected_grads[name] is None, name
-        else:
-            assert _relative(got_grads[name], expected_grads[name]) < 1e-6, name
+    # The top-k's indices carry no gradient to the indexer, in either.
+    assert_matches_transformers(ours, hf, x, layout, expected, grad_out,
+                                no_gradient="compressor.indexer.")
 
 
 # ----------------------------------------------------------------------------- table rules

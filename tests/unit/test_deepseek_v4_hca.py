@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +29,22 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
 from tests.unit.test_deepseek_v4 import (
+    CONFIG,
+    DIM,
+    F64_TOL,
+    SEQ,
+    SMALL_FIELDS,
     _relative,
     _rms,
     _rotate,
     assert_matches_transformers,
     assert_tensor_parallel_parts_sum_to_the_layer,
+    parity_inputs,
     randomize_,
+    reference_output,
+    reference_projections,
     token_layout,
+    transformers_twin,
 )
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
@@ -54,18 +62,14 @@ from titan_hybrid.model.deepseek_v4_hca import (
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.parallel.validate import validate_layout
 
-CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
-F64_TOL = 1e-10  # relative: max |got - expected| / max |expected|
-DIM, SEQ = 24, 21  # token_layout's rows: documents [0, 9, 21] and [0, 4, 5, 18, 21]
+# test_deepseek_v4's sizes, blocks of 4 tokens: token_layout's packed rows (documents [0, 9,
+# 21] and [0, 4, 5, 18, 21]) have documents that start inside blocks of the row grid (at 9, 5,
+# 18) and inside windows of 5.
+COMPRESSED_FIELDS = SMALL_FIELDS | dict(rope_theta=300.0, compress_ratio=4)
 
 
 def small_args(**changes) -> DeepseekV4CompressedAttentionArgs:
-    """test_deepseek_v4's sizes (all different), blocks of 4 tokens: the packed rows' documents
-    start inside blocks of the row grid (at 9, 5, 18) and inside windows of 5."""
-    fields = dict(n_heads=6, head_dim=10, rope_head_dim=4, q_lora_rank=14, o_groups=3,
-                  o_lora_rank=7, sliding_window=5, rope_theta=300.0, norm_eps=1e-6,
-                  compress_ratio=4)
-    return DeepseekV4CompressedAttentionArgs(**(fields | changes))
+    return DeepseekV4CompressedAttentionArgs(**(COMPRESSED_FIELDS | changes))
 
 
 # ------------------------------------------------------------------------ float64 reference
@@ -88,14 +92,9 @@ def compressed_rows(p: dict[str, torch.Tensor], x: torch.Tensor, tokens: list[in
 def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor,
               positions: torch.Tensor, a: DeepseekV4CompressedAttentionArgs) -> torch.Tensor:
     batch, seq_len, _ = x.shape
-    width = a.n_heads // a.o_groups * a.head_dim
     out_rows = []
     for b in range(batch):
-        q_latent = _rms(x[b] @ p["q_a_proj.weight"].T, a.norm_eps) * p["q_a_norm.weight"]
-        q_all = _rms((q_latent @ p["q_b_proj.weight"].T).view(seq_len, a.n_heads, a.head_dim),
-                     a.norm_eps)
-        kv_all = _rms(x[b] @ p["kv_proj.weight"].T, a.norm_eps) * p["kv_norm.weight"]
-        kv_rotated = [_rotate(kv_all[s], int(positions[b, s]), a, 1.0) for s in range(seq_len)]
+        _, q_rotated, kv_rotated = reference_projections(p, x[b], positions[b], a)
         documents = {}
         for s in range(seq_len):
             documents.setdefault(int(seq_idx[b, s]), []).append(s)
@@ -110,14 +109,7 @@ def reference(p: dict[str, torch.Tensor], x: torch.Tensor, seq_idx: torch.Tensor
                     if (w + 1) * a.compress_ratio - 1 <= t_pos]
             assert len(rows) == (t_pos + 1) // a.compress_ratio
             kv = torch.stack(window + rows)  # [keys, D]
-            q = _rotate(q_all[t], t_pos, a, 1.0)  # [H, D]
-            weights = torch.exp(q @ kv.T / a.head_dim ** 0.5)  # [H, keys]
-            total = weights.sum(-1) + torch.exp(p["sinks"])
-            heads = _rotate((weights / total[:, None]) @ kv, t_pos, a, -1.0)
-            groups = heads.reshape(a.o_groups, width)
-            blocks = p["o_a_proj.weight"].view(a.o_groups, a.o_lora_rank, width)
-            low_rank = torch.cat([blocks[g] @ groups[g] for g in range(a.o_groups)])
-            outputs.append(p["o_b_proj.weight"] @ low_rank)
+            outputs.append(reference_output(p, q_rotated[t], kv, t_pos, a))
         out_rows.append(torch.stack(outputs))
     return torch.stack(out_rows)
 
@@ -273,16 +265,10 @@ def hf_forward(hf: torch.nn.Module, config: DeepseekV4Config, x: torch.Tensor) -
 def test_layer_matches_transformers_deepseek_v4_attention(packed, rope):
     a = small_args(**rope)
     config = hf_config(a)
-    hf = randomize_(hf_v4.DeepseekV4Attention(config, layer_idx=0), seed=3)
+    ours, hf = transformers_twin(HeavilyCompressedAttention, a, config)
     assert isinstance(hf.compressor, hf_v4.DeepseekV4HCACompressor)
-    ours = HeavilyCompressedAttention(dim=DIM, args=a).to(torch.float64)
-    # The same parameters under the same names, none left over on either side.
-    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
-    ours.load_state_dict(hf.state_dict(), strict=True)
     layout, seq_idx, _ = token_layout(packed)
-    torch.manual_seed(4)
-    x = torch.randn(2, SEQ, DIM, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(2, SEQ, DIM, dtype=torch.float64)
+    x, grad_out = parity_inputs()
     expected = hf_forward_by_document(hf, config, x, seq_idx if packed else None)
     assert_matches_transformers(ours, hf, x, layout, expected, grad_out)
 
