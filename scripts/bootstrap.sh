@@ -1,29 +1,55 @@
 #!/usr/bin/env bash
-# Create or reuse .venv at the repository root with titan_hybrid installed (editable).
-# On machines without CUDA, torch's CPU build is installed first so that nothing pulls a
-# multi-GB CUDA build. Sourced by run_train.sh and run_tests.sh.
+# Create or reuse the venv for one supported torch, with titan_hybrid installed (editable).
+# Sourced by run_train.sh and run_tests.sh; puts that venv's bin/ first on PATH.
+#
+#   TITAN_HYBRID_TORCH=2.13 (default)   .venv             torch 2.13.0, CPU build (a local file)
+#   TITAN_HYBRID_TORCH=2.11             .venv-torch-2.11  torch 2.11.0 + triton 3.6.0
+#   TITAN_HYBRID_TORCH=2.14             .venv-torch-2.14  torch 2.14.1 + triton 3.8.0
+#   TITAN_HYBRID_TORCH=2.15             .venv-torch-2.15  torch 2.15.0 + triton 3.9.0
+#
+# These are the versions CI runs (.ci/run), and the only ones titan_hybrid/compat accepts
+# (CHECKED_TORCH). The registry serves 2.11, 2.14 and 2.15 as CUDA builds (about 2.6 GB with
+# their libraries); they run on CPU too. On machines without CUDA, 2.13's CPU build is installed
+# first so that nothing pulls a multi-GB CUDA build for the default venv.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$REPO_ROOT/.venv"
+TORCH_LINE="${TITAN_HYBRID_TORCH:-2.13}"
+case "$TORCH_LINE" in
+    2.11) TORCH_VERSION=2.11.0 TRITON_VERSION=3.6.0 ;;
+    2.13) TORCH_VERSION=2.13.0 TRITON_VERSION=3.7.1 ;;
+    2.14) TORCH_VERSION=2.14.1 TRITON_VERSION=3.8.0 ;;
+    2.15) TORCH_VERSION=2.15.0 TRITON_VERSION=3.9.0 ;;
+    *) echo "error: TITAN_HYBRID_TORCH '$TORCH_LINE' is not one of 2.11 2.13 2.14 2.15" \
+            "(the torch versions CI runs)" >&2
+       exit 2 ;;
+esac
+if [ "$TORCH_LINE" = 2.13 ]; then VENV="$REPO_ROOT/.venv"; else VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.titan_hybrid_installed"
 
-if [ ! -x "$PY" ]; then
-    python3 -m venv "$VENV"
-fi
+# A GPU host takes 2.13's CUDA build (by version range, so pip may pick the matching local build).
+has_gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
+torch_requirement="torch==$TORCH_VERSION"
+if [ "$has_gpu" = 1 ] && [ "$TORCH_LINE" = 2.13 ]; then torch_requirement="torch==2.13.*"; fi
+want="$torch_requirement triton==$TRITON_VERSION gpu=$has_gpu $(cat "$REPO_ROOT/pyproject.toml" \
+    "$REPO_ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
+
 # This machine's pip configuration may name local package folders that do not exist; pip warns
 # about each one. Keep the rest of pip's output.
 quiet_pip() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; }
 
-if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ] \
-        || [ "$REPO_ROOT/scripts/bootstrap.sh" -nt "$STAMP" ]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        quiet_pip install --quiet "torch==2.13.*" "triton==3.7.1"
-        quiet_pip install --quiet -e "$REPO_ROOT[test]"
-        # GPU hosts install the real kernels themselves: README, "GPU path".
-    else
-        quiet_pip install --quiet "torch==2.13.0" "triton==3.7.1"
-        quiet_pip install --quiet -e "$REPO_ROOT[test]"
+if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+    echo "== bootstrap: installing $want into ${VENV#"$REPO_ROOT"/}" >&2
+    [ -x "$PY" ] || python3 -m venv "$VENV"
+    rm -f "$STAMP"
+    # The constraints keep the editable install from swapping torch or triton for whatever
+    # pyproject.toml's range would pick.
+    CONSTRAINTS="$VENV/torch-constraints.txt"
+    printf '%s\ntriton==%s\n' "$torch_requirement" "$TRITON_VERSION" > "$CONSTRAINTS"
+    quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION"
+    quiet_pip install --quiet -c "$CONSTRAINTS" -e "$REPO_ROOT[test]"
+    if [ "$has_gpu" = 0 ]; then
         # The GPU kernels' Python + Triton sources, which the triton_interpreter tests run in
         # Triton's interpreter (tests/triton_kernels.py), at the versions they were checked on.
         # Outside site-packages (--target): transformers switches its own torch paths to these
@@ -33,12 +59,23 @@ if [ ! -f "$STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$STAMP" ] \
         # import (einops, packaging) is already here. mamba-ssm is an sdist whose setup.py
         # imports torch (hence --no-build-isolation, and wheel for its bdist_wheel); the two
         # variables are its own: compile no CUDA extension, fetch no prebuilt wheel.
+        # GPU hosts install the real kernels themselves: README, "GPU path".
         KERNELS="$VENV/triton-interpreter-kernels"
         quiet_pip install --quiet wheel
         rm -rf "$KERNELS"
         MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE quiet_pip install --quiet --no-deps \
             --no-build-isolation --target "$KERNELS" "mamba-ssm==2.3.2.post1" "fla-core==0.6.0"
     fi
-    touch "$STAMP"
+    # Check that what ended up installed is what was asked for.
+    "$PY" - "$TORCH_LINE" "$TRITON_VERSION" <<'EOF'
+import sys
+from importlib.metadata import version
+torch_line, triton_version = sys.argv[1:]
+got_torch, got_triton = version("torch"), version("triton")
+if ".".join(got_torch.split(".")[:2]) != torch_line or got_triton != triton_version:
+    sys.exit(f"error: torch {got_torch} / triton {got_triton} installed, "
+             f"wanted torch {torch_line}.x / triton {triton_version}")
+EOF
+    echo "$want" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

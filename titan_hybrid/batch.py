@@ -13,7 +13,10 @@ def prepare_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, *,
     """(inputs, labels, extra_inputs, extra_kwargs) as torchtitan's trainer passes them on:
     the packed-document layout (`hybrid.document_masking`: `positions` / `seq_idx` in
     extra_kwargs, which reach every pipeline stage), then this CP rank's zigzag shard."""
-    inputs = input_dict["input"]
+    # Contiguous: a window sliced from [B, T + 1] tokens has row stride T + 1, and pipeline stages
+    # (torch 2.11 / 2.12) refuse inputs whose strides differ from the first step's, so batches
+    # from loaders that slice and loaders that do not (validation vs training) must agree.
+    inputs, labels = input_dict["input"].contiguous(), labels.contiguous()
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
     extra_kwargs = {}
     if document_masking:

@@ -51,7 +51,7 @@ def test_each_layer_and_group_is_a_unit(mesh, flavor, strategy):
     # The root unit holds no parameters: nothing (no Mamba layer in particular) stays gathered
     # for the whole step.
     assert unit_params(model) == []
-    # Every parameter is managed by exactly one unit (norm + output share one).
+    # Every parameter is managed by exactly one unit.
     states = {id(m._get_fsdp_state()): m for m in model.modules() if isinstance(m, FSDPModule)}
     managed = [name for m in states.values() for name in unit_params(m)]
     assert len(managed) == len(list(model.parameters()))

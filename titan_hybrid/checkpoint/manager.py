@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchtitan.components.checkpoint import (
     DATALOADER,
     LR_SCHEDULER,
@@ -58,7 +57,7 @@ from titan_hybrid.checkpoint.state import (
     map_layers_by_order,
 )
 from titan_hybrid.cluster import restart_count
-from titan_hybrid.compat.dcp import files_written_by
+from titan_hybrid.compat.dcp import background_stager, files_written_by
 from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
 from titan_hybrid.errors import JobError
 from titan_hybrid.model.common import TPLayout
@@ -117,9 +116,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
             # anew each time (most of what a save blocked). A stager of our own copies in a
             # background thread into buffers it keeps; torchtitan's train step waits for it
             # (maybe_wait_for_staging, enabled here) before the optimizer step.
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
-                use_non_blocking_copy=False))
+            self.stager = background_stager()
             self.enable_staging = True
 
     # ---- saving -------------------------------------------------------------------------

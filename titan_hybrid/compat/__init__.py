@@ -14,7 +14,9 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
 
     torchtitan.py  CheckpointManager / ModelWrapper hooks under public names; the device-type
                    globals (patch)
-    dcp.py         DCP's chunk protocol, data-less wrapper tensors, a DTensor shard's offsets
+    collectives.py the functional all-to-all, for context parallelism inside compiled graphs
+    dcp.py         DCP's chunk protocol, data-less wrapper tensors, a DTensor shard's offsets;
+                   the background stager that keeps its buffers (a 2.11 / 2.12 path)
     fsdp.py        FSDP2's `replicate` (DDP); plain SUM gradient reduction on CPU (patch)
     nn.py          nn.Module's own parameter registry
     pipelining.py  torch's pipelining runtime, for custom (overlapped) actions; schedules'

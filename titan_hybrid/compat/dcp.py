@@ -1,7 +1,7 @@
 """Distributed checkpoint internals: tensors that DCP saves and loads chunk by chunk.
 
-Checked on torch 2.11-2.14 (the same DCP protocol, write-item types and shard-offset function
-in all four).
+Checked on torch 2.11, 2.13, 2.14 and 2.15 (the same DCP protocol, write-item types and
+shard-offset function in all of them); `background_stager` takes a path of its own on 2.11.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 # Private module: where a DTensor's local shard sits in the global tensor. DTensor exposes its
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 # DTensor's own checkpointing uses, so the offsets match what DCP writes for DTensors.
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import titan_hybrid.compat  # noqa: F401  (the version check)
+from titan_hybrid.compat import TORCH_RELEASE
 
 # `Tensor.to(dtype)` reaches __torch_dispatch__ as this Core ATen IR operator (the leading
 # underscore is its ATen name, not a sign of a private Python API).
@@ -109,3 +110,25 @@ def files_written_by(folder: Path, rank: int) -> list[str]:
     process group) in `folder`: it names them `__{rank}_{n}.distcp` (private naming,
     torch.distributed.checkpoint.filesystem, the same in torch 2.11 - 2.14)."""
     return sorted(path.name for path in folder.glob(f"__{rank}_*.distcp"))
+
+
+class _StagerKeepingItsBuffers(DefaultStager):
+    """torch 2.11's (and 2.12's) DefaultStager: the same copy, without the `close()` of its
+    StateDictStager after every save. That close (a fix for a reference cycle, gone in 2.13)
+    drops the host buffers kept for the next save and clears the stager's deepcopy dispatch
+    table, so the second save fails with `KeyError: <class 'type'>`. Private: `_stage` is the method
+    DefaultStager runs on its thread, and `_state_dict_stager` its StateDictStager; this stager
+    keeps both for its whole life (the cycle is harmless there: they live as long as it does).
+    """
+
+    def _stage(self, state_dict, **kwargs):
+        assert not self._config.use_non_blocking_copy, "only blocking copies are kept here"
+        return self._state_dict_stager.stage(state_dict, non_blocking=False)
+
+
+def background_stager() -> DefaultStager:
+    """DCP's stager for `async_save` that copies the state to host memory on a thread of its own,
+    into pageable buffers it keeps from one save to the next (blocking copies)."""
+    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                             use_async_staging=True, use_non_blocking_copy=False)
+    return (_StagerKeepingItsBuffers if TORCH_RELEASE < (2, 13) else DefaultStager)(options)

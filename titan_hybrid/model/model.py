@@ -197,7 +197,12 @@ class HybridModel(ModelProtocol):
                                    requires_grad=self.has_aux_loss and torch.is_grad_enabled())
         else:
             h = tokens_or_hidden
-            aux_loss = carried[0] if self.has_aux_loss else h.new_zeros((), dtype=torch.float32)
+            # A view, not the received tensor: a stage with no aux-loss layer returns it as it
+            # came, and torch 2.11's last stage detaches its outputs in place after their
+            # backward, which would leave the receive buffer (reused by the next step) without
+            # requires_grad, so no gradient would flow to the stage before.
+            aux_loss = (carried[0].view_as(carried[0]) if self.has_aux_loss
+                        else h.new_zeros((), dtype=torch.float32))
             futures = list(carried[1:] if self.has_aux_loss else carried)
         layout = TokenLayout(positions=positions, seq_idx=seq_idx, rope_table=self.rope)
         for layer in self.layers.values():

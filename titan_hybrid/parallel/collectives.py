@@ -11,7 +11,8 @@ gloo and give the same numbers (checked, forward and backward), but torch 2.13 d
 private module; and the EP-overlap schedule needs each all-to-all, forward and backward, issued
 asynchronously with a hand-over to the other microbatch while it is in flight (`overlap`),
 which no public differentiable collective offers. gloo has no reduce-scatter, which is why the
-gather's backward is an all-to-all and a sum rather than a reduce-scatter.
+gather's backward is an all-to-all and a sum rather than a reduce-scatter. Inside compiled code
+the exchange is the functional all-to-all instead (compat.collectives says why).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from titan_hybrid.compat.collectives import traceable_all_to_all
 
 
 class HandOver(Protocol):
@@ -64,6 +67,9 @@ def _exchange(x: torch.Tensor, send_splits: list[int] | None, recv_splits: list[
     x = x.contiguous()
     for record in _active_records:
         record.sent.append(_bytes_to_others(x, send_splits, group))
+    if torch.compiler.is_compiling():  # compat.collectives: why not c10d's in-place form
+        return traceable_all_to_all(x, recv_splits=recv_splits, send_splits=send_splits,
+                                    group=group)
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty((rows, *x.shape[1:]))  # contiguous, whatever x's strides were
     if overlap is None:

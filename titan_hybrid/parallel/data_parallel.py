@@ -8,8 +8,12 @@
 | optim_grads_params   | 3    | sharded            | sharded   | sharded         | fully_shard          |
 
 Units: the embedding, every top-level layer (a Mamba / attention / MLP / MoE / GDN layer, or a
-whole bracket group with its sub-layers), every MTP depth, the final norm with the LM head, then
-the root. Under expert parallelism each MoE layer's experts are a unit of their own, sharded
+whole bracket group with its sub-layers), every MTP depth, the final norm, the LM head, then
+the root. The norm and the head are two units, not one `fully_shard([norm, head])` group: the
+MTP depths call the head again without the norm, and a group's modules must run forward
+together (torch 2.11 runs a group's pre-forward only for the first of its modules after the
+group's last post-forward, so after a head-only call the next forward's norm found its weight
+still sharded). Under expert parallelism each MoE layer's experts are a unit of their own, sharded
 over the ranks that hold the same experts. A Mamba layer left in the root unit would be
 all-gathered for the whole step, which defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
 all-reduces start as soon as each unit's backward is done.
@@ -35,8 +39,8 @@ def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
         units.append(model.tok_embeddings)
     units.extend(model.layers.values())
     units.extend(getattr(model, "mtp", []))
-    if getattr(model, "norm", None) is not None and getattr(model, "output", None) is not None:
-        units.append([model.norm, model.output])
+    units.extend(module for module in (getattr(model, "norm", None), getattr(model, "output", None))
+                 if module is not None)
     return units
 
 
@@ -105,10 +109,11 @@ def apply_data_parallel(
                 fully_shard(experts, **{**config, "mesh": expert_mesh}, mp_policy=mp_policy,
                             reshard_after_forward=strategy == "optim_grads_params")
     reshard = strategy == "optim_grads_params"
-    for index, unit in enumerate(units):
-        # The LM head runs right after the last layer and first in backward: resharding
-        # it in between would only add an all-gather.
-        is_head = index == len(units) - 1 and isinstance(unit, list)
+    head = {id(getattr(model, "norm", None)), id(getattr(model, "output", None))}
+    for unit in units:
+        # The final norm and the LM head run right after the last layer and first in backward:
+        # resharding them in between would only add an all-gather.
+        is_head = id(unit) in head
         policy = mp_policy
         for layer in full_precision_layers(unit) if split_precision else []:
             wrap([m for m in layer.modules() if isinstance(m, nn.Linear)], mp_policy, reshard)
