@@ -14,8 +14,12 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_LINE="${TITAN_HYBRID_TORCH:-2.13}"
+# EXTRA: what else a line pins. Triton 3.6's interpreter turns one-element arrays into ints,
+# which numpy 2.4 refuses (the interpreter tests fail with "only 0-dimensional arrays can be
+# converted to Python scalars"); numpy 2.3 only warns.
+EXTRA=()
 case "$TORCH_LINE" in
-    2.11) TORCH_VERSION=2.11.0 TRITON_VERSION=3.6.0 ;;
+    2.11) TORCH_VERSION=2.11.0 TRITON_VERSION=3.6.0 EXTRA=("numpy<2.4") ;;
     2.13) TORCH_VERSION=2.13.0 TRITON_VERSION=3.7.1 ;;
     2.14) TORCH_VERSION=2.14.1 TRITON_VERSION=3.8.0 ;;
     2.15) TORCH_VERSION=2.15.0 TRITON_VERSION=3.9.0 ;;
@@ -23,7 +27,8 @@ case "$TORCH_LINE" in
             "(the torch versions CI runs)" >&2
        exit 2 ;;
 esac
-if [ "$TORCH_LINE" = 2.13 ]; then VENV="$REPO_ROOT/.venv"; else VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
+VENV="$REPO_ROOT/.venv"
+if [ "$TORCH_LINE" != 2.13 ]; then VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.titan_hybrid_installed"
 
@@ -32,8 +37,8 @@ has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
 torch_requirement="torch==$TORCH_VERSION"
 if [ "$has_gpu" = 1 ] && [ "$TORCH_LINE" = 2.13 ]; then torch_requirement="torch==2.13.*"; fi
-want="$torch_requirement triton==$TRITON_VERSION gpu=$has_gpu $(cat "$REPO_ROOT/pyproject.toml" \
-    "$REPO_ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
+sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
+want="$torch_requirement triton==$TRITON_VERSION ${EXTRA[*]} gpu=$has_gpu $sources"
 
 # This machine's pip configuration may name local package folders that do not exist; pip warns
 # about each one. Keep the rest of pip's output.
@@ -46,8 +51,8 @@ if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     # The constraints keep the editable install from swapping torch or triton for whatever
     # pyproject.toml's range would pick.
     CONSTRAINTS="$VENV/torch-constraints.txt"
-    printf '%s\ntriton==%s\n' "$torch_requirement" "$TRITON_VERSION" > "$CONSTRAINTS"
-    quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION"
+    printf '%s\n' "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}" > "$CONSTRAINTS"
+    quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}"
     quiet_pip install --quiet -c "$CONSTRAINTS" -e "$REPO_ROOT[test]"
     if [ "$has_gpu" = 0 ]; then
         # The GPU kernels' Python + Triton sources, which the triton_interpreter tests run in

@@ -38,6 +38,24 @@ SMALL_JOB = ("--training.steps", "3", "--training.seq_len", "64",
              "--training.local_batch_size", "2", "--hybrid.pattern", "M*G-")
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 
+# Loss curves through DSA's `D` or DeepSeek-V4's `C` against one process, relative. Their
+# indexers train on a small loss (coefficient 0.01), so their gradients are small and Adam's
+# eps makes their updates sensitive to the gradient-clipping coefficient max_norm / |g|. |g| is
+# a float32 norm whose rounding depends on the layout (torch's CPU norm of the LM head's
+# gradient, 524k elements, is 8e-5 off its float64 value, and TP's two half norms round
+# differently: measured 1.2e-5 apart at step 1 under TP2). The indexers' weights then drift
+# apart, and where two of a query's candidate rows score within that drift, the layouts keep
+# different rows: one query's attention at one layer changes, and the step's mean loss moves
+# by about 2e-5 (measured on torch 2.11 under TP2: 2.1e-5 for debug_dsa at step 4, 2.3e-5 for
+# debug_v4_all; without clipping, --training.max_norm 1e6, the same curves agree within 1e-7).
+# 1e-4 admits a few such swaps; a wrong gradient moves a curve by 1e-3 or more (issue 32's
+# compiled-CP bug: 1.2e-3 at step 2).
+TOP_K_CURVE_REL = 1e-4
+# The indexer's own logged loss (its KL) under the same drift: measured up to 1.4% apart from
+# step 2 on torch 2.11 under TP2 (exact without clipping). A wrong average over the data /
+# context / pipeline ranks is off by 50% or more.
+INDEXER_LOSS_REL = 5e-2
+
 
 @dataclass
 class TrainResult:

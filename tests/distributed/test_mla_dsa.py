@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import run_training
+from tests.launch import INDEXER_LOSS_REL, TOP_K_CURVE_REL, run_training
 
 # Two microbatches of 4 rows per step: one process accumulates what two DP ranks compute.
 JOB = ("--training.steps", "4", "--training.seq_len", "64", "--training.local_batch_size", "4",
@@ -37,11 +37,13 @@ def _indexer_losses(result) -> list[float]:
     return [record["dsa/indexer_loss"] for record in result.records if "dsa/indexer_loss" in record]
 
 
-def _assert_same_run(single, result):
-    """The same loss curve, and for DSA the same logged indexer loss (the KL before its
-    coefficient, averaged over the layers and over the data / context / pipeline ranks)."""
-    _assert_same_curve(single.losses, result.losses)
-    assert _indexer_losses(result) == pytest.approx(_indexer_losses(single), rel=1e-4)
+def _assert_same_run(single, result, flavor):
+    """The same loss curve (within TOP_K_CURVE_REL through DSA's top-k), and for DSA the same
+    logged indexer loss (the KL before its coefficient, averaged over the layers and over the
+    data / context / pipeline ranks)."""
+    _assert_same_curve(single.losses, result.losses,
+                       rel=TOP_K_CURVE_REL if flavor == "debug_dsa" else 1e-5)
+    assert _indexer_losses(result) == pytest.approx(_indexer_losses(single), rel=INDEXER_LOSS_REL)
 
 
 @pytest.mark.parametrize("flavor", ["debug_mla", "debug_dsa"])
@@ -54,10 +56,11 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_any
     assert len(indexer_losses) == (4 if flavor == "debug_dsa" else 0)
     assert all(0 < loss < 1 for loss in indexer_losses)
     for name, layout in LAYOUTS.items():
-        _assert_same_run(reference, run_training(tmp_path / name, *job, *layout, nproc=2).check())
+        _assert_same_run(reference, run_training(tmp_path / name, *job, *layout, nproc=2).check(),
+                         flavor)
     saved = run_training(tmp_path / "tp2", *job, *TP2, *CHECKPOINT, nproc=2).check()
     assert "Applied tensor parallel (sequence parallel: True)" in saved.output
-    _assert_same_run(reference, saved)
+    _assert_same_run(reference, saved, flavor)
     if flavor == "debug_mla":
         return  # the checkpoint path is the same for both kinds; DSA adds the indexer
     outputs = tmp_path / "tp2" / "outputs"
@@ -74,5 +77,5 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_any
         shutil.copytree(outputs, resumed_in / "outputs")
         resumed = run_training(resumed_in, *job, *CHECKPOINT, *layout, nproc=nproc).check()
         assert "Training starts at step 3" in resumed.output
-        assert resumed.losses[0] == pytest.approx(single[2], rel=1e-6)
-        assert resumed.losses[1] == pytest.approx(single[3], rel=1e-5)
+        assert resumed.losses[0] == pytest.approx(single[2], rel=TOP_K_CURVE_REL)
+        assert resumed.losses[1] == pytest.approx(single[3], rel=TOP_K_CURVE_REL)

@@ -6,7 +6,10 @@ Every layout evaluates the same 8 held-out windows and trains on the same global
 One process, TP2 and PP2 take the windows as 2 batches of 4; FSDP2 as 1 global batch of 8, 4
 per rank, so each rank runs exactly one of the single process's batches and the float64 total
 is the same sum: bitwise equal at step 1 (asserted; by step 2 the ZeRO-3 weights differ from
-one process's by float32 rounding, see test_data_parallel.py). TP2 (vocabulary-parallel
+one process's by float32 rounding, see test_data_parallel.py). One process trains on its
+batch of 4 as 2 microbatches of 2 windows, and FSDP2 gives each rank one of them: the logged
+step-1 loss is then the same two float32 sums added, bitwise (a single sum over all 4 windows
+rounds differently, by a last bit on some torch builds). TP2 (local batch 4, vocabulary-parallel
 cross-entropy) and PP2 (4 microbatches of 1 window, each summed in float32) change the float32
 rounding: tolerance 1e-6 relative, measured within 1.2e-7. The slow ZBVZeroBubble case puts
 the last stage on pp rank 0, so there rank 1 is the one that receives the loss.
@@ -36,7 +39,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validation_reference")
-    return run_training(tmp, *COMMON, *TWO_BATCHES).check()
+    return run_training(tmp, *COMMON, "--training.local_batch_size", "2",
+                        "--validation.steps", "2").check()
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2",
@@ -52,9 +56,8 @@ def test_validation_loss_is_the_same_under_every_layout(tmp_path, single_process
         assert result.validation_losses[0] == single_process.validation_losses[0]
     # Training is untouched by the validation passes, and under PP the file written by rank 0
     # (first stage) holds the last stage's loss. Step 1's loss is bitwise one process's under
-    # FSDP2 (the same arithmetic per sample); TP2's vocabulary-parallel cross-entropy and PP2's
-    # microbatches round in float32 otherwise (whether they happen to agree bitwise depends on
-    # the CPU's kernels: they did on one machine and not on another).
+    # FSDP2 (the same two microbatch sums, module docstring); TP2's vocabulary-parallel
+    # cross-entropy and PP2's microbatches round in float32 otherwise.
     if layout == "fsdp2":
         assert result.losses[0] == single_process.losses[0]
     assert result.losses == pytest.approx(single_process.losses, rel=1e-6)

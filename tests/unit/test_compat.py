@@ -239,19 +239,19 @@ def f():
 
 
 @pytest.mark.parametrize("torch_version, torchtitan_version", [
-    ("2.10.0", "0.2.2"), ("2.15.0+cpu", "0.2.2"), ("2.13.0+cpu", "0.3.0"),
+    ("2.10.0", "0.2.2"), ("2.12.1", "0.2.2"), ("2.16.0", "0.2.2"), ("2.13.0+cpu", "0.3.0"),
     ("2.11.0+cu130", "0.2.1"), ("2.13.0", "(not installed)")])
 def test_unchecked_versions_are_refused_by_name(torch_version, torchtitan_version):
     with pytest.raises(ImportError) as raised:
         compat.check_versions(torch_version, torchtitan_version)
     message = str(raised.value)
     for text in (f"torch {torch_version}", f"torchtitan {torchtitan_version}",
-                 "2.11.x", "2.12.x", "2.13.x", "2.14.x", "0.2.2"):
+                 "2.11.x / 2.13.x / 2.14.x / 2.15.x", "0.2.2"):
         assert text in message, message
 
 
 @pytest.mark.parametrize("torch_version", [
-    "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.13.1", "2.14.1+cu130"])
+    "2.11.0+cu130", "2.13.0+cpu", "2.13.1", "2.14.1+cu130", "2.15.0+cu130", "2.15.0"])
 def test_checked_versions_pass(torch_version):
     compat.check_versions(torch_version, "0.2.2")
 

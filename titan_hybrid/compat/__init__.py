@@ -4,10 +4,11 @@ package.
 Outside this package titan_hybrid uses only public names of torch, torchtitan and the GPU
 kernel packages mamba_ssm, fla and causal_conv1d (tests/unit/test_compat.py checks it). Each
 private use here says why no public API suffices and was checked on the versions below (torch
-2.11-2.14, torchtitan 0.2.2; the kernel packages' in kernel_packages.py); where a release
-differs, the module takes a path chosen by `TORCH_RELEASE`. Importing this package (or any
-module in it) on other versions raises ImportError before anything else happens: private names
-move between releases without notice, and a clear refusal beats a wrong result.
+2.11, 2.13, 2.14 and 2.15, each of which CI runs the whole suite on, and torchtitan 0.2.2; the
+kernel packages' in kernel_packages.py); where a release differs, the module takes a path
+chosen by `TORCH_RELEASE`. Importing this package (or any module in it) on other versions
+raises ImportError before anything else happens: private names move between releases without
+notice, and a clear refusal beats a wrong result.
 
 Importing changes nothing global. The two patches (`point_device_globals_at_cpu`,
 `force_sum_reduction_on_cpu`) run only when titan_hybrid.runtime.cpu.apply() calls them.
@@ -34,7 +35,9 @@ import re
 
 import torch
 
-CHECKED_TORCH = ("2.11", "2.12", "2.13", "2.14")  # major.minor; every patch release of these
+# major.minor, every patch release of these: exactly the versions CI runs the whole suite on
+# (.ci/run, scripts/bootstrap.sh). 2.12 was read, not run, so it is refused like any other.
+CHECKED_TORCH = ("2.11", "2.13", "2.14", "2.15")
 CHECKED_TORCHTITAN = ("0.2.2",)
 
 
@@ -50,8 +53,8 @@ def check_versions(torch_version: str, torchtitan_version: str) -> None:
             and _release(torchtitan_version, 3) in CHECKED_TORCHTITAN):
         return
     raise ImportError(
-        f"titan_hybrid uses private torch / torchtitan names that were checked on torch "
-        f"{' / '.join(v + '.x' for v in CHECKED_TORCH)} and torchtitan "
+        f"titan_hybrid uses private torch / torchtitan names that were checked (and its tests "
+        f"run) on torch {' / '.join(v + '.x' for v in CHECKED_TORCH)} and torchtitan "
         f"{' / '.join(CHECKED_TORCHTITAN)}, but torch {torch_version} and torchtitan "
         f"{torchtitan_version} are installed; install checked versions (see pyproject.toml) "
         "or re-check titan_hybrid/compat/ against these ones")

@@ -2,7 +2,7 @@
 checkpointing keeps (parallel/activation_checkpoint.py). The attention kernels that
 F.scaled_dot_product_attention dispatches to, grouped_mm's operator, and the functional
 reduce-scatter have no public op handle; a policy must name the op it sees. Checked on torch
-2.11-2.14 (native_functions.yaml of each has every one).
+2.11 and 2.13-2.15 (native_functions.yaml of each has every one).
 """
 
 from __future__ import annotations

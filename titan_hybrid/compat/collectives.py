@@ -6,8 +6,8 @@ loses that write in the backward of a custom autograd.Function: an `all_to_all_s
 fresh buffer comes back as the buffer's initial contents (zeros on CPU), so every gradient
 through the context-parallel exchanges of a compiled layer was wrong, from the second step's
 loss on. Calling the functional form directly inside traced code gives dynamo nothing to
-rewrite. Checked on torch 2.11, 2.13, 2.14 and 2.15 (compiled forward and backward equal eager,
-bitwise, with even and uneven splits: tests/distributed/test_compile.py).
+rewrite. Checked on torch 2.11, 2.13, 2.14 and 2.15 (compiled forward and backward equal
+eager, bitwise, with even and uneven splits: tests/distributed/test_compile.py).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class ChunkedTensor(torch.Tensor):
 def files_written_by(folder: Path, rank: int) -> list[str]:
     """The data files that DCP's FileSystemWriter wrote for `rank` (the rank in the save's
     process group) in `folder`: it names them `__{rank}_{n}.distcp` (private naming,
-    torch.distributed.checkpoint.filesystem, the same in torch 2.11 - 2.14)."""
+    torch.distributed.checkpoint.filesystem, the same in torch 2.11 and 2.13-2.15)."""
     return sorted(path.name for path in folder.glob(f"__{rank}_*.distcp"))
 
 

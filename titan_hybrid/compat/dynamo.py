@@ -1,4 +1,4 @@
-"""torch._dynamo configuration. Checked on torch 2.11-2.14."""
+"""torch._dynamo configuration. Checked on torch 2.11 and 2.13-2.15."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What torchrun's elastic agent says about failed workers and restarts, as callbacks.
 
 The agent has no public hook for these events; it logs them. These are its log records
-(torch 2.11 - 2.14, `torch/distributed/elastic/multiprocessing/api.py` and
+(torch 2.11 and 2.13-2.15, `torch/distributed/elastic/multiprocessing/api.py` and
 `agent/server/api.py`), recognised by their format strings:
 - a worker failed: "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: ..." (forked
   workers) or "... of binary: ..." (worker processes): args start (exitcode, local_rank, pid);

@@ -1,7 +1,7 @@
 """FSDP2 internals: its DDP (`replicate`) and its choice of reduce op.
 
-Checked on torch 2.11-2.14 (`replicate` and `_get_gradient_divide_factors` take the same
-arguments, and the divide factors follow the same rules, in all four).
+Checked on torch 2.11 and 2.13-2.15 (`replicate` and `_get_gradient_divide_factors` take the
+same arguments, and the divide factors follow the same rules, in all four).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import functools
 
 # Private module: FSDP2's replication (DDP built on fully_shard's machinery: the same units,
 # MixedPrecisionPolicy and FSDPModule methods that data_parallel.py uses for every strategy)
-# has no public import path in 2.11-2.14. The public DistributedDataParallel wraps the module
-# (another module tree and other state-dict keys) and has none of that per-unit API.
+# has no public import path in 2.11 and 2.13-2.15. The public DistributedDataParallel wraps the
+# module (another module tree and other state-dict keys) and has none of that per-unit API.
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 import titan_hybrid.compat  # noqa: F401  (the version check)

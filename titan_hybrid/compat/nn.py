@@ -1,4 +1,4 @@
-"""nn.Module internals. Checked on torch 2.11-2.14."""
+"""nn.Module internals. Checked on torch 2.11 and 2.13-2.15."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ count and loss function private, and stages have no public hook after the shape 
 the first step.
 
 Each function below does exactly what the runtime does for its own actions, in the same order
-(read from `_PipelineScheduleRuntime._step_microbatches`). Checked on torch 2.11-2.14: the
-runtime, its action / context types and lowering are the same in all four; 2.11's stages infer
-shapes differently (see after_metadata_inference).
+(read from `_PipelineScheduleRuntime._step_microbatches`). Checked on torch 2.11 and 2.13-2.15:
+the runtime, its action / context types and lowering are the same in all four; 2.11's stages
+infer shapes differently (see after_metadata_inference).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torchtitan 0.2.2 internals: checkpoint hooks under public names, its device globals, and
 the pause at the end of its training loop.
 
-Checked on torchtitan 0.2.2 (with torch 2.11-2.14).
+Checked on torchtitan 0.2.2 (with torch 2.11 and 2.13-2.15).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dropless top-k mixture of experts with fused-fc1 SwiGLU experts and a load-balancing loss.
 
-The experts run as two grouped GEMMs (`torch.nn.functional.grouped_mm`, public in torch 2.11-2.14)
+The experts run as two grouped GEMMs (`torch.nn.functional.grouped_mm`, public in torch 2.11 and 2.13-2.15)
 over the routing slots sorted by expert, whatever the number of experts, with the per-expert counts kept on the device, so the forward reads nothing
 back to the host (expert parallelism reads them for its all-to-all splits, expert_parallel.py).
 On CUDA, bf16 on sm90 / sm100 is one CUTLASS kernel per grouped GEMM; other dtypes and devices
