@@ -4,14 +4,16 @@ file lands under the dump folder and a resumed run rewrites it without duplicate
 
 Every layout evaluates the same 8 held-out windows and trains on the same global batch of 4.
 One process, TP2 and PP2 take the windows as 2 batches of 4; FSDP2 as 1 global batch of 8, 4
-per rank, so each rank runs exactly one of the single process's batches and the float64 total
-is the same sum: bitwise equal at step 1 (asserted; by step 2 the ZeRO-3 weights differ from
-one process's by float32 rounding, see test_data_parallel.py). One process trains on its
-batch of 4 as 2 microbatches of 2 windows, and FSDP2 gives each rank one of them: the logged
-step-1 loss is then the same two float32 sums added, bitwise (a single sum over all 4 windows
-rounds differently, by a last bit on some torch builds). TP2 (local batch 4, vocabulary-parallel
-cross-entropy) and PP2 (4 microbatches of 1 window, each summed in float32) change the float32
-rounding: tolerance 1e-6 relative, measured within 1.2e-7. The slow ZBVZeroBubble case puts
+per rank, so each rank runs exactly one of the single process's batches. One process trains on
+its batch of 4 as 2 microbatches of 2 windows, and FSDP2 gives each rank one of them: the
+logged step-1 training loss is then the same two float32 sums added, bitwise (asserted; a
+single sum over all 4 windows rounds differently, by a last bit on some torch builds). The
+first validation runs after the first optimizer step, whose clip factor max_norm / |g| comes
+from a float32 norm that each layout rounds differently (tests/launch.py, TOP_K_CURVE_REL), so
+its weights, and every validation loss, agree to float32 rounding, not bitwise. TP2
+(vocabulary-parallel cross-entropy) and PP2 (4 microbatches of 1 window, each summed in
+float32) change the rounding of the training loss too: tolerance 1e-6 relative, measured
+within 1.2e-7 (validation losses within 3.1e-8). The slow ZBVZeroBubble case puts
 the last stage on pp rank 0, so there rank 1 is the one that receives the loss.
 """
 
@@ -52,8 +54,6 @@ def test_validation_loss_is_the_same_under_every_layout(tmp_path, single_process
     assert single_process.validation_losses[0] != single_process.validation_losses[1]
     assert result.validation_losses == pytest.approx(single_process.validation_losses,
                                                      rel=1e-6)
-    if layout == "fsdp2":
-        assert result.validation_losses[0] == single_process.validation_losses[0]
     # Training is untouched by the validation passes, and under PP the file written by rank 0
     # (first stage) holds the last stage's loss. Step 1's loss is bitwise one process's under
     # FSDP2 (the same two microbatch sums, module docstring); TP2's vocabulary-parallel
