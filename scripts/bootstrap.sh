@@ -37,7 +37,8 @@ has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
 torch_requirement="torch==$TORCH_VERSION"
 if [ "$has_gpu" = 1 ] && [ "$TORCH_LINE" = 2.13 ]; then torch_requirement="torch==2.13.*"; fi
-sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" | sha256sum | cut -c1-16)"
+sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" \
+    | sha256sum | cut -c1-16)"
 want="$torch_requirement triton==$TRITON_VERSION ${EXTRA[*]} gpu=$has_gpu $sources"
 
 # This machine's pip configuration may name local package folders that do not exist; pip warns

@@ -116,9 +116,9 @@ class _StagerKeepingItsBuffers(DefaultStager):
     """torch 2.11's (and 2.12's) DefaultStager: the same copy, without the `close()` of its
     StateDictStager after every save. That close (a fix for a reference cycle, gone in 2.13)
     drops the host buffers kept for the next save and clears the stager's deepcopy dispatch
-    table, so the second save fails with `KeyError: <class 'type'>`. Private: `_stage` is the method
-    DefaultStager runs on its thread, and `_state_dict_stager` its StateDictStager; this stager
-    keeps both for its whole life (the cycle is harmless there: they live as long as it does).
+    table, so the second save fails with `KeyError: <class 'type'>`. Private: `_stage` is the
+    method DefaultStager runs on its thread, and `_state_dict_stager` its StateDictStager; this
+    stager keeps both for its whole life (the cycle is harmless: they live as long as it does).
     """
 
     def _stage(self, state_dict, **kwargs):

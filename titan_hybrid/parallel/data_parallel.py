@@ -109,11 +109,11 @@ def apply_data_parallel(
                 fully_shard(experts, **{**config, "mesh": expert_mesh}, mp_policy=mp_policy,
                             reshard_after_forward=strategy == "optim_grads_params")
     reshard = strategy == "optim_grads_params"
-    head = {id(getattr(model, "norm", None)), id(getattr(model, "output", None))}
+    head = (getattr(model, "norm", None), getattr(model, "output", None))
     for unit in units:
         # The final norm and the LM head run right after the last layer and first in backward:
         # resharding them in between would only add an all-gather.
-        is_head = id(unit) in head
+        is_head = any(unit is module for module in head)
         policy = mp_policy
         for layer in full_precision_layers(unit) if split_precision else []:
             wrap([m for m in layer.modules() if isinstance(m, nn.Linear)], mp_policy, reshard)
