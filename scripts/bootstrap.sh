@@ -30,6 +30,7 @@ esac
 VENV="$REPO_ROOT/.venv"
 if [ "$TORCH_LINE" != 2.13 ]; then VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
 PY="$VENV/bin/python"
+CONSTRAINTS="$VENV/torch-constraints.txt"
 STAMP="$VENV/.titan_hybrid_installed"
 
 # A GPU host takes 2.13's CUDA build (by version range, so pip may pick the matching local build).
@@ -42,19 +43,23 @@ sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" \
 want="$torch_requirement triton==$TRITON_VERSION ${EXTRA[*]} gpu=$has_gpu $sources"
 
 # This machine's pip configuration may name local package folders that do not exist; pip warns
-# about each one. Keep the rest of pip's output.
-quiet_pip() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; }
+# about each one. Keep the rest of pip's output. PIP_CONSTRAINT replaces any constraints file
+# that the machine's pip configuration names (some cap torch below the versions we test, and
+# pip then refuses torch==2.15.0) with ours, which pins exactly this line's torch and triton.
+quiet_pip() {
+    PIP_CONSTRAINT="$CONSTRAINTS" "$PY" -m pip "$@" 2>&1 \
+        | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
 
 if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     echo "== bootstrap: installing $want into ${VENV#"$REPO_ROOT"/}" >&2
     [ -x "$PY" ] || python3 -m venv "$VENV"
     rm -f "$STAMP"
-    # The constraints keep the editable install from swapping torch or triton for whatever
-    # pyproject.toml's range would pick.
-    CONSTRAINTS="$VENV/torch-constraints.txt"
+    # The constraints (quiet_pip) keep the editable install from swapping torch or triton for
+    # whatever pyproject.toml's range would pick.
     printf '%s\n' "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}" > "$CONSTRAINTS"
     quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}"
-    quiet_pip install --quiet -c "$CONSTRAINTS" -e "$REPO_ROOT[test]"
+    quiet_pip install --quiet -e "$REPO_ROOT[test]"
     if [ "$has_gpu" = 0 ]; then
         # The GPU kernels' Python + Triton sources, which the triton_interpreter tests run in
         # Triton's interpreter (tests/triton_kernels.py), at the versions they were checked on.
