@@ -44,9 +44,9 @@ def worker(mode: str, dump: str, steps: int, interval: int) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from titan_hybrid import launch
+    from titan_hybrid.adapters.torchtitan_0_2.trainer import HybridTrainer
     from titan_hybrid.checkpoint.manager import HybridCheckpointManager
     from titan_hybrid.model.args import AttentionArgs, MambaArgs, MLPArgs, hybrid_flavors
-    from titan_hybrid.trainer import HybridTrainer
 
     # A bench-only flavor, registered in this process before the launch reads it.
     hybrid_flavors["bench_141m"] = dataclasses.replace(

@@ -23,7 +23,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.config import Optimizer as OptimizerConfig
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.checkpoint import integrity
@@ -31,8 +30,9 @@ from titan_hybrid.checkpoint.split import split_state_dict
 from titan_hybrid.checkpoint.state import fused_parameters, split_optimizer_state
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.plan import ParallelPlan
+from titan_hybrid.training.optimizer import build_hybrid_optimizers
+from titan_hybrid.training.run_config import OptimizerSection as OptimizerConfig
 
 
 def build(flavor: str, dim: int):

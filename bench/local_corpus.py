@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
 from titan_hybrid.data.corpus import pydoc_split
 from titan_hybrid.data.loader import build_global_batch_dataloader
-from titan_hybrid.job_config import parse_job
-from titan_hybrid.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,9 +43,9 @@ def write_corpus(folder: Path, megabytes: int) -> int:
 
 
 def tokens_per_second(job_args: list[str], limit_s: float | None = None) -> tuple[float, int]:
-    config = parse_job(["--job.config_file", str(REPO / "train_configs" / "hybrid.toml"),
-                        "--training.seq_len", "2048", "--training.local_batch_size", "8",
-                        *job_args])
+    config = run_config(parse_job([
+        "--job.config_file", str(REPO / "train_configs" / "hybrid.toml"),
+        "--training.seq_len", "2048", "--training.local_batch_size", "8", *job_args]))
     tokenizer = build_hybrid_tokenizer(config)
     loader = build_global_batch_dataloader(1, 0, tokenizer, config, infinite=False)
     tokens, start = 0, time.perf_counter()

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Create or reuse the venv for one supported torch, with titan_hybrid installed (editable).
-# Sourced by run_train.sh and run_tests.sh; puts that venv's bin/ first on PATH.
+# Create or reuse the venv for one supported torch / torchtitan pair, with titan_hybrid
+# installed (editable). Sourced by run_train.sh and run_tests.sh; puts that venv's bin/ first on
+# PATH.
 #
 #   TITAN_HYBRID_TORCH=2.13 (default)   .venv             torch 2.13.0, CPU build (a local file)
 #   TITAN_HYBRID_TORCH=2.11             .venv-torch-2.11  torch 2.11.0 + triton 3.6.0
 #   TITAN_HYBRID_TORCH=2.14             .venv-torch-2.14  torch 2.14.1 + triton 3.8.0
 #   TITAN_HYBRID_TORCH=2.15             .venv-torch-2.15  torch 2.15.0 + triton 3.9.0
+#
+#   TITAN_HYBRID_TORCHTITAN=0.2 (default)   torchtitan 0.2.2, with any of those torch lines
+#   TITAN_HYBRID_TORCHTITAN=0.3             torchtitan 0.3.0, with torch 2.14 or 2.15 (the
+#                                           torch it was released with, and newer); the venv's
+#                                           name ends in -torchtitan-0.3
 #
 # These are the versions CI runs (.ci/run), and the only ones titan_hybrid/compat accepts
 # (CHECKED_TORCH). The registry serves 2.11, 2.14 and 2.15 as CUDA builds (about 2.6 GB with
@@ -27,8 +33,22 @@ case "$TORCH_LINE" in
             "(the torch versions CI runs)" >&2
        exit 2 ;;
 esac
+TORCHTITAN_LINE="${TITAN_HYBRID_TORCHTITAN:-0.2}"
+case "$TORCHTITAN_LINE" in
+    0.2) TORCHTITAN_VERSION=0.2.2 ;;
+    0.3) TORCHTITAN_VERSION=0.3.0
+         case "$TORCH_LINE" in
+             2.14|2.15) ;;
+             *) echo "error: TITAN_HYBRID_TORCHTITAN=0.3 needs TITAN_HYBRID_TORCH 2.14 or 2.15" \
+                     "(torchtitan 0.3 calls torch APIs that $TORCH_LINE lacks)" >&2
+                exit 2 ;;
+         esac ;;
+    *) echo "error: TITAN_HYBRID_TORCHTITAN '$TORCHTITAN_LINE' is not one of 0.2 0.3" >&2
+       exit 2 ;;
+esac
 VENV="$REPO_ROOT/.venv"
 if [ "$TORCH_LINE" != 2.13 ]; then VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
+if [ "$TORCHTITAN_LINE" != 0.2 ]; then VENV="$VENV-torchtitan-$TORCHTITAN_LINE"; fi
 PY="$VENV/bin/python"
 CONSTRAINTS="$VENV/torch-constraints.txt"
 STAMP="$VENV/.titan_hybrid_installed"
@@ -40,7 +60,8 @@ torch_requirement="torch==$TORCH_VERSION"
 if [ "$has_gpu" = 1 ] && [ "$TORCH_LINE" = 2.13 ]; then torch_requirement="torch==2.13.*"; fi
 sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" \
     | sha256sum | cut -c1-16)"
-want="$torch_requirement triton==$TRITON_VERSION ${EXTRA[*]} gpu=$has_gpu $sources"
+want="$torch_requirement triton==$TRITON_VERSION torchtitan==$TORCHTITAN_VERSION ${EXTRA[*]}"
+want="$want gpu=$has_gpu $sources"
 
 # This machine's pip configuration may name local package folders that do not exist; pip warns
 # about each one. Keep the rest of pip's output. PIP_CONSTRAINT replaces any constraints file
@@ -57,7 +78,8 @@ if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     rm -f "$STAMP"
     # The constraints (quiet_pip) keep the editable install from swapping torch or triton for
     # whatever pyproject.toml's range would pick.
-    printf '%s\n' "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}" > "$CONSTRAINTS"
+    printf '%s\n' "$torch_requirement" "triton==$TRITON_VERSION" \
+        "torchtitan==$TORCHTITAN_VERSION" "${EXTRA[@]}" > "$CONSTRAINTS"
     quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}"
     quiet_pip install --quiet -e "$REPO_ROOT[test]"
     if [ "$has_gpu" = 0 ]; then
@@ -78,14 +100,16 @@ if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
             --no-build-isolation --target "$KERNELS" "mamba-ssm==2.3.2.post1" "fla-core==0.6.0"
     fi
     # Check that what ended up installed is what was asked for.
-    "$PY" - "$TORCH_LINE" "$TRITON_VERSION" <<'EOF'
+    "$PY" - "$TORCH_LINE" "$TRITON_VERSION" "$TORCHTITAN_VERSION" <<'EOF'
 import sys
 from importlib.metadata import version
-torch_line, triton_version = sys.argv[1:]
-got_torch, got_triton = version("torch"), version("triton")
-if ".".join(got_torch.split(".")[:2]) != torch_line or got_triton != triton_version:
-    sys.exit(f"error: torch {got_torch} / triton {got_triton} installed, "
-             f"wanted torch {torch_line}.x / triton {triton_version}")
+torch_line, triton_version, torchtitan_version = sys.argv[1:]
+got = version("torch"), version("triton"), version("torchtitan")
+if (".".join(got[0].split(".")[:2]), got[1], got[2]) != (torch_line, triton_version,
+                                                         torchtitan_version):
+    sys.exit(f"error: torch {got[0]} / triton {got[1]} / torchtitan {got[2]} installed, "
+             f"wanted torch {torch_line}.x / triton {triton_version} / "
+             f"torchtitan {torchtitan_version}")
 EOF
     echo "$want" > "$STAMP"
 fi

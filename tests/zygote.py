@@ -25,8 +25,9 @@ import sys
 # Library modules only: importing them changes nothing in torch or torchtitan (the entry points,
 # titan_hybrid.train / launch / torchtitan_plugin, are imported by each child as a fresh process
 # would), so a child starts in the state of a fresh interpreter that imported these.
-PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train", "titan_hybrid.trainer",
-           "titan_hybrid.job_config", "titan_hybrid.job_checks")
+PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train",
+           "titan_hybrid.adapters.torchtitan_0_2.trainer", "titan_hybrid.torchtitan_plugin",
+           "titan_hybrid.training.preflight")
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -146,7 +147,7 @@ def main(request_fd: int, reply_fd: int) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     # Warm the job parser's caches (tyro reads the source of every config class): pure Python.
-    from titan_hybrid.job_config import parse_job
+    from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job
 
     parse_job(["--job.config_file", "train_configs/hybrid.toml"])
     requests = os.fdopen(request_fd, "r")

@@ -14,13 +14,13 @@ worker starts a session of its own, as torchrun's worker processes do, and takes
 fork-safe) every worker is a fresh `python -m titan_hybrid.train` process.
 
 A worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
-or on divergence reports its message through a file (titan_hybrid.errors); the launcher prints
+or on divergence reports its message through a file (titan_hybrid.training.errors); the launcher prints
 it once in place of torchrun's failure banner and exits with the worker's status. A worker that
 crashes on a bug keeps its traceback, and the launcher says which rank failed.
 
 Options before the job's own arguments: `--nproc N` (processes, default $NGPU or 1) and
 `--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0). Several nodes, the
-rendezvous and restarts come from the environment (titan_hybrid.cluster: NNODES, NODE_RANK,
+rendezvous and restarts come from the environment (titan_hybrid.runtime.cluster: NNODES, NODE_RANK,
 RDZV_ENDPOINT, RDZV_ID, RDZV_TIMEOUT, MAX_RESTARTS); the pre-flight check then checks the
 whole world size (nodes x processes). A worker that fails while restarts are left is reported
 in one line (its local rank, pid and exit status, and the restart); the restarted workers
@@ -47,12 +47,12 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
 from titan_hybrid import torchtitan_plugin, train
-from titan_hybrid.cluster import Cluster, cluster_from_env
+from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
 from titan_hybrid.compat.elastic import AgentEvents
-from titan_hybrid.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
-from titan_hybrid.job_checks import check_job
-from titan_hybrid.job_config import parse_job
 from titan_hybrid.runtime import cpu
+from titan_hybrid.runtime.cluster import Cluster, cluster_from_env
+from titan_hybrid.training.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
+from titan_hybrid.training.preflight import check_run
 
 FAILURE_REPORT_DELAY_S = 1.0
 
@@ -61,9 +61,9 @@ def preflight(job_args: list[str], nproc: int) -> tuple[Cluster | None, str | No
     """Parse and check the job and this launch's place in the cluster, in this process:
     (the cluster, None) when they are fine, else (None, the message)."""
     try:
-        config = parse_job(job_args)
-        cluster = cluster_from_env(dict(os.environ), config.job.dump_folder)
-        check_job(config, cluster.nnodes * nproc)
+        run = run_config(parse_job(job_args))
+        cluster = cluster_from_env(dict(os.environ), run.dump_folder)
+        check_run(run, cluster.nnodes * nproc)
     except ValueError as error:
         return None, str(error)
     return cluster, None
@@ -87,7 +87,7 @@ def fork_worker(job_args: list[str]) -> None:
     """A forked worker (torchrun's function entrypoint): `titan_hybrid.train` without a fresh
     interpreter. Returns on success (torchrun collects the return value; the process then
     leaves through `os._exit`, skipping the teardown that can abort in gloo, see
-    titan_hybrid.train); a reported error leaves with its status (titan_hybrid.errors), and
+    titan_hybrid.train); a reported error leaves with its status (titan_hybrid.training.errors), and
     a bug prints its traceback to this rank's stderr and leaves with status 1, as an uncaught
     exception ends a worker process."""
     # As a torchrun worker process: a session of its own (a Ctrl-C reaches the launcher, which

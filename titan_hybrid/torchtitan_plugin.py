@@ -1,5 +1,7 @@
-"""What torchtitan imports to run hybrid models: `--experimental.custom_import
-titan_hybrid.torchtitan_plugin` (the TOML jobs under train_configs/ name it already).
+"""What torchtitan 0.2 imports to run hybrid models: `--experimental.custom_import
+titan_hybrid.torchtitan_plugin`, and `--job.custom_config_module titan_hybrid.torchtitan_plugin`
+for titan_hybrid's job sections (its `JobConfig`). The TOML jobs under train_configs/ name it
+for both.
 
 Importing it activates titan_hybrid inside torchtitan, once per process: registers the TrainSpec
 "hybrid" and the "pydoc" dataset, and on a machine without an accelerator applies the CPU
@@ -9,9 +11,12 @@ library modules have none.
 
 from __future__ import annotations
 
+from titan_hybrid.adapters.torchtitan_0_2.job_config import JobConfig
+from titan_hybrid.adapters.torchtitan_0_2.train_spec import register_hybrid_train_spec
 from titan_hybrid.data.loader import register_pydoc_dataset
 from titan_hybrid.runtime import cpu
-from titan_hybrid.train_spec import register_hybrid_train_spec
+
+__all__ = ["JobConfig", "activate"]
 
 _active = False
 

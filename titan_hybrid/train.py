@@ -4,7 +4,7 @@ What the launcher (titan_hybrid.launch, used by run_train.sh) starts in every pr
 works under a plain torchrun. Compared with `python -m torchtitan.train` it parses the job with
 titan_hybrid's JobConfig, checks it before any process group, mesh or model exists, runs
 HybridTrainer, and ends a run that stops on a user error or on divergence with one message and
-a non-zero status instead of a traceback (titan_hybrid.errors). Bugs keep their traceback.
+a non-zero status instead of a traceback (titan_hybrid.training.errors). Bugs keep their traceback.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import torch.distributed as dist
 from torchtitan.tools.logging import init_logger, logger
 
 from titan_hybrid import torchtitan_plugin
-from titan_hybrid.errors import DivergedError, JobError, report_and_exit
-from titan_hybrid.job_checks import check_job
-from titan_hybrid.job_config import parse_job
+from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
+from titan_hybrid.adapters.torchtitan_0_2.trainer import HybridTrainer
 from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
-from titan_hybrid.trainer import HybridTrainer
+from titan_hybrid.training.errors import DivergedError, JobError, report_and_exit
+from titan_hybrid.training.preflight import check_run
 
 
 def run(job_args: list[str]) -> None:
     init_logger()
     try:
-        config = parse_job(job_args)
-        model_args = check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+        job = parse_job(job_args)
+        config = run_config(job)
+        check_run(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         report_and_exit(error)
     # Probed once here, before any model is traced; every rank falls back alike, one reports.
@@ -37,7 +38,7 @@ def run(job_args: list[str]) -> None:
             logger.warning(line)
     trainer = None
     try:
-        trainer = HybridTrainer(config, model_args)
+        trainer = HybridTrainer(job, config)
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:

@@ -1,10 +1,10 @@
 """Worker entry that runs a trainer entry point (`--probe-entry MODULE`; the rest is the job)
-and counts, in this process, how often the job and model args are resolved and the layout
-validated; prints `PROBE {json}` when the trainer closes.
+and counts, in this process, how often the run configuration and model args are resolved and
+the layout validated; prints `PROBE {json}` when the trainer closes.
 
 Counted after imports: model-args objects created (constructed or copied; apart, those that
-come with the model copies torchtitan makes for pipeline stages), `hybrid_job` calls that copy
-the job, `resolve_model_args` and `validate_layout` calls."""
+come with the model copies torchtitan makes for pipeline stages), `run_config`,
+`resolve_model_args` and `validate_layout` calls."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import sys
 ENTRY = sys.argv[sys.argv.index("--probe-entry") + 1]
 del sys.argv[sys.argv.index("--probe-entry"):sys.argv.index("--probe-entry") + 2]
 
-from titan_hybrid.job_config import hybrid_job
+from titan_hybrid.adapters.torchtitan_0_2.job_config import run_config
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.parallel.validate import validate_layout
 
-counts = {"model_args_objects": 0, "copied_with_stages": 0, "job_copies": 0,
+counts = {"model_args_objects": 0, "copied_with_stages": 0, "run_configs": 0,
           "resolve_model_args": 0, "validate_layout": 0}
 splitting = [0]  # inside torchtitan's pipeline_module_split, which deep-copies the model
 
@@ -39,12 +39,11 @@ def _profile(frame, event, arg):
             counts["validate_layout"] += 1
         elif code is resolve_model_args.__code__:
             counts["resolve_model_args"] += 1
+        elif code is run_config.__code__:
+            counts["run_configs"] += 1
         elif code.co_name == "close" and code.co_filename.endswith("torchtitan/train.py"):
             # Trainer.close (runpy runs torchtitan.train anew: match it by name and file)
             print("PROBE " + json.dumps(counts), flush=True)
-    elif event == "return" and code is hybrid_job.__code__:
-        if arg is not frame.f_locals["job_config"]:
-            counts["job_copies"] += 1
 
 
 def main() -> None:

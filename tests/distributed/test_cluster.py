@@ -1,5 +1,5 @@
-"""Runs that span nodes and heal themselves (titan_hybrid.cluster, run_train.sh's environment):
-two launches on this host sharing a rendezvous endpoint are two nodes; workers are killed with
+"""Runs that span nodes and heal themselves (titan_hybrid.runtime.cluster, run_train.sh's
+environment): two launches on this host sharing a rendezvous endpoint are two nodes; workers are killed with
 kill -9 while the launcher (torchrun's elastic agent) lives."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO_ROOT, SMALL_JOB, _descendants, run_training, wait_for
-from titan_hybrid.cluster import cluster_from_env
+from titan_hybrid.runtime.cluster import cluster_from_env
 
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
               "--checkpoint.no_last_save_model_only")

@@ -46,7 +46,7 @@ def test_stock_torchtitan_entry_with_custom_import(tmp_path, pipeline):
     # --experimental.custom_import; no titan_hybrid job-config extension. PP2: the pipeline's
     # loss gets no token count from torchtitan's trainer (pipeline.GlobalTokenScaledLoss).
     toml = (REPO_ROOT / "train_configs" / "hybrid.toml").read_text()
-    toml = toml.replace('custom_config_module = "titan_hybrid.job_config"', "")
+    toml = toml.replace('custom_config_module = "titan_hybrid.torchtitan_plugin"', "")
     toml = toml.split("[hybrid]")[0] + "[optimizer]" + toml.split("[optimizer]")[1]
     config = tmp_path / "plain.toml"
     config.write_text(toml)

@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchtitan.config.job_config import ActivationCheckpoint
 
 from tests.triton_kernels import DEVICE, kernels_on
 from tests.unit.test_compile import loss_and_grads, tiny_model
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_hybrid.training.run_config import ActivationCheckpointSection as ActivationCheckpoint
 
 MODES = {
     "full": ActivationCheckpoint(mode="full"),

@@ -13,7 +13,7 @@ import torch
 
 from bench import gpu_check
 from titan_hybrid.model.args import hybrid_flavors
-from titan_hybrid.pattern import parse_hybrid_pattern
+from titan_hybrid.model.pattern import parse_hybrid_pattern
 
 
 @pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "mla", "dsa", "v4"])

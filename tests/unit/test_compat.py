@@ -307,7 +307,7 @@ def state():
             tt_utils.device_module, tt_utils.get_peak_flops, torch.histc)
 before = state()
 import titan_hybrid.compat.dcp, titan_hybrid.compat.fsdp, titan_hybrid.compat.nn
-import titan_hybrid.compat.pipelining, titan_hybrid.compat.torchtitan
+import titan_hybrid.compat.pipelining, titan_hybrid.compat.torchtitan_0_2
 import titan_hybrid.compat.kernel_packages
 assert state() == before, "importing titan_hybrid.compat patched something"
 """
@@ -355,7 +355,7 @@ def test_final_sleep_is_skipped_only_inside_the_context():
 
     import torchtitan.train as tt_train
 
-    from titan_hybrid.compat.torchtitan import without_final_sleep
+    from titan_hybrid.compat.torchtitan_0_2 import without_final_sleep
 
     # the wait this stands in for is still where it was checked
     assert "time.sleep(2)" in inspect.getsource(tt_train.Trainer.train)

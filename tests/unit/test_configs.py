@@ -1,6 +1,6 @@
 """Every shipped job config parses, names a real flavor, and builds its model on meta."""
 
-import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -8,21 +8,23 @@ import torch
 from torchtitan.config import ConfigManager
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
+from titan_hybrid.training.run_config import HybridSection
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_config_parses_and_model_builds_on_meta(config):
-    job = ConfigManager().parse_args(["--job.config_file", str(config)])
-    assert job.model.name == "hybrid"
-    args = copy.deepcopy(hybrid_flavors[job.model.flavor])
-    args.update_from_config(job)
+    job = parse_job(["--job.config_file", str(config)])
+    run = run_config(job)
+    assert run.flavor == job.model.flavor and run.model is not hybrid_flavors[run.flavor]
+    assert run.model.max_seq_len == job.training.seq_len == run.training.seq_len
     with torch.device("meta"):
-        model = HybridModel(args)
-    nparams, flops = args.get_nparams_and_flops(model, job.training.seq_len)
+        model = HybridModel(run.model)
+    nparams, flops = run.model.get_nparams_and_flops(model, run.training.seq_len)
     assert nparams == sum(p.numel() for p in model.parameters()) and flops > 0
 
 
@@ -37,28 +39,38 @@ def test_gpu_flavor_is_about_one_billion_non_embedding_parameters():
     assert flops > 6 * (non_embedding + model.output.weight.numel())  # 6N plus the cores
 
 
-def test_cli_pattern_overrides_the_flavor():
+def test_cli_pattern_seed_and_seq_len_resolve_into_the_runs_own_model_args():
     config = [c for c in CONFIGS if c.name == "hybrid.toml"][0]
-    job = ConfigManager().parse_args(["--job.config_file", str(config),
-                                      "--hybrid.pattern", "M[M*]-"])
-    args = copy.deepcopy(hybrid_flavors[job.model.flavor])
-    args.update_from_config(job)
-    assert args.pattern == "M[M*]-"
+    run = run_config(parse_job(["--job.config_file", str(config), "--hybrid.pattern", "M[M*]-",
+                                "--debug.seed", "7", "--training.seq_len", "96"]))
+    assert (run.model.pattern, run.model.init_seed, run.model.max_seq_len) == ("M[M*]-", 7, 96)
+    flavor = hybrid_flavors["debug"]
+    assert (flavor.pattern, flavor.max_seq_len) != ("M[M*]-", 96)  # the flavor is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.training.seq_len = 1  # the sections are immutable
 
 
 def test_a_plain_torchtitan_job_gets_titan_hybrids_fields_at_their_defaults():
     from torchtitan.config import JobConfig as TitanJobConfig
 
-    from titan_hybrid.job_config import JobConfig, hybrid_job
-
-    plain = ConfigManager().parse_args(["--training.steps", "7",
+    plain = ConfigManager().parse_args(["--training.steps", "7", "--model.name", "hybrid",
+                                        "--model.flavor", "debug",
                                         "--parallelism.tensor_parallel_degree", "2"])
-    assert type(plain) is TitanJobConfig
-    extended = hybrid_job(plain)
-    assert isinstance(extended, JobConfig) and hybrid_job(extended) is extended
-    assert extended.training is plain.training and extended.training.steps == 7
-    assert extended.parallelism.tensor_parallel_degree == 2
-    assert extended.parallelism.data_parallel_sharding_strategy == "optim_grads_params"
-    assert extended.hybrid.pattern == "" and not extended.hybrid.document_masking
-    # torchtitan's own default survives for a torchtitan job (titan_hybrid's is False).
-    assert extended.checkpoint.last_save_model_only is plain.checkpoint.last_save_model_only
+    assert type(plain) is TitanJobConfig and not hasattr(plain, "hybrid")
+    run = run_config(plain)
+    assert run.training.steps == 7 and run.parallelism.tensor_parallel_degree == 2
+    assert run.hybrid == HybridSection()
+    assert run.parallelism.context_parallel_linear_mode == "head_a2a"  # titan_hybrid's default
+    assert run.model.pattern == hybrid_flavors["debug"].pattern
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model.name", "llama3"), "model.name='llama3' is not 'hybrid'"),
+    (("--model.flavor", "nope"), "model.flavor 'nope' is not a hybrid flavor"),
+    (("--fault_tolerance.enable",), "fault_tolerance.enable=True is not supported"),
+    (("--hybrid.pattern", "MX"), "'X'"),
+])
+def test_a_job_titan_hybrid_cannot_run_is_refused_while_mapping(args, message):
+    config = [c for c in CONFIGS if c.name == "hybrid.toml"][0]
+    with pytest.raises(ValueError, match=message):
+        run_config(parse_job(["--job.config_file", str(config), *args]))

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.config import ConfigManager
 
+from tests.run_configs import run_from_args
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.parallel.context_parallel import heads_of_rank
 from titan_hybrid.parallel.validate import validate_layout
@@ -17,8 +17,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
 DEBUG = hybrid_flavors["debug"]  # Mamba 16 heads / 2 groups, GDN 4 value / 2 key heads
 
 
-def job(*args):
-    return ConfigManager().parse_args(["--job.config_file", str(CONFIG), *args])
+def job(*args, model):
+    return run_from_args(*args, model=model, config_file=CONFIG)
 
 
 def cp(degree):
@@ -44,7 +44,7 @@ def cp(degree):
 ])
 def test_impossible_context_layouts_are_named(args, model_args, world, message):
     with pytest.raises(ValueError, match=message):
-        validate_layout(job(*args), model_args, world)
+        validate_layout(job(*args, model=model_args), world)
 
 
 CHUNKWISE = ("--parallelism.context_parallel_linear_mode", "chunkwise")
@@ -63,25 +63,25 @@ CHUNKWISE = ("--parallelism.context_parallel_linear_mode", "chunkwise")
 ])
 def test_linear_mode_rules_are_named(args, world, message):
     with pytest.raises(ValueError, match=message):
-        validate_layout(job(*args), DEBUG, world)
+        validate_layout(job(*args, model=DEBUG), world)
 
 
 def test_chunkwise_has_no_head_count_rule():
-    validate_layout(job(*cp(8), *CHUNKWISE, "--training.seq_len", "256"), DEBUG, 8)
+    validate_layout(job(*cp(8), *CHUNKWISE, "--training.seq_len", "256", model=DEBUG), 8)
     # The trainer tests' flavor: 6 GDN value heads, 3 per TP rank at TP 2.
     odd = hybrid_flavors["debug_odd_heads"]
     tp2 = ("--parallelism.tensor_parallel_degree", "2")
     for args, world, refused in ((cp(4), 4, "gdn.n_value_heads=6"),
                                  ((*cp(2), *tp2), 4, "gdn.n_value_heads=3")):
-        validate_layout(job(*args, *CHUNKWISE), odd, world)
+        validate_layout(job(*args, *CHUNKWISE, model=odd), world)
         with pytest.raises(ValueError, match=refused):
-            validate_layout(job(*args), odd, world)
+            validate_layout(job(*args, model=odd), world)
 
 
 def test_supported_context_layouts_pass():
-    validate_layout(job(*cp(2)), DEBUG, 2)
-    validate_layout(job(*cp(2), "--parallelism.tensor_parallel_degree", "2"), DEBUG, 4)
-    validate_layout(job(*cp(4)), DEBUG, 4)  # 4 ranks > Mamba's 2 groups: ranks share one
+    validate_layout(job(*cp(2), model=DEBUG), 2)
+    validate_layout(job(*cp(2), "--parallelism.tensor_parallel_degree", "2", model=DEBUG), 4)
+    validate_layout(job(*cp(4), model=DEBUG), 4)  # 4 ranks > Mamba's 2 groups: ranks share one
 
 
 def test_heads_of_rank_splits_heads_and_the_groups_they_read():

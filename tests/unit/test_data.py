@@ -8,10 +8,11 @@ import torch
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from tests.run_configs import run_from_args
 from titan_hybrid.data.build_tokenizer import write_tokenizer
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_documents
 from titan_hybrid.data.loader import GlobalBatchTextLoader
-from titan_hybrid.tokenizer import resolve_assets_path
+from titan_hybrid.data.tokenizer import resolve_assets_path
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +117,15 @@ def test_bad_state_is_a_clear_error(tokenizer):
 
 
 def test_torchtitan_hf_dataset_by_name_and_path(tmp_path, tokenizer):
-    from torchtitan.config import ConfigManager
-
     from titan_hybrid.data.loader import build_global_batch_dataloader
 
     texts = [f"Document number {i} talks about layers, experts and state spaces." * 3
              for i in range(40)]
     (tmp_path / "data.json").write_text(
         "\n".join(json.dumps({"text": t}) for t in texts) + "\n")
-    job = ConfigManager().parse_args([
-        "--training.dataset", "c4_test", "--training.dataset_path", str(tmp_path),
-        "--training.seq_len", "16", "--training.local_batch_size", "2"])
+    job = run_from_args("--training.dataset", "c4_test", "--training.dataset_path",
+                        str(tmp_path), "--training.seq_len", "16",
+                        "--training.local_batch_size", "2")
     loader = build_global_batch_dataloader(1, 0, tokenizer, job)
     inputs = next(iter(loader))[0]["input"]
     assert inputs.shape == (2, 16)
@@ -159,18 +158,15 @@ def _stream(loader, passes_over: int):
 
 
 def test_training_stream_never_contains_held_out_documents(tokenizer):
-    from torchtitan.config import ConfigManager
-
     from titan_hybrid.data.corpus import pydoc_split
     from titan_hybrid.data.loader import (
         build_global_batch_dataloader,
         build_validation_dataloader,
     )
 
-    job = ConfigManager().parse_args([
-        "--training.dataset", "pydoc", "--training.seq_len", "255",
-        "--training.local_batch_size", "4", "--validation.seq_len", "63",
-        "--validation.local_batch_size", "2"])
+    job = run_from_args("--training.dataset", "pydoc", "--training.seq_len", "255",
+                        "--training.local_batch_size", "4", "--validation.seq_len", "63",
+                        "--validation.local_batch_size", "2")
     encode = lambda docs: [t for d in docs for t in tokenizer.encode(d, add_bos=True,  # noqa
                                                                       add_eos=True)]
     train_tokens, held_tokens = encode(pydoc_split("train")), encode(pydoc_split("validation"))

@@ -14,15 +14,14 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.config import ConfigManager
 from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+from tests.run_configs import run_from_args
 from tests.unit.test_mla_dsa import randomize_  # every parameter, sinks too
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
@@ -34,7 +33,6 @@ from titan_hybrid.model.deepseek_v4 import (
 from titan_hybrid.model.layout import TokenLayout, packed_layout
 from titan_hybrid.parallel.validate import validate_layout
 
-CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
 F64_TOL = 1e-10  # relative: max |got - expected| / max |expected|
 DIM, SEQ = 24, 21
 # Rows of packed documents: a document starts inside the window of the queries after it.
@@ -306,12 +304,12 @@ def test_validation_names_the_field(changes, message):
 
 def test_context_parallel_needs_pieces_as_long_as_the_window_halo():
     def job(seq_len):
-        return ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                           str(seq_len), "--parallelism.context_parallel_degree",
-                                           "2"])
+        return run_from_args("--training.seq_len", str(seq_len),
+                             "--parallelism.context_parallel_degree", "2",
+                             model=hybrid_flavors["debug_v4"])
 
-    validate_layout(job(64), hybrid_flavors["debug_v4"], 2)  # pieces of 16 >= 15 halo rows
+    validate_layout(job(64), 2)  # pieces of 16 >= 15 halo rows
     with pytest.raises(ValueError, match=r"training.seq_len=32 with context_parallel_degree=2: "
                        r"pieces of 8 tokens are shorter than the DeepSeek-V4 sliding-window "
                        r"attention window's halo \(15 tokens\)"):
-        validate_layout(job(32), hybrid_flavors["debug_v4"], 2)
+        validate_layout(job(32), 2)

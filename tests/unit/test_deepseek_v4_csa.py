@@ -24,12 +24,11 @@ import copy
 
 import pytest
 import torch
-from torchtitan.config import ConfigManager
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+from tests.run_configs import run_from_args
 from tests.unit.test_deepseek_v4 import (
-    CONFIG,
     DIM,
     F64_TOL,
     SEQ,
@@ -292,13 +291,12 @@ def test_context_parallel_needs_pieces_as_long_as_the_compressor_halo():
     args.pattern = "MC-MC-"
     args.compressed_sparse_attention.sliding_window = 4
     for seq_len in (32, 24):
-        job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                          str(seq_len), "--parallelism.context_parallel_degree",
-                                          "2"])
+        job = run_from_args("--training.seq_len", str(seq_len),
+                            "--parallelism.context_parallel_degree", "2", model=args)
         if seq_len == 32:
-            validate_layout(job, args, 2)
+            validate_layout(job, 2)
             continue
         with pytest.raises(ValueError, match=r"training.seq_len=24 with context_parallel_degree=2:"
                            r" pieces of 6 tokens are shorter than the DeepSeek-V4 compressed "
                            r"sparse attention compressor's halo \(7 tokens"):
-            validate_layout(job, args, 2)
+            validate_layout(job, 2)

@@ -23,13 +23,12 @@ import copy
 
 import pytest
 import torch
-from torchtitan.config import ConfigManager
 from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
 
+from tests.run_configs import run_from_args
 from tests.unit.test_deepseek_v4 import (
-    CONFIG,
     DIM,
     F64_TOL,
     SEQ,
@@ -338,11 +337,11 @@ def test_context_parallel_needs_pieces_as_long_as_the_compressor_halo():
     args = copy.deepcopy(hybrid_flavors["debug_v4_hca"])
     args.pattern = "MH-MH-"
     args.heavily_compressed_attention.sliding_window = 2
-    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                      "16", "--parallelism.context_parallel_degree", "2"])
-    validate_layout(job, args, 2)
-    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--training.seq_len",
-                                      "8", "--parallelism.context_parallel_degree", "2"])
+    job = run_from_args("--training.seq_len", "16", "--parallelism.context_parallel_degree", "2",
+                        model=args)
+    validate_layout(job, 2)
+    job = run_from_args("--training.seq_len", "8", "--parallelism.context_parallel_degree", "2",
+                        model=args)
     with pytest.raises(ValueError, match=r"pieces of 2 tokens are shorter than the DeepSeek-V4 "
                        r"heavily compressed attention compressor's halo \(3 tokens"):
-        validate_layout(job, args, 2)
+        validate_layout(job, 2)

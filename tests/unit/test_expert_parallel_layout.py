@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.config import ConfigManager
 
+from tests.run_configs import run_from_args
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.parallel.expert_parallel import _group_by_local_expert
 from titan_hybrid.parallel.validate import validate_layout
@@ -19,8 +19,8 @@ EP2 = ("--parallelism.expert_parallel_degree", "2")
 TWO_MICROBATCHES = ("--training.local_batch_size", "2", "--training.global_batch_size", "8")
 
 
-def job(*args):
-    return ConfigManager().parse_args(["--job.config_file", str(CONFIG), *args])
+def job(*args, model):
+    return run_from_args(*args, model=model, config_file=CONFIG)
 
 
 @pytest.mark.parametrize("args, world, message", [
@@ -42,19 +42,19 @@ def job(*args):
 ])
 def test_unsupported_expert_layouts_are_named(args, world, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate_layout(job(*args), MOE, world)
+        validate_layout(job(*args, model=MOE), world)
 
 
 def test_supported_expert_layouts_pass():
-    validate_layout(job(*EP2), MOE, 2)
+    validate_layout(job(*EP2, model=MOE), 2)
     validate_layout(job(*EP2, "--parallelism.tensor_parallel_degree", "2",
-                        "--parallelism.expert_tensor_parallel_degree", "2"), MOE, 4)
-    validate_layout(job(*EP2, "--parallelism.expert_parallel_overlap", *TWO_MICROBATCHES), MOE, 2)
-    validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2"),
-                    dataclasses.replace(MOE, pattern="M*E|ME/*-"), 4)
+                        "--parallelism.expert_tensor_parallel_degree", "2", model=MOE), 4)
+    validate_layout(job(*EP2, "--parallelism.expert_parallel_overlap", *TWO_MICROBATCHES,
+                        model=MOE), 2)
+    staged = dataclasses.replace(MOE, pattern="M*E|ME/*-")
+    validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2", model=staged), 4)
     validate_layout(job(*EP2, "--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.expert_parallel_overlap"),
-                    dataclasses.replace(MOE, pattern="M*E|ME/*-"), 4)
+                        "--parallelism.expert_parallel_overlap", model=staged), 4)
 
 
 def test_received_slots_regroup_by_local_expert():

@@ -85,16 +85,16 @@ def test_the_pattern_grammar_reads_the_symbol_table_and_no_layer_code():
     # model/args.py imports the grammar; the grammar must not import the layer modules (and
     # through them ops/ and torch) back: it reads only the symbol table, which imports nothing.
     graph = import_graph()
-    assert graph["titan_hybrid.pattern"] == {"titan_hybrid.model.symbols"}
+    assert graph["titan_hybrid.model.pattern"] == {"titan_hybrid.model.symbols"}
     assert graph["titan_hybrid.model.symbols"] == set()
     # And at run time: importing the grammar loads neither torch nor any other of our modules.
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys, titan_hybrid.pattern; print(*sorted(name for name in "
-         "sys.modules if name.split('.')[0] in ('torch', 'titan_hybrid')))"],
+        [sys.executable, "-c", "import sys, titan_hybrid.model.pattern; print(*sorted(name for "
+         "name in sys.modules if name.split('.')[0] in ('torch', 'titan_hybrid')))"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["titan_hybrid", "titan_hybrid.model",
-                                   "titan_hybrid.model.symbols", "titan_hybrid.pattern"]
+                                   "titan_hybrid.model.pattern", "titan_hybrid.model.symbols"]
 
 def test_no_project_import_is_hidden_inside_a_function():
     hidden = []
@@ -164,7 +164,8 @@ def third_party_modules() -> list[str]:
 def test_importing_library_modules_leaves_torch_and_torchtitan_untouched():
     library = sorted(name for name in (module_name(p) for p in PACKAGE.rglob("*.py"))
                      if name not in ENTRY_POINTS)
-    assert "titan_hybrid.pattern" in library and "titan_hybrid.parallel.parallelize" in library
+    assert "titan_hybrid.model.pattern" in library
+    assert "titan_hybrid.parallel.parallelize" in library
     proc = subprocess.run(
         [sys.executable, "-c", SNAPSHOT_SCRIPT, json.dumps(library),
          json.dumps(third_party_modules())],

@@ -1,5 +1,5 @@
-"""The one collector of layer-kind statistics (titan_hybrid.kind_statistics): MoE router and
-DSA indexer counters read, reset, set aside and logged through the kinds' KindStatistics give
+"""The one collector of layer-kind statistics (titan_hybrid.training.kind_statistics): MoE
+router and DSA indexer counters read, reset, set aside and logged through the kinds' KindStatistics give
 what reading the modules directly gives. The reductions over ranks run in the distributed
 tests (test_expert_parallel: moe/*, test_mla_dsa: dsa/indexer_loss, under PP and CP)."""
 
@@ -9,16 +9,16 @@ import dataclasses
 
 import torch
 
-from titan_hybrid.kind_statistics import (
+from titan_hybrid.model.args import DSAArgs, MLPArgs, MoEArgs, hybrid_flavors
+from titan_hybrid.model.dsa import DeepSeekSparseAttention
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.model.moe import MoE
+from titan_hybrid.training.kind_statistics import (
     StatisticsCollector,
     reset_statistics,
     statistics_layers,
     statistics_set_aside,
 )
-from titan_hybrid.model.args import DSAArgs, MLPArgs, MoEArgs, hybrid_flavors
-from titan_hybrid.model.dsa import DeepSeekSparseAttention
-from titan_hybrid.model.model import HybridModel
-from titan_hybrid.model.moe import MoE
 
 DIM, VOCAB, SEQ = 32, 64, 24
 

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.run_configs import run_from_args
 from titan_hybrid.data.loader import build_global_batch_dataloader, validate_dataset_config
 from titan_hybrid.data.local_files import check_corpus
-from titan_hybrid.job_config import parse_job
-from titan_hybrid.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 
 CONFIG = "train_configs/hybrid.toml"
 TEXTS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 7 + 1)
@@ -35,8 +35,8 @@ def write_corpus(folder, kind: str):
 
 
 def job(path, *extra):
-    return parse_job(["--job.config_file", CONFIG, "--training.dataset_path", str(path),
-                      "--training.seq_len", "32", "--training.local_batch_size", "2", *extra])
+    return run_from_args("--training.dataset_path", str(path), "--training.seq_len", "32",
+                         "--training.local_batch_size", "2", *extra)
 
 
 def expected_windows(tokenizer, seq_len):

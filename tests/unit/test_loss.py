@@ -1,4 +1,4 @@
-"""titan_hybrid.loss.hybrid_loss against hand-computed values.
+"""titan_hybrid.training.loss.hybrid_loss against hand-computed values.
 
 The trainer divides the returned loss by the global number of valid tokens, so cross-entropy is
 a SUM and the MoE aux loss is scaled by this batch's valid-token count. MTP depth k predicts
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titan_hybrid.loss import hybrid_loss, shift_labels
+from titan_hybrid.training.loss import hybrid_loss, shift_labels
 
 IGNORE = -100
 B, T, V = 2, 7, 11

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.loss import hybrid_loss, shift_labels
 from titan_hybrid.model.args import (
     AttentionArgs,
     GDNArgs,
@@ -32,6 +31,7 @@ from titan_hybrid.model.layout import documents_from_bos, packed_layout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.model.norms import GatedGroupRMSNorm, HeadGatedRMSNorm, RMSNorm
+from titan_hybrid.training.loss import hybrid_loss, shift_labels
 
 DIM, VOCAB, BATCH, SEQ = 32, 64, 2, 12
 

@@ -3,13 +3,13 @@
 import copy
 
 import torch
-from torchtitan.config import Optimizer as OptimizerConfig
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.plan import ParallelPlan
+from titan_hybrid.training.optimizer import build_hybrid_optimizers
+from titan_hybrid.training.run_config import OptimizerSection as OptimizerConfig
 
 
 def build_model():

@@ -1,11 +1,11 @@
-"""Tests for the hybrid layer pattern grammar (titan_hybrid.pattern)."""
+"""Tests for the hybrid layer pattern grammar (titan_hybrid.model.pattern)."""
 
 import re
 
 import pytest
 
+from titan_hybrid.model.pattern import HybridPattern, parse_hybrid_pattern, physical_symbols
 from titan_hybrid.model.symbols import SYMBOLS
-from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern, physical_symbols
 
 
 def _raises(pattern, *fragments):

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torchtitan.config import ConfigManager
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
-from titan_hybrid.loss import hybrid_loss
+from tests.run_configs import run_from_args
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
+from titan_hybrid.model.pattern import parse_hybrid_pattern
 from titan_hybrid.parallel.pipeline_split import (
     PipelineStage,
     module_names_per_stage,
@@ -23,13 +23,13 @@ from titan_hybrid.parallel.pipeline_split import (
     stages_per_rank,
 )
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.pattern import parse_hybrid_pattern
+from titan_hybrid.training.loss import hybrid_loss
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid_moe.toml"
 
 
-def job(*args):
-    return ConfigManager().parse_args(["--job.config_file", str(CONFIG), *args])
+def job(*args, model=None):
+    return run_from_args(*args, model=model, config_file=CONFIG)
 
 
 def model_args(pattern):
@@ -166,7 +166,7 @@ def test_stages_follow_segments_and_put_embedding_head_and_mtp_at_the_ends():
 def test_stages_per_rank(schedule, pattern, expected):
     config = job("--parallelism.pipeline_parallel_degree", "2",
                  "--parallelism.pipeline_parallel_schedule", schedule)
-    assert stages_per_rank(config, model_args(pattern)) == expected
+    assert stages_per_rank(config.parallelism, model_args(pattern)) == expected
 
 
 @pytest.mark.parametrize("args, pattern, message", [
@@ -188,9 +188,10 @@ def test_stages_per_rank(schedule, pattern, expected):
 ])
 def test_impossible_pipeline_layouts_are_refused_by_field(args, pattern, message):
     config = job("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                 "--parallelism.pipeline_parallel_microbatch_size", "2", *args)
+                 "--parallelism.pipeline_parallel_microbatch_size", "2", *args,
+                 model=model_args(pattern))
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        validate_layout(config, model_args(pattern), world_size=2)
+        validate_layout(config, world_size=2)
 
 
 def stage_copy(model: nn.Module, kept: list[str]) -> nn.Module:

@@ -39,12 +39,13 @@ ALLOWED = {
     ("parallel/ep_overlap.py", "dispatcher.overlap"):
         "the plan's dispatcher (a plain object, not a module) learns its coordinator",
     ("parallel/zero1.py", "param.grad"): "torch's own gradient slot",
-    ("trainer.py", "scaled_loss_of(self.pp_schedule).global_valid_tokens"):
+    ("adapters/torchtitan_0_2/trainer.py", "scaled_loss_of(self.pp_schedule).global_valid_tokens"):
         "the step's token count on the schedule's loss function",
-    ("validation.py", "stage.get_local_bwd_output"): "forward-only validation of a stage",
-    ("validation.py", "stage.set_local_bwd_input"): "forward-only validation of a stage",
-    ("validation.py", "scaled.loss_fn"): "the validation loss on the schedule's loss function",
-    ("validation.py", "scaled.global_valid_tokens"): "the validation token count",
+    ("training/validation.py", "stage.get_local_bwd_output"): "forward-only validation of a stage",
+    ("training/validation.py", "stage.set_local_bwd_input"): "forward-only validation of a stage",
+    ("training/validation.py", "scaled.loss_fn"):
+        "the validation loss on the schedule's loss function",
+    ("training/validation.py", "scaled.global_valid_tokens"): "the validation token count",
 }
 # Attribute names parallel code once hung on modules and parameters (the others, zero1_mesh,
 # partition_sizes, ..., are now ParallelPlan / TPLayout fields).

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from tests.run_configs import run_from_args
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.common import TPLayout, sharded, tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
@@ -130,24 +131,20 @@ def test_tp_divisibility_errors_name_the_field(field, change, message):
 
 
 def test_layout_validation_names_field_value_and_rule():
-    from torchtitan.config import ConfigManager
-
     from titan_hybrid.parallel.validate import validate_layout
 
-    def job(*args):
-        return ConfigManager().parse_args(["--job.custom_config_module", "titan_hybrid.job_config",
-                                           *args])
+    def job(*args, model=copy.deepcopy(hybrid_flavors["debug_moe"])):
+        return run_from_args(*args, model=model)
 
-    moe = copy.deepcopy(hybrid_flavors["debug_moe"])
     with pytest.raises(ValueError, match=r"moe.num_experts=8 is not divisible by "
                                          r"parallelism.expert_parallel_degree=3"):
-        validate_layout(job("--parallelism.expert_parallel_degree", "3"), moe, 3)
+        validate_layout(job("--parallelism.expert_parallel_degree", "3"), 3)
     with pytest.raises(ValueError, match="has no MoE"):
-        validate_layout(job("--parallelism.expert_parallel_degree", "2"),
-                        copy.deepcopy(hybrid_flavors["debug"]), 2)
+        validate_layout(job("--parallelism.expert_parallel_degree", "2",
+                            model=copy.deepcopy(hybrid_flavors["debug"])), 2)
     with pytest.raises(ValueError, match=r"world size 4 != data_parallel_replicate_degree\(1\)"):
-        validate_layout(job("--parallelism.data_parallel_shard_degree", "3"), moe, 4)
+        validate_layout(job("--parallelism.data_parallel_shard_degree", "3"), 4)
     with pytest.raises(ValueError, match="mamba.n_groups=2 is not divisible by "
                                          "parallelism.tensor_parallel_degree=4"):
-        validate_layout(job("--parallelism.tensor_parallel_degree", "4"), moe, 4)
-    validate_layout(job("--parallelism.tensor_parallel_degree", "2"), moe, 4)
+        validate_layout(job("--parallelism.tensor_parallel_degree", "4"), 4)
+    validate_layout(job("--parallelism.tensor_parallel_degree", "2"), 4)

@@ -1,6 +1,7 @@
 """The validator in one process (a tiny model, no process group) and its config checks."""
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -8,18 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.config import ConfigManager
 from torchtitan.distributed import ParallelDims
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from tests.run_configs import run_from_args
 from titan_hybrid.data.corpus import TOKENIZER_DIR, pydoc_split
 from titan_hybrid.data.loader import validation_dataset_name
-from titan_hybrid.errors import JobError
-from titan_hybrid.metrics import drop_records_from, loss_curve_path, perplexity
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.moe import KIND as MOE_KIND
-from titan_hybrid.validation import (
+from titan_hybrid.training.errors import JobError
+from titan_hybrid.training.metrics import drop_records_from, loss_curve_path, perplexity
+from titan_hybrid.training.validation import (
     HybridValidator,
     next_token_loss_sum,
     validate_validation_config,
@@ -29,10 +30,9 @@ VOCAB, DIM = 2048, 8
 
 
 def job(*args: str):
-    return ConfigManager().parse_args([
-        "--job.custom_config_module", "titan_hybrid.job_config", "--training.dataset", "pydoc",
-        "--validation.enable", "--validation.seq_len", "32", "--validation.local_batch_size",
-        "2", *args])
+    return run_from_args("--training.dataset", "pydoc", "--validation.enable",
+                         "--validation.seq_len", "32", "--validation.local_batch_size", "2",
+                         *args, config_file=None)
 
 
 class TinyMoELM(nn.Module):
@@ -69,9 +69,9 @@ class Recorder:
         self.logged.append((step, loss))
 
 
-def make_validator(job_config, metrics):
+def make_validator(run, metrics):
     return HybridValidator(
-        job_config=job_config, dp_world_size=1, dp_rank=0,
+        run=run, dp_world_size=1, dp_rank=0,
         tokenizer=HuggingFaceTokenizer(str(TOKENIZER_DIR)),
         parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
                                    world_size=1),
@@ -150,11 +150,13 @@ def test_good_and_disabled_validation_configs_pass():
                                    "--parallelism.pipeline_parallel_degree", "2",
                                    "--training.local_batch_size", "2"))
     config = job()
-    config.validation.steps = 0  # torchtitan's own parse refuses it, a TOML edit may not
+    # torchtitan's own parse refuses it, a TOML edit may not
+    config = dataclasses.replace(config, validation=dataclasses.replace(config.validation,
+                                                                        steps=0))
     with pytest.raises(ValueError, match="validation.steps=0 must be -1"):
         validate_validation_config(config)
-    config.validation.enable = False
-    validate_validation_config(config)
+    validate_validation_config(dataclasses.replace(
+        config, validation=dataclasses.replace(config.validation, enable=False)))
 
 
 def test_validation_dataset_rule():
@@ -167,10 +169,13 @@ def test_validation_dataset_rule():
 def test_loss_curve_path_and_resumed_rewrite(tmp_path):
     config = job("--job.dump_folder", str(tmp_path), "--hybrid.loss_curve_file", "c/curve.jsonl")
     assert loss_curve_path(config) == tmp_path / "c" / "curve.jsonl"
-    config.hybrid.loss_curve_file = str(tmp_path / "abs.jsonl")
-    assert loss_curve_path(config) == tmp_path / "abs.jsonl"
-    config.hybrid.loss_curve_file = ""
-    assert loss_curve_path(config) is None
+
+    def curve_file(path):
+        return dataclasses.replace(config, hybrid=dataclasses.replace(config.hybrid,
+                                                                      loss_curve_file=path))
+
+    assert loss_curve_path(curve_file(str(tmp_path / "abs.jsonl"))) == tmp_path / "abs.jsonl"
+    assert loss_curve_path(curve_file("")) is None
     curve = tmp_path / "curve.jsonl"
     curve.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
                      '{"step": 2, "validation_loss": 1.7}\n{"step": 3, "loss": 1.0}\n{"step": 4,')

@@ -69,5 +69,6 @@ def hybrid_state_dict_adapter(model_args: HybridModelArgs,
                               hf_assets_path: str | None) -> HFStateDictAdapter:
     """The TrainSpec's `state_dict_adapter` (torchtitan calls it with these two arguments on
     every run): the adapter of the model's format. A model the format cannot hold fails only
-    when the adapter is used, and job_checks refuses such a job before that."""
+    when the adapter is used, and the pre-flight check (training/preflight.py) refuses such a
+    job before that."""
     return hf_format_of(model_args).adapter(model_args, hf_assets_path)

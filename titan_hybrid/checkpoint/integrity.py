@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_hybrid.errors import JobError
+from titan_hybrid.training.errors import JobError
 
 CHECKSUMS_FILE = "checksums.json"
 PARTIAL_SUFFIX = ".partial"

@@ -24,7 +24,7 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
   the weights (torchtitan's `maybe_wait_for_staging`), so it overlaps forward and backward.
 
 Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three hooks that torchtitan
-0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan gives them
+0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan_0_2 gives them
 (`save_last_step`, `find_load_step`, `purge_stale_checkpoints`), and feeds its `purge_queue`.
 """
 
@@ -56,11 +56,12 @@ from titan_hybrid.checkpoint.state import (
     check_against_checkpoint,
     map_layers_by_order,
 )
-from titan_hybrid.cluster import restart_count
 from titan_hybrid.compat.dcp import background_stager, files_written_by
-from titan_hybrid.compat.torchtitan import CheckpointManagerHooks
-from titan_hybrid.errors import JobError
+from titan_hybrid.compat.torchtitan_0_2 import CheckpointManagerHooks
 from titan_hybrid.model.common import TPLayout
+from titan_hybrid.runtime.cluster import restart_count
+from titan_hybrid.training.errors import JobError
+from titan_hybrid.training.run_config import RunConfig
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
 
@@ -90,14 +91,15 @@ def holds_training_state(metadata) -> bool:
 
 
 class HybridCheckpointManager(CheckpointManagerHooks):
-    def __init__(self, *, model_args, job_config, tokenizer_folder: str | None,
+    def __init__(self, *, run: RunConfig, tokenizer_folder: str | None,
                  layouts: dict[str, TPLayout], **kwargs) -> None:
         """`layouts`: the run's ParallelPlan.layouts (fused tensors are saved as components)."""
         super().__init__(**kwargs)
-        self.model_args = model_args
+        self.run = run
+        self.model_args = run.model
         self.tokenizer_folder = tokenizer_folder
-        self.by_order = job_config.hybrid.load_layers_by_order
-        self.fresh_optimizer = job_config.checkpoint.resume_with_fresh_optimizer
+        self.by_order = run.hybrid.load_layers_by_order
+        self.fresh_optimizer = run.checkpoint.resume_with_fresh_optimizer
         self.verified: set[str] = set()
         # A background save's (partial, final) folders and its checksums, committed once it
         # has finished.
@@ -315,8 +317,8 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         trainer = self.states[TRAIN_STATE]
         trainer.step = step
         batches = step * trainer.gradient_accumulation_steps
-        trainer.ntokens_seen = batches * trainer.job_config.training.local_batch_size \
-            * trainer.job_config.training.seq_len  # per rank, as the trainer counts them
+        trainer.ntokens_seen = batches * self.run.training.local_batch_size \
+            * self.run.training.seq_len  # per rank, as the trainer counts them
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(step):

@@ -24,15 +24,17 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
-from torchtitan.config import JobConfig
-from torchtitan.config.job_config import Validation
 from torchtitan.hf_datasets import DatasetConfig, text_datasets
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.data.corpus import pydoc_split
 from titan_hybrid.data.local_files import check_corpus, is_local_path, local_documents
+from titan_hybrid.training.run_config import RunConfig
 
 PYDOC_DATASET = "pydoc"
+# torchtitan's default validation dataset (a download); a pydoc run reads pydoc's held-out
+# part instead unless the job names a path.
+TORCHTITAN_VALIDATION_DATASET = "c4_validation"
 _STATE_KEY = "global_text_position"
 
 
@@ -151,16 +153,16 @@ class GlobalBatchTextLoader(BaseDataLoader):
         self._saved = state_dict[_STATE_KEY]
 
 
-def validate_dataset_config(job_config: JobConfig) -> None:
+def validate_dataset_config(run: RunConfig) -> None:
     """Cheap checks that must fail before any model is built."""
-    name = job_config.training.dataset.lower()
+    name = run.data.dataset.lower()
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(
-            f"training.dataset '{job_config.training.dataset}' is unknown: use '{PYDOC_DATASET}' "
+            f"training.dataset '{run.data.dataset}' is unknown: use '{PYDOC_DATASET}' "
             f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
         )
     # A hub name ("allenai/c4") cannot be checked offline; an explicit local path can.
-    path = job_config.training.dataset_path
+    path = run.data.dataset_path
     if is_local_path(path):
         check_corpus("training.dataset_path", path)
     elif path and path.startswith((".", "/", "~")):
@@ -185,12 +187,11 @@ def build_global_batch_dataloader(
     dp_world_size: int,
     dp_rank: int,
     tokenizer: BaseTokenizer,
-    job_config: JobConfig,
+    run: RunConfig,
     infinite: bool = True,
 ) -> GlobalBatchTextLoader:
-    validate_dataset_config(job_config)
-    training = job_config.training
-    return _loader(training.dataset.lower(), training.dataset_path, "train", training,
+    validate_dataset_config(run)
+    return _loader(run.data.dataset.lower(), run.data.dataset_path, "train", run.training,
                    tokenizer, dp_rank, dp_world_size, infinite)
 
 
@@ -213,23 +214,23 @@ def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: Ba
     )
 
 
-def validation_dataset_name(job_config: JobConfig) -> str:
+def validation_dataset_name(run: RunConfig) -> str:
     """The dataset `--validation.enable` reads: the held-out pydoc documents when
     validation.dataset is "pydoc", or when a pydoc training run leaves validation.dataset at
     torchtitan's default ("c4_validation", a download) without a validation.dataset_path;
     otherwise validation.dataset, read like torchtitan reads it (its own documents)."""
-    validation = job_config.validation
+    validation = run.validation
     name = validation.dataset.lower()
-    if (name == Validation.dataset and not validation.dataset_path
-            and job_config.training.dataset.lower() == PYDOC_DATASET):
+    if (name == TORCHTITAN_VALIDATION_DATASET and not validation.dataset_path
+            and run.data.dataset.lower() == PYDOC_DATASET):
         return PYDOC_DATASET
     return name
 
 
 def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer,
-                                job_config: JobConfig) -> GlobalBatchTextLoader:
+                                run: RunConfig) -> GlobalBatchTextLoader:
     """One pass over the validation set in global batches of `validation.local_batch_size`
     windows per data-parallel rank; call `restart()` before each pass."""
-    validation = job_config.validation
-    return _loader(validation_dataset_name(job_config), validation.dataset_path, "validation",
+    validation = run.validation
+    return _loader(validation_dataset_name(run), validation.dataset_path, "validation",
                    validation, tokenizer, dp_rank, dp_world_size, infinite=False)

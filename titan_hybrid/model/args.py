@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from torch import nn
-from torchtitan.protocols.model import BaseModelArgs
 
 from titan_hybrid.model.attention import AttentionArgs
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs
@@ -28,7 +27,7 @@ from titan_hybrid.model.mamba import MambaArgs
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
-from titan_hybrid.pattern import HybridPattern, parse_hybrid_pattern
+from titan_hybrid.model.pattern import HybridPattern, parse_hybrid_pattern
 
 __all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
            "DeepseekV4CompressedAttentionArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
@@ -36,7 +35,7 @@ __all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
 
 
 @dataclass
-class HybridModelArgs(BaseModelArgs):
+class HybridModelArgs:
     pattern: str = "M*M-"
     dim: int = 256
     vocab_size: int = 2048
@@ -98,16 +97,8 @@ class HybridModelArgs(BaseModelArgs):
             kind.validate(self.section(kind), self.dim)
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        """The job's pattern, sequence length and seed (torchtitan calls this on the run's
-        args, resolve_model_args too; applying it twice changes nothing). A plain torchtitan
-        job has no [hybrid] section: the flavor's pattern stays."""
-        hybrid = getattr(job_config, "hybrid", None)
-        if hybrid is not None and hybrid.pattern:
-            self.pattern = hybrid.pattern
-        self.max_seq_len = job_config.training.seq_len
-        if job_config.debug.seed is not None:
-            self.init_seed = job_config.debug.seed
-        self.validate()
+        """Nothing: torchtitan 0.2's trainer calls this to apply its job, but the run's args
+        were resolved from the job before (resolve_model_args, by the torchtitan adapter)."""
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         return nparams_and_flops_per_token(self, model, seq_len)
@@ -223,9 +214,17 @@ hybrid_flavors = FlavorRegistry({
 })
 
 
-def resolve_model_args(job_config) -> HybridModelArgs:
-    """The model args a job trains: its flavor, with the job's pattern, sequence length and
-    seed applied, validated (ValueError for an unknown flavor or shapes that cannot work)."""
-    model_args = copy.deepcopy(hybrid_flavors[job_config.model.flavor])
-    model_args.update_from_config(job_config)
+def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
+                       seed: int | None = None) -> HybridModelArgs:
+    """The model args a run trains: a copy of the flavor's, with the run's pattern (if given),
+    sequence length and init seed (if given), validated (ValueError for an unknown flavor or
+    shapes that cannot work)."""
+    flavor_args = hybrid_flavors[flavor]
+    # One new object whose sections are copies too: nothing is shared with the flavor table.
+    fields = {f.name: copy.deepcopy(getattr(flavor_args, f.name))
+              for f in dataclasses.fields(flavor_args) if f.init}
+    fields.update(pattern=pattern or flavor_args.pattern, max_seq_len=seq_len,
+                  init_seed=flavor_args.init_seed if seed is None else seed)
+    model_args = HybridModelArgs(**fields)
+    model_args.validate()
     return model_args

@@ -235,7 +235,7 @@ def trains_indexer(args: DSAArgs) -> bool:
 def record_indexer_loss(counter: torch.Tensor, kl: torch.Tensor, args: DSAArgs) -> None:
     """Add (KL, 1) to a layer's `indexer_loss_sum` counter (KindStatistics) in a forward that
     computed the KL. Which forwards count in the log (not validation's) is
-    titan_hybrid.kind_statistics' rule, the same for every kind."""
+    titan_hybrid.training.kind_statistics' rule, the same for every kind."""
     if trains_indexer(args):
         with torch.no_grad():
             value = kl.detach().to(counter.dtype)

@@ -73,7 +73,7 @@ DATA, CONTEXT, PIPELINE = "dp", "cp", "pp"
 class KindStatistics:
     """Counters that a kind's mixer accumulates over its forwards, and what the training log
     shows of them. The mixer keeps each counter as a non-persistent buffer that every forward
-    adds to; titan_hybrid.kind_statistics does the rest for every kind alike: it reads, reduces
+    adds to; titan_hybrid.training.kind_statistics does the rest for every kind alike: it reads, reduces
     and resets them when the metrics log, and sets aside what the forwards that must not count
     added (validation passes, the pipeline's shape inference).
 

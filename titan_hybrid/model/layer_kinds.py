@@ -7,7 +7,7 @@ section of that name (model/args.py). A kind that mixes along the sequence state
 ContextParallelRule which core arguments CP all-gathers (or needs a wrapper of its own in
 parallel/context_parallel.py, registered under that rule). A kind whose mixer counts something
 for the training log names its counters, their reduction and its metrics in `statistics`
-(KindStatistics); titan_hybrid.kind_statistics collects them for every kind alike.
+(KindStatistics); titan_hybrid.training.kind_statistics collects them for every kind alike.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ layers computed flat. Layers are kept in ModuleDicts keyed by their index so tha
 can drop layers without renaming the others (torchtitan's convention).
 
 Forward returns the logits, or a tuple `(logits, aux_loss, *mtp_logits)` when the pattern has MoE
-layers or MTP depths; `titan_hybrid.loss` turns either into the training loss.
+layers or MTP depths; `titan_hybrid.training.loss` turns either into the training loss.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtitan.protocols.model import ModelProtocol
 
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.attention import rotary_tables
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
-from titan_hybrid.pattern import Item
+from titan_hybrid.model.pattern import Item
 
 
 class HybridLayer(nn.Module):
@@ -118,13 +117,13 @@ def _plain_init(unit: nn.Module) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-class HybridModel(ModelProtocol):
+class HybridModel(nn.Module):
     def __init__(self, model_args: HybridModelArgs, *,
                  init_materializer: UnitInitContext = _plain_init) -> None:
         """`init_materializer(unit)`: the context each unit's init runs in. Parallel code
         builds the model with one that lets the init run on full tensors
         (titan_hybrid.parallel.init); model code itself stays single-device."""
-        super().__init__(model_args)
+        super().__init__()
         self.init_materializer = init_materializer
         model_args.validate()
         self.model_args = model_args

@@ -242,7 +242,7 @@ def _inactive_params(args: MoEArgs, dim: int) -> int:
 
 
 def _router_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The logged router statistics (titan_hybrid.metrics) from each layer's counters summed
+    """The logged router statistics (titan_hybrid.training.metrics) from each layer's counters summed
     over the data-parallel ranks: slots an expert received over the mean per expert, worst
     layer, and the load-balancing loss before its coefficient, mean over layers."""
     counts_LE, aux_L2 = sums["routed_tokens"], sums["aux_loss_sum"]

@@ -1,6 +1,6 @@
 """The pattern symbols: what the hybrid pattern grammar knows of each layer kind.
 
-One `LayerSymbol` per kind, in the table `SYMBOLS`. The grammar (titan_hybrid.pattern) reads
+One `LayerSymbol` per kind, in the table `SYMBOLS`. The grammar (titan_hybrid.model.pattern) reads
 only this module, so parsing a pattern imports no layer code; each kind's `LayerKind`
 (layer_kind.py) names its symbol and reads the rest from here.
 """

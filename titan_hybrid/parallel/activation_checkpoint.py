@@ -13,6 +13,8 @@ would recompute everything, like full AC.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torchtitan.config.job_config import ActivationCheckpoint
@@ -21,6 +23,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 import titan_hybrid.ops.gated_delta  # noqa: F401  (registers titan_hybrid::fla_gated_delta_fwd)
 import titan_hybrid.ops.ssd  # noqa: F401  (registers titan_hybrid::mamba_ssd_fwd)
 from titan_hybrid.compat.aten_ops import ATTENTION_OPS, GROUPED_MM_OP, REDUCE_SCATTER_OP
+from titan_hybrid.training.run_config import ActivationCheckpointSection
 
 SELECTIVE_AC_SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -33,7 +36,8 @@ SELECTIVE_AC_SAVED_OPS = {
 }
 
 
-def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoint, *,
+def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointSection, *,
                                    model_compile_enabled: bool, base_folder: str) -> None:
-    apply_ac(model, config, model_compile_enabled=model_compile_enabled,
+    apply_ac(model, ActivationCheckpoint(**dataclasses.asdict(config)),
+             model_compile_enabled=model_compile_enabled,
              op_sac_save_list=SELECTIVE_AC_SAVED_OPS, base_folder=base_folder)

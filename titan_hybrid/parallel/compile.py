@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchtitan.config.job_config import Compile
 
 from titan_hybrid.compat.dynamo import count_forward_side_effects_once_under_checkpoint
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.ops.kernels import probe_kernels
+from titan_hybrid.training.run_config import CompileSection
 
 
-def _compile(module: nn.Module, config: Compile) -> None:
+def _compile(module: nn.Module, config: CompileSection) -> None:
     module.forward = torch.compile(module.forward, backend=config.backend, fullgraph=True)
 
 
@@ -54,7 +54,7 @@ def _compiled_parts(layer: HybridLayer, split_precision: bool,
     return None
 
 
-def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool,
+def _compile_layer(layer: HybridLayer, config: CompileSection, split_precision: bool,
                    whole_in_bf16: bool) -> None:
     parts = _compiled_parts(layer, split_precision, whole_in_bf16)
     if parts is None:
@@ -67,7 +67,7 @@ def _compile_layer(layer: HybridLayer, config: Compile, split_precision: bool,
             _compile(part, config)
 
 
-def _compile_unit(unit: nn.Module, config: Compile, split_precision: bool,
+def _compile_unit(unit: nn.Module, config: CompileSection, split_precision: bool,
                   whole_in_bf16: bool) -> None:
     layers = [module for module in unit.modules() if isinstance(module, HybridLayer)]
     if all(_compiled_parts(layer, split_precision, whole_in_bf16) is None for layer in layers):
@@ -86,7 +86,7 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_compile(model: nn.Module, config: Compile, *, split_precision: bool = False,
+def apply_compile(model: nn.Module, config: CompileSection, *, split_precision: bool = False,
                   bf16_compute: bool = False, expert_parallel: bool = False) -> None:
     """`bf16_compute`: the layers compute in bf16 (bf16 data-parallel parameters, or bf16
     autocast on one device); `expert_parallel`: EP's dispatch hooks are on the experts."""

@@ -10,7 +10,6 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.job_config import JobConfig
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_hybrid.parallel.compile import apply_compile
@@ -20,6 +19,7 @@ from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
+from titan_hybrid.training.run_config import RunConfig
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -46,10 +46,10 @@ def expert_data_parallel_mesh(parallel_dims: ParallelDims):
 
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
-                       job_config: JobConfig) -> ParallelPlan:
+                       run: RunConfig) -> ParallelPlan:
     """Parallelize `model` (a whole model or one pipeline stage, on the meta device) in place,
-    for a job whose layout has been validated (parallel/validate.py)."""
-    sequence_parallel = not job_config.parallelism.disable_sequence_parallel
+    for a run whose layout has been validated (parallel/validate.py)."""
+    sequence_parallel = not run.parallelism.disable_sequence_parallel
     plan = ParallelPlan(layouts=tensor_parallel_layouts(model))
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.
@@ -57,11 +57,11 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         plan.partial_grads = apply_tensor_parallel(
             model, parallel_dims.get_mesh("tp"), plan.layouts,
             sequence_parallel=sequence_parallel,
-            loss_parallel=plain_logits and not job_config.parallelism.disable_loss_parallel)
+            loss_parallel=plain_logits and not run.parallelism.disable_loss_parallel)
         logger.info(f"Applied tensor parallel (sequence parallel: "
                     f"{sequence_parallel})")
     if parallel_dims.cp_enabled:
-        linear_mode = job_config.parallelism.context_parallel_linear_mode
+        linear_mode = run.parallelism.context_parallel_linear_mode
         apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group(), linear_mode)
         logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag; Mamba2 "
                     f"/ GDN: {linear_mode})")
@@ -69,36 +69,36 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
         plan.expert_dispatchers = apply_expert_parallel(model, ep_mesh)
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
-    compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if job_config.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(model, job_config.activation_checkpoint,
+    compile_model = run.compile.enable and "model" in run.compile.components
+    if run.activation_checkpoint.mode != "none":
+        apply_activation_checkpointing(model, run.activation_checkpoint,
                                        model_compile_enabled=compile_model,
-                                       base_folder=job_config.job.dump_folder)
+                                       base_folder=run.dump_folder)
     if compile_model:
         # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
         split_precision = (parallel_dims.dp_cp_enabled
-                           and job_config.training.mixed_precision_param != "float32")
+                           and run.training.mixed_precision_param != "float32")
         # bf16 parameters under data parallelism, bf16 autocast on one device (torchtitan)
-        bf16_compute = job_config.training.mixed_precision_param == "bfloat16"
-        apply_compile(model, job_config.compile, split_precision=split_precision,
+        bf16_compute = run.training.mixed_precision_param == "bfloat16"
+        apply_compile(model, run.compile, split_precision=split_precision,
                       bf16_compute=bf16_compute, expert_parallel=parallel_dims.ep_enabled)
-        logger.info(f"Compiled each layer / bracket group (backend {job_config.compile.backend})")
+        logger.info(f"Compiled each layer / bracket group (backend {run.compile.backend})")
     if parallel_dims.dp_cp_enabled:
         strategy, dp_mesh = data_parallel_plan(
-            parallel_dims, job_config.parallelism.data_parallel_sharding_strategy)
+            parallel_dims, run.parallelism.data_parallel_sharding_strategy)
         apply_data_parallel(
             model,
             dp_mesh,
             strategy=strategy,
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-            cpu_offload=job_config.training.enable_cpu_offload,
+            param_dtype=TORCH_DTYPE_MAP[run.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[run.training.mixed_precision_reduce],
+            cpu_offload=run.training.enable_cpu_offload,
             expert_mesh=expert_data_parallel_mesh(parallel_dims),
         )
         # The optimizer builder shards the optimizer state over it (ZeRO-1).
         plan.zero1_mesh = dp_mesh if strategy == "optim" else None
         logger.info(f"Applied data parallel '{strategy}' over {dp_mesh.mesh_dim_names}")
-    if job_config.parallelism.expert_parallel_overlap and not parallel_dims.pp_enabled:
+    if run.parallelism.expert_parallel_overlap and not parallel_dims.pp_enabled:
         # Under PP: pipeline_hybrid, once for all local stages.
         plan.overlap = install_overlap_hooks([model], plan.expert_dispatchers.values())
     return plan

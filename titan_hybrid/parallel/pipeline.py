@@ -22,21 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.pipeline_parallel import (
-    build_pipeline_schedule,
-    pipeline_module_split,
-)
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.compat import pipelining
-from titan_hybrid.job_config import JobConfig
-from titan_hybrid.kind_statistics import reset_statistics
-from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
 from titan_hybrid.parallel.plan import ParallelPlan
+from titan_hybrid.training.kind_statistics import reset_statistics
+from titan_hybrid.training.run_config import RunConfig
 
 
 class GlobalTokenScaledLoss:
@@ -64,34 +59,38 @@ def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:
 def _forget_metadata_inference_routing(stage) -> None:
     """torch's first schedule step runs each stage once on the first microbatch to learn the
     shapes it sends; that run must not count in the layer kinds' statistics of step 1
-    (titan_hybrid.kind_statistics)."""
+    (titan_hybrid.training.kind_statistics)."""
     pipelining.after_metadata_inference(stage, lambda: reset_statistics([stage.submod]))
 
 
-def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                    device: torch.device, model_args: HybridModelArgs, loss_fn):
+def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, run: RunConfig,
+                    device: torch.device, loss_fn, *, split_module, build_schedule):
     """Split `model` into this rank's stages and parallelize each. Returns torchtitan's
-    (schedule, model parts, has first stage, has last stage) and this rank's ParallelPlan."""
+    (schedule, model parts, has first stage, has last stage) and this rank's ParallelPlan.
+
+    The torchtitan adapter passes its version's helpers: `split_module(model, pp_mesh,
+    schedule_name, device, module_names_per_stage)` gives (stages, model parts) and
+    `build_schedule(stages, loss_fn)` the schedule."""
     pp_mesh = parallel_dims.get_mesh("pp")
-    virtual = stages_per_rank(job_config, model_args)
-    names = module_names_per_stage(model_args, parallel_dims.pp, virtual)
+    virtual = stages_per_rank(run.parallelism, run.model)
+    names = module_names_per_stage(run.model, parallel_dims.pp, virtual)
     for index, stage_names in enumerate(names):
         logger.info(f"Pipeline stage {index}: {stage_names}")
-    stages, model_parts = pipeline_module_split(
-        model, pp_mesh, job_config.parallelism.pipeline_parallel_schedule, device, names)
+    stages, model_parts = split_module(
+        model, pp_mesh, run.parallelism.pipeline_parallel_schedule, device, names)
     plan = ParallelPlan()
     for part in model_parts:
-        plan.add(parallelize_hybrid(part, parallel_dims, job_config))
+        plan.add(parallelize_hybrid(part, parallel_dims, run))
     for stage in stages:
         _forget_metadata_inference_routing(stage)
     scaled_loss = GlobalTokenScaledLoss(loss_fn)
-    schedule = build_pipeline_schedule(job_config, stages, scaled_loss)
-    if job_config.parallelism.expert_parallel_overlap:
+    schedule = build_schedule(stages, scaled_loss)
+    if run.parallelism.expert_parallel_overlap:
         # One coordinator for this rank's stages: a pair may be a forward of one stage and a
         # backward of another (parallelize_hybrid leaves this to us under PP).
         plan.overlap = install_overlap_hooks(model_parts, plan.expert_dispatchers.values())
         schedule = overlap_pipeline_schedule(schedule, stages,
-                                             job_config.parallelism.pipeline_parallel_schedule,
+                                             run.parallelism.pipeline_parallel_schedule,
                                              plan.overlap)
     return (schedule, model_parts, any(stage.is_first for stage in stages),
             any(stage.is_last for stage in stages)), plan

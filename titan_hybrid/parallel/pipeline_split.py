@@ -17,10 +17,16 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
-from torchtitan.config import JobConfig
 
 from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.pattern import HybridPattern, Item, char_error, pattern_error, physical_symbols
+from titan_hybrid.model.pattern import (
+    HybridPattern,
+    Item,
+    char_error,
+    pattern_error,
+    physical_symbols,
+)
+from titan_hybrid.training.run_config import ParallelismSection
 
 
 @dataclass(frozen=True)
@@ -116,11 +122,10 @@ def _main_item_positions(text: str) -> list[int]:
     return positions
 
 
-def stages_per_rank(job_config: JobConfig, model_args: HybridModelArgs) -> int:
+def stages_per_rank(parallelism: ParallelismSection, model_args: HybridModelArgs) -> int:
     """Virtual stages per rank: set by `|` segments when the pattern has them, else 1 for
     single-stage schedules and 2 (V-shaped schedules: exactly 2) for looped ones, unless
     parallelism.pipeline_parallel_layers_per_stage says otherwise."""
-    parallelism = job_config.parallelism
     pp = parallelism.pipeline_parallel_degree
     schedule = get_schedule_class(parallelism.pipeline_parallel_schedule)
     single = issubclass(schedule, PipelineScheduleSingle)

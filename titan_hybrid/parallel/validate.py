@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from titan_hybrid.job_config import JobConfig
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
+from titan_hybrid.training.run_config import RunConfig
 
 
 def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
@@ -35,18 +35,19 @@ def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: i
         _require_divisible(field, value, name, tp)
 
 
-def validate_compile(job_config: JobConfig, model_args: HybridModelArgs) -> None:
-    unknown = set(job_config.compile.components) - {"model", "loss"}
+def validate_compile(run: RunConfig) -> None:
+    unknown = set(run.compile.components) - {"model", "loss"}
     if unknown:
         raise ValueError(f"compile.components {sorted(unknown)}: the hybrid model compiles "
                          "'model' and 'loss'")
 
 
-def validate_pipeline(job_config: JobConfig, model_args: HybridModelArgs) -> None:
-    p = job_config.parallelism
-    virtual_stages = stages_per_rank(job_config, model_args)
+def validate_pipeline(run: RunConfig) -> None:
+    model_args = run.model
+    p = run.parallelism
+    virtual_stages = stages_per_rank(run.parallelism, model_args)
     module_names_per_stage(model_args, p.pipeline_parallel_degree, virtual_stages)  # split errors
-    local_batch, microbatch = (job_config.training.local_batch_size,
+    local_batch, microbatch = (run.training.local_batch_size,
                                p.pipeline_parallel_microbatch_size)
     if local_batch % microbatch:
         raise ValueError(f"training.local_batch_size={local_batch} is not divisible by "
@@ -96,10 +97,11 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
             "'optim_grads_params' (experts are sharded over the ranks that hold the same experts)")
 
 
-def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs) -> None:
-    p = job_config.parallelism
+def validate_context_parallel(run: RunConfig) -> None:
+    model_args = run.model
+    p = run.parallelism
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
-    seq_len = job_config.training.seq_len
+    seq_len = run.training.seq_len
     sequence_parallel = not p.disable_sequence_parallel
     chunks = 2 * cp * (tp if tp > 1 and sequence_parallel else 1)
     if seq_len % chunks:
@@ -156,8 +158,8 @@ def validate_context_parallel(job_config: JobConfig, model_args: HybridModelArgs
                 "a longer sequence or a smaller CP degree")
 
 
-def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
-    p, training = job_config.parallelism, job_config.training
+def validate_overlap(run: RunConfig, *, data_parallel: int) -> None:
+    p, training = run.parallelism, run.training
     if p.expert_parallel_degree < 2:
         raise ValueError(
             "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
@@ -180,9 +182,9 @@ def validate_overlap(job_config: JobConfig, *, data_parallel: int) -> None:
             f"{training.local_batch_size}) * data-parallel degree({data_parallel})")
 
 
-def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_size: int) -> int:
+def validate_layout(run: RunConfig, world_size: int) -> int:
     """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
-    p = job_config.parallelism
+    p, model_args = run.parallelism, run.model
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "context_parallel_degree": p.context_parallel_degree,
@@ -226,20 +228,20 @@ def validate_layout(job_config: JobConfig, model_args: HybridModelArgs, world_si
 
     if p.tensor_parallel_degree > 1:
         validate_tensor_parallel(model_args, p.tensor_parallel_degree,
-                                 seq_len=job_config.training.seq_len,
+                                 seq_len=run.training.seq_len,
                                  sequence_parallel=not p.disable_sequence_parallel)
     if p.expert_parallel_degree > 1:
         validate_expert_parallel(p, model_args, shard=shard, strategy=strategy)
     if p.expert_parallel_overlap:
-        validate_overlap(job_config, data_parallel=p.data_parallel_replicate_degree * shard)
+        validate_overlap(run, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
-        validate_pipeline(job_config, model_args)
+        validate_pipeline(run)
     if p.context_parallel_linear_mode not in LINEAR_MODES:  # checked at any CP degree
         raise ValueError(f"parallelism.context_parallel_linear_mode="
                          f"'{p.context_parallel_linear_mode}': must be one of "
                          f"{', '.join(LINEAR_MODES)}")
     if p.context_parallel_degree > 1:
-        validate_context_parallel(job_config, model_args)
-    if job_config.compile.enable:
-        validate_compile(job_config, model_args)
+        validate_context_parallel(run)
+    if run.compile.enable:
+        validate_compile(run)
     return p.data_parallel_replicate_degree * shard

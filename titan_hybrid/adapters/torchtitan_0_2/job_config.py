@@ -1,18 +1,17 @@
-"""titan_hybrid's additions to torchtitan's JobConfig.
+"""torchtitan 0.2's job: titan_hybrid's additions to its JobConfig, and the run's RunConfig
+built from a parsed job (`run_config`).
 
 `JobConfig` here is torchtitan's JobConfig plus a `[hybrid]` section and a few fields in
 `[parallelism]` and `[checkpoint]`. titan_hybrid's entry points (titan_hybrid.launch,
 titan_hybrid.train) always parse jobs with it; with `python -m torchtitan.train` name it as
-`[job] custom_config_module = "titan_hybrid.job_config"` in the TOML (or
-`--job.custom_config_module titan_hybrid.job_config`). A job parsed without it (torchtitan's
-plain JobConfig) is extended with the defaults by `hybrid_job` where the TrainSpec's functions
-receive it, so the rest of the code always reads titan_hybrid's fields.
+`[job] custom_config_module = "titan_hybrid.torchtitan_plugin"` in the TOML (or
+`--job.custom_config_module titan_hybrid.torchtitan_plugin`). A job parsed without it
+(torchtitan's plain JobConfig) gets titan_hybrid's fields at their defaults in its RunConfig.
 
 One default differs from torchtitan's: `checkpoint.last_save_model_only` is false, so the last
 step's checkpoint holds the optimizer too and a finished run can be extended with more steps.
 """
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -25,6 +24,23 @@ from torchtitan.config import Checkpoint as TitanCheckpoint
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 from torchtitan.config import Parallelism as TitanParallelism
+
+from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.training.run_config import (
+    ActivationCheckpointSection,
+    CheckpointSection,
+    CompileSection,
+    DataSection,
+    HybridSection,
+    LRSchedulerSection,
+    MetricsSection,
+    OptimizerSection,
+    ParallelismSection,
+    RunConfig,
+    TrainingSection,
+    ValidationSection,
+    section_from,
+)
 
 
 @dataclass
@@ -94,26 +110,45 @@ class JobConfig(TitanJobConfig):
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
-def _extended(section, extension_cls):
-    """`section` (torchtitan's dataclass) as `extension_cls`, titan_hybrid's fields at their
-    defaults."""
-    if isinstance(section, extension_cls):
-        return section
-    return extension_cls(**{f.name: getattr(section, f.name)
-                            for f in dataclasses.fields(section) if f.init})
+def _require(condition: bool, field: str, value, rule: str) -> None:
+    if not condition:
+        raise ValueError(f"{field}={value!r} {rule}")
 
 
-def hybrid_job(job_config: TitanJobConfig) -> JobConfig:
-    """The job with titan_hybrid's extension: itself when parsed with it, else a copy of a
-    plain torchtitan job (`python -m torchtitan.train` without `custom_config_module`) whose
-    extra fields take their defaults."""
-    if isinstance(job_config, JobConfig):
-        return job_config
-    sections = {f.name: getattr(job_config, f.name)
-                for f in dataclasses.fields(job_config) if f.init}
-    sections["parallelism"] = _extended(job_config.parallelism, Parallelism)
-    sections["checkpoint"] = _extended(job_config.checkpoint, Checkpoint)
-    return JobConfig(**sections)
+def run_config(job: TitanJobConfig) -> RunConfig:
+    """The run's own configuration from a torchtitan 0.2 job, parsed with this JobConfig or
+    with torchtitan's plain one (`python -m torchtitan.train` without `custom_config_module`:
+    titan_hybrid's fields take their defaults). Resolves and validates the model args;
+    ValueError names the field of a job that titan_hybrid cannot run."""
+    _require(job.model.name == "hybrid", "model.name", job.model.name,
+             "is not 'hybrid': titan_hybrid's trainer runs hybrid models (use "
+             "torchtitan.train for others)")
+    _require(not job.fault_tolerance.enable, "fault_tolerance.enable", True,
+             "is not supported by titan_hybrid's trainer (its checkpoints are committed "
+             "synchronously by every rank)")
+    _require(not job.optimizer.early_step_in_backward, "optimizer.early_step_in_backward", True,
+             "is not supported by titan_hybrid's trainer")
+    hybrid = section_from(HybridSection, getattr(job, "hybrid", None))
+    training = section_from(TrainingSection, job.training, seed=job.debug.seed)
+    model = resolve_model_args(job.model.flavor, pattern=hybrid.pattern,
+                               seq_len=training.seq_len, seed=training.seed)
+    return RunConfig(
+        model=model,
+        flavor=job.model.flavor,
+        dump_folder=job.job.dump_folder,
+        training=training,
+        data=section_from(DataSection, job.training, tokenizer_path=job.model.hf_assets_path),
+        parallelism=section_from(ParallelismSection, job.parallelism),
+        checkpoint=section_from(CheckpointSection, job.checkpoint),
+        validation=section_from(ValidationSection, job.validation),
+        compile=section_from(CompileSection, job.compile),
+        activation_checkpoint=section_from(ActivationCheckpointSection,
+                                           job.activation_checkpoint),
+        optimizer=section_from(OptimizerSection, job.optimizer),
+        lr_scheduler=section_from(LRSchedulerSection, job.lr_scheduler),
+        metrics=section_from(MetricsSection, job.metrics),
+        hybrid=hybrid,
+    )
 
 
 def _config_file(job_args: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""torchtitan's Trainer with titan_hybrid's checkpoints, divergence guard and input layout.
+"""torchtitan 0.2's Trainer with titan_hybrid's checkpoints, divergence guard and input layout.
 
 - checkpoints: HybridCheckpointManager (checkpoint/manager.py) replaces the CheckpointManager
   torchtitan's constructor builds: verified, crash-consistent saves with fallback on load;
@@ -22,15 +22,15 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.train import Trainer
 
-from titan_hybrid.batch import prepare_batch
+from titan_hybrid.adapters.torchtitan_0_2.train_spec import HybridBuild
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
-from titan_hybrid.compat.torchtitan import without_final_sleep
-from titan_hybrid.divergence import DivergenceGuard
-from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.compat.torchtitan_0_2 import without_final_sleep
+from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
-from titan_hybrid.tokenizer import resolve_assets_path
-from titan_hybrid.train_spec import HybridBuild
+from titan_hybrid.training.batch import prepare_batch
+from titan_hybrid.training.divergence import DivergenceGuard
+from titan_hybrid.training.run_config import RunConfig
 
 
 class HybridTrainer(Trainer):
@@ -44,24 +44,25 @@ class HybridTrainer(Trainer):
 
     @train_spec.setter
     def train_spec(self, registered: TrainSpec) -> None:
-        # check_job has made sure that `model.name` is "hybrid".
+        # run_config has made sure that `model.name` is "hybrid".
         self._train_spec = self.build.train_spec()
 
-    def __init__(self, job_config, model_args: HybridModelArgs | None = None) -> None:
-        """`model_args`: the job's, resolved by the pre-flight check (job_checks.check_job,
-        which validated the layout too); without them the build resolves and checks them."""
-        self.build = HybridBuild(job_config, model_args)
-        self.document_masking = job_config.hybrid.document_masking
+    def __init__(self, job_config, run: RunConfig | None = None) -> None:
+        """`run`: the job's RunConfig, checked by the pre-flight check (preflight.check_run,
+        which validated the layout too); without it the build makes and checks it."""
+        self.build = HybridBuild(run)
         with warnings.catch_warnings():
             # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
             # torch disables it with a warning. fp32 needs no autocast: nothing is lost.
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             super().__init__(job_config)
+        run = self.run = self.build.run
+        self.document_masking = run.hybrid.document_masking
         self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
         # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
-        if job_config.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
+        if run.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
             self.ep_overlap = CombinedOneFOneB(self.model_parts[0], self.build.plan.overlap,
                                                self.gradient_accumulation_steps)
 
@@ -83,10 +84,9 @@ class HybridTrainer(Trainer):
             states={"train_state": self},
             checkpoint_config=job_config.checkpoint,
             sd_adapter=built.sd_adapter if built.enable else None,
-            base_folder=job_config.job.dump_folder,
-            model_args=self.model_args,
-            job_config=job_config,
-            tokenizer_folder=str(resolve_assets_path(job_config.model.hf_assets_path)),
+            base_folder=self.run.dump_folder,
+            run=self.run,
+            tokenizer_folder=str(resolve_assets_path(self.run.data.tokenizer_path)),
             layouts=self.build.plan.layouts,
         )
 

@@ -29,12 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.validate import BaseValidator
 from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.batch import prepare_batch
 from titan_hybrid.compat import pipelining
 from titan_hybrid.data.loader import (
     PYDOC_DATASET,
@@ -42,10 +40,11 @@ from titan_hybrid.data.loader import (
     validation_dataset_name,
 )
 from titan_hybrid.data.local_files import check_corpus, is_local_path
-from titan_hybrid.errors import JobError
-from titan_hybrid.job_config import JobConfig
-from titan_hybrid.kind_statistics import statistics_set_aside
 from titan_hybrid.parallel.pipeline import scaled_loss_of
+from titan_hybrid.training.batch import prepare_batch
+from titan_hybrid.training.errors import JobError
+from titan_hybrid.training.kind_statistics import statistics_set_aside
+from titan_hybrid.training.run_config import RunConfig
 
 
 def next_token_loss_sum(pred, labels: torch.Tensor) -> torch.Tensor:
@@ -57,9 +56,9 @@ def next_token_loss_sum(pred, labels: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
-def validate_validation_config(job_config: JobConfig) -> None:
+def validate_validation_config(run: RunConfig) -> None:
     """Bad validation fields as ValueError, checked before any process group exists."""
-    v, p = job_config.validation, job_config.parallelism
+    v, p = run.validation, run.parallelism
     if not v.enable:
         return
     for field in ("freq", "local_batch_size", "seq_len"):
@@ -68,7 +67,7 @@ def validate_validation_config(job_config: JobConfig) -> None:
     if v.steps != -1 and v.steps < 1:
         raise ValueError(f"validation.steps={v.steps} must be -1 (the whole validation set) "
                          "or >= 1")
-    name = validation_dataset_name(job_config)
+    name = validation_dataset_name(run)
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(f"validation.dataset '{v.dataset}' is unknown: use '{PYDOC_DATASET}' "
                          f"(the held-out documents) or one of torchtitan's datasets "
@@ -87,7 +86,7 @@ def validate_validation_config(job_config: JobConfig) -> None:
             + ": like training.seq_len, each rank must hold equal shards of every window")
     if p.pipeline_parallel_degree > 1:
         # The schedule splits every batch into the training step's number of microbatches.
-        microbatches = job_config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        microbatches = run.training.local_batch_size // p.pipeline_parallel_microbatch_size
         if microbatches and v.local_batch_size % microbatches:
             raise ValueError(
                 f"validation.local_batch_size={v.local_batch_size} is not divisible by the "
@@ -113,14 +112,18 @@ def _no_gradient_handoff(schedule):
             del stage.get_local_bwd_output, stage.set_local_bwd_input
 
 
-class HybridValidator(BaseValidator):
-    def __init__(self, *, job_config, dp_world_size, dp_rank, tokenizer, parallel_dims,
+class HybridValidator:
+    """What torchtitan's trainer calls as its validator: `should_validate(step)`, then
+    `validate(model_parts, step)`. It takes no loss function: the training loss has aux / MTP
+    terms, and validation uses next_token_loss_sum."""
+
+    def __init__(self, *, run: RunConfig, dp_world_size, dp_rank, tokenizer, parallel_dims,
                  validation_context, maybe_enable_amp, metrics_processor, pp_schedule=None,
-                 pp_has_first_stage=None, pp_has_last_stage=None, loss_fn=None) -> None:
-        del loss_fn  # the training loss (aux / MTP terms); validation uses next_token_loss_sum
-        super().__init__(job_config)
-        self.loader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer, job_config)
-        self.dataset_name = validation_dataset_name(job_config)
+                 pp_has_first_stage=None, pp_has_last_stage=None) -> None:
+        validate_validation_config(run)  # again, for jobs started by torchtitan.train
+        self.run = run
+        self.loader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer, run)
+        self.dataset_name = validation_dataset_name(run)
         self.bos_id = tokenizer.bos_id
         self.parallel_dims = parallel_dims
         self.validation_context = validation_context
@@ -129,10 +132,10 @@ class HybridValidator(BaseValidator):
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage = pp_has_first_stage
         self.pp_has_last_stage = pp_has_last_stage
-        self.document_masking = job_config.hybrid.document_masking
+        self.document_masking = run.hybrid.document_masking
         # One batch is enough to know the set is not too small (and cheap for any dataset).
         if next(iter(self.loader), None) is None:
-            v = job_config.validation
+            v = run.validation
             raise JobError(
                 f"validation set '{self.dataset_name}' holds fewer than one global batch of "
                 f"validation.local_batch_size({v.local_batch_size}) * data-parallel degree"
@@ -168,7 +171,7 @@ class HybridValidator(BaseValidator):
         number of global batches evaluated (at least 1, checked at construction)."""
         device = utils.device_type
         totals = torch.zeros(2, dtype=torch.float64, device=device)
-        limit = self.job_config.validation.steps
+        limit = self.run.validation.steps
         batches = 0
         self.loader.restart()
         for input_dict, labels in self.loader:
@@ -193,6 +196,9 @@ class HybridValidator(BaseValidator):
         return totals, batches
 
     @torch.no_grad()
+    def should_validate(self, step: int) -> bool:
+        return step == 1 or step % self.run.validation.freq == 0
+
     def validate(self, model_parts, step: int) -> None:
         # Validation forwards do not count in the next training log's layer statistics.
         with statistics_set_aside(model_parts):
@@ -211,8 +217,3 @@ class HybridValidator(BaseValidator):
         logger.info(f"Validation: {batches} global batches, {int(tokens)} label tokens")
         self.metrics_processor.log_validation(loss=loss_sum / tokens, step=step)
 
-
-def build_hybrid_validator(**kwargs) -> HybridValidator:
-    """torchtitan's build_validator_fn (the trainer passes keyword arguments only)."""
-    validate_validation_config(kwargs["job_config"])  # for jobs started by torchtitan.train
-    return HybridValidator(**kwargs)

@@ -1,4 +1,4 @@
-"""The torchtitan TrainSpec "hybrid": what `--model.name hybrid` builds.
+"""The torchtitan 0.2 TrainSpec "hybrid": what `--model.name hybrid` builds.
 
 torchtitan's trainer calls a TrainSpec's builders one after another, hands each the job,
 and keeps no link between them: tokenizer, dataloader, `model_args[flavor]` (to which it
@@ -6,11 +6,10 @@ applies the job), the model, metrics, loss, `parallelize_fn` (per stage under PP
 `pipelining_fn`), the model's `init_weights`, the optimizers, the checkpoint's adapter and
 the validator. Here the builders are the methods of one `HybridBuild` per run, which resolves
 once what they share and hands it to them as arguments:
-- the job, extended with titan_hybrid's sections once (`hybrid_job`; the identity for jobs
-  parsed by titan_hybrid's entry points);
-- the model args: one object per run, the one the trainer builds the model from, which the
-  loss and the checks use too (torchtitan would otherwise apply the job to the module-level
-  flavor table in place);
+- the RunConfig (training/run_config.py), built from the job once, at the first builder (or
+  given by titan_hybrid.train, which built and checked it before any process group), with the
+  run's model args: the object the trainer builds the model from (torchtitan's
+  `update_from_config` on it changes nothing);
 - the layout, validated once (in the pre-flight check when titan_hybrid.train runs the job,
   else at the first parallelize);
 - the ParallelPlan that parallelizing returned: the optimizer takes it, HybridTrainer's
@@ -21,114 +20,124 @@ the plan.
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 
 import torch
 from torch import nn
 from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.pipeline_parallel import (
+    build_pipeline_schedule,
+    pipeline_module_split,
+)
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
+from titan_hybrid.adapters.torchtitan_0_2.job_config import run_config
 from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.data.loader import build_global_batch_dataloader
-from titan_hybrid.job_config import JobConfig as HybridJobConfig
-from titan_hybrid.job_config import hybrid_job
-from titan_hybrid.loss import build_hybrid_loss
-from titan_hybrid.metrics import build_hybrid_metrics_processor
+from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.optimizer import build_hybrid_optimizers
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.tokenizer import build_hybrid_tokenizer
-from titan_hybrid.validation import build_hybrid_validator
+from titan_hybrid.training.loss import build_hybrid_loss
+from titan_hybrid.training.metrics import HybridMetrics
+from titan_hybrid.training.optimizer import build_hybrid_optimizers
+from titan_hybrid.training.run_config import RunConfig
+from titan_hybrid.training.validation import HybridValidator
 
 TRAIN_SPEC_NAME = "hybrid"
 
 
 class _RunFlavors(dict):
     """The TrainSpec's `model_args`: torchtitan reads `[flavor]` once per run and applies the
-    job to what it gets; it gets the run's own args (a copy of the flavor's)."""
+    job to what it gets; it gets the run's own args (resolved by the first builder)."""
 
     def __init__(self, build: HybridBuild) -> None:
         super().__init__(hybrid_flavors)
         self.build = build
 
     def __getitem__(self, flavor: str) -> HybridModelArgs:
-        if self.build.model_args is None:
-            self.build.model_args = copy.deepcopy(hybrid_flavors[flavor])
-        return self.build.model_args
+        assert self.build.run is not None, "the tokenizer builder resolves the run first"
+        return self.build.run.model
+
+
+class HybridMetricsProcessor(HybridMetrics, MetricsProcessor):
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, run: RunConfig,
+                 tag: str | None = None) -> None:
+        MetricsProcessor.__init__(self, job_config, parallel_dims, tag)
+        self.init_hybrid_metrics(run, parallel_dims)
 
 
 class HybridBuild:
     """One run's builders, in torchtitan's calling order, and what they share."""
 
-    def __init__(self, job: HybridJobConfig | None = None,
-                 model_args: HybridModelArgs | None = None) -> None:
-        """`job`, `model_args`: the job and its resolved model args when the caller has
-        checked them (titan_hybrid.train's pre-flight check, which validates the layout)."""
-        self.job = job
-        self.model_args = model_args
-        self.layout_checked = model_args is not None
+    def __init__(self, run: RunConfig | None = None) -> None:
+        """`run`: the run's configuration when the caller has built and checked it
+        (titan_hybrid.train's pre-flight check, which validates the layout)."""
+        self.run = run
+        self.layout_checked = run is not None
         self.plan = ParallelPlan()
 
-    def resolved(self, job_config: JobConfig) -> HybridJobConfig:
-        """The run's job with titan_hybrid's sections (coerced at the first builder)."""
-        if self.job is None:
-            self.job = hybrid_job(job_config)
-        return self.job
+    def resolved(self, job_config: JobConfig) -> RunConfig:
+        """The run's configuration (built from the job at the first builder)."""
+        if self.run is None:
+            self.run = run_config(job_config)
+        return self.run
 
-    def _check_layout_once(self, job: HybridJobConfig, parallel_dims: ParallelDims) -> None:
+    def _check_layout_once(self, parallel_dims: ParallelDims) -> None:
         if not self.layout_checked:
-            validate_layout(job, self.model_args, parallel_dims.world_size)
+            validate_layout(self.run, parallel_dims.world_size)
             self.layout_checked = True
 
     def tokenizer(self, job_config: JobConfig):
         return build_hybrid_tokenizer(self.resolved(job_config))
 
     def dataloader(self, *, job_config: JobConfig, **kwargs):
-        return build_global_batch_dataloader(job_config=self.resolved(job_config), **kwargs)
+        return build_global_batch_dataloader(run=self.resolved(job_config), **kwargs)
 
     def model(self, model_args: HybridModelArgs) -> HybridModel:
         return HybridModel(model_args, init_materializer=full_tensor_materializer)
 
     def metrics(self, job_config: JobConfig, parallel_dims: ParallelDims, model_args=None,
                 tag: str | None = None):
-        return build_hybrid_metrics_processor(self.resolved(job_config), parallel_dims,
-                                              self.model_args, tag)
+        return HybridMetricsProcessor(job_config, parallel_dims, self.resolved(job_config),
+                                      tag)
 
     def loss(self, job_config: JobConfig, **kwargs):
-        return build_hybrid_loss(self.resolved(job_config),
-                                 mtp_loss_coeff=self.model_args.mtp_loss_coeff)
+        run = self.resolved(job_config)
+        return build_hybrid_loss(run.compile, mtp_loss_coeff=run.model.mtp_loss_coeff)
 
     def parallelize(self, model: nn.Module, parallel_dims: ParallelDims,
                     job_config: JobConfig) -> nn.Module:
-        job = self.resolved(job_config)
-        self._check_layout_once(job, parallel_dims)
-        self.plan = parallelize_hybrid(model, parallel_dims, job)
+        run = self.resolved(job_config)
+        self._check_layout_once(parallel_dims)
+        self.plan = parallelize_hybrid(model, parallel_dims, run)
         return model
 
     def pipeline(self, model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
                  device: torch.device, model_args: HybridModelArgs, parallelize_fn, loss_fn):
         # `parallelize_fn` is this build's own `parallelize`: the stages are parallelized by
         # pipeline_hybrid, which gathers their plans into one.
-        job = self.resolved(job_config)
-        self._check_layout_once(job, parallel_dims)
-        result, self.plan = pipeline_hybrid(model, parallel_dims, job, device, model_args,
-                                            loss_fn)
+        run = self.resolved(job_config)
+        self._check_layout_once(parallel_dims)
+        result, self.plan = pipeline_hybrid(
+            model, parallel_dims, run, device, loss_fn, split_module=pipeline_module_split,
+            build_schedule=partial(build_pipeline_schedule, job_config))
         return result
 
     def optimizers(self, model_parts: list[nn.Module], optimizer_config: OptimizerConfig,
                    parallel_dims: ParallelDims, ft_manager=None):
-        return build_hybrid_optimizers(model_parts, optimizer_config, self.plan)
+        return build_hybrid_optimizers(model_parts, self.run.optimizer, self.plan)
 
-    def validator(self, *, job_config: JobConfig, **kwargs):
-        return build_hybrid_validator(job_config=self.resolved(job_config), **kwargs)
+    def validator(self, *, job_config: JobConfig, loss_fn=None, **kwargs):
+        return HybridValidator(run=self.resolved(job_config), **kwargs)
 
     def train_spec(self) -> TrainSpec:
         return TrainSpec(

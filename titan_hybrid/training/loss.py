@@ -17,7 +17,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config import JobConfig
+
+from titan_hybrid.training.run_config import CompileSection
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,9 +44,9 @@ def hybrid_loss(pred, labels: torch.Tensor, *, mtp_loss_coeff: float = 0.1) -> t
     return loss
 
 
-def build_hybrid_loss(job_config: JobConfig, *, mtp_loss_coeff: float):
-    """`mtp_loss_coeff`: the run's model args' (train_spec.HybridBuild passes them)."""
+def build_hybrid_loss(compile_config: CompileSection, *, mtp_loss_coeff: float):
+    """`mtp_loss_coeff`: the run's model args'."""
     loss_fn = partial(hybrid_loss, mtp_loss_coeff=mtp_loss_coeff)
-    if job_config.compile.enable and "loss" in job_config.compile.components:
-        loss_fn = torch.compile(loss_fn, backend=job_config.compile.backend)
+    if compile_config.enable and "loss" in compile_config.components:
+        loss_fn = torch.compile(loss_fn, backend=compile_config.backend)
     return loss_fn

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.config import Optimizer as OptimizerConfig
 
 from titan_hybrid.checkpoint.split import merge_state_dict
 from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.zero1 import shard_optimizer_state
+from titan_hybrid.training.run_config import OptimizerSection
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -72,15 +72,13 @@ class HybridOptimizersContainer(OptimizersContainer):
         super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
 
 
-def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerConfig,
+def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerSection,
                             plan: ParallelPlan) -> OptimizersContainer:
     """`plan`: what parallelize returned for these parts (ParallelPlan.unparallelized for
     a model used as built)."""
     if optimizer_config.name not in OPTIMIZER_CLASSES:
         raise ValueError(f"optimizer.name '{optimizer_config.name}' is not one of "
                          f"{sorted(OPTIMIZER_CLASSES)}")
-    if optimizer_config.early_step_in_backward:
-        raise ValueError("optimizer.early_step_in_backward is not supported by titan_hybrid")
     implementation = optimizer_config.implementation
     kwargs = {
         "lr": optimizer_config.lr,

@@ -1,8 +1,10 @@
-"""Pre-flight checks of a parsed job: every user error, found before any process group or model.
+"""Pre-flight checks of a run's configuration: every user error, found before any process group
+or model.
 
-`check_job` raises ValueError naming the field, its value and the rule. The launcher
+`check_run` raises ValueError naming the field, its value and the rule. The launcher
 (titan_hybrid.launch) runs it in the launching process, before torchrun starts workers; the
-worker entry (titan_hybrid.train) runs it again, for jobs started by a plain torchrun.
+worker entry (titan_hybrid.train) runs it again, for jobs started by a plain torchrun. Building
+the RunConfig (the torchtitan adapter) has already checked the model args.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import torch
 
 from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
-from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
-from titan_hybrid.optimizer import OPTIMIZER_CLASSES
+from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.tokenizer import build_hybrid_tokenizer
-from titan_hybrid.validation import validate_validation_config
+from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
+from titan_hybrid.training.run_config import RunConfig
+from titan_hybrid.training.validation import validate_validation_config
 
 
 def _require(condition: bool, field: str, value, rule: str) -> None:
@@ -97,26 +99,18 @@ def check_metrics(metrics) -> None:
     _require(metrics.log_freq >= 1, "metrics.log_freq", metrics.log_freq, "must be >= 1")
 
 
-def check_job(config, world_size: int) -> HybridModelArgs:
-    """Every cheap check of the job, the layout's included; raises ValueError on the first
-    user error. Returns the job's model args, resolved and checked (the run's own)."""
-    check_training(config.training)
-    check_optimizer(config.optimizer, config.lr_scheduler)
-    check_checkpoint(config.checkpoint)
-    check_metrics(config.metrics)
-    _require(not config.fault_tolerance.enable, "fault_tolerance.enable", True,
-             "is not supported by titan_hybrid's trainer (its checkpoints are committed "
-             "synchronously by every rank)")
-    _require(config.model.name == "hybrid", "model.name", config.model.name,
-             "is not 'hybrid': titan_hybrid's trainer runs hybrid models (use "
-             "torchtitan.train for others)")
-    model_args = resolve_model_args(config)
-    data_parallel = validate_layout(config, model_args, world_size)
-    check_global_batch(config.training, data_parallel)
-    validate_dataset_config(config)
-    build_hybrid_tokenizer(config)  # found, and no larger than the model's vocabulary
-    if config.validation.enable:
-        validate_validation_config(config)
-    if config.checkpoint.initial_load_in_hf or config.checkpoint.last_save_in_hf:
-        check_hf_compatible(model_args)
-    return model_args
+def check_run(run: RunConfig, world_size: int) -> None:
+    """Every cheap check of the run, the layout's included; raises ValueError on the first
+    user error."""
+    check_training(run.training)
+    check_optimizer(run.optimizer, run.lr_scheduler)
+    check_checkpoint(run.checkpoint)
+    check_metrics(run.metrics)
+    data_parallel = validate_layout(run, world_size)
+    check_global_batch(run.training, data_parallel)
+    validate_dataset_config(run)
+    build_hybrid_tokenizer(run)  # found, and no larger than the model's vocabulary
+    if run.validation.enable:
+        validate_validation_config(run)
+    if run.checkpoint.initial_load_in_hf or run.checkpoint.last_save_in_hf:
+        check_hf_compatible(run.model)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.config import JobConfig
 
 from titan_hybrid.data.corpus import ASSETS_DIR
-from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.training.run_config import RunConfig
 
 
 def resolve_assets_path(path: str) -> Path:
@@ -22,12 +21,12 @@ def resolve_assets_path(path: str) -> Path:
                      f"{', '.join(str(c) for c in candidates)})")
 
 
-def build_hybrid_tokenizer(job_config: JobConfig) -> HuggingFaceTokenizer:
-    tokenizer = HuggingFaceTokenizer(str(resolve_assets_path(job_config.model.hf_assets_path)))
-    vocab_size = hybrid_flavors[job_config.model.flavor].vocab_size
-    if job_config.model.name == "hybrid" and tokenizer.get_vocab_size() > vocab_size:
+def build_hybrid_tokenizer(run: RunConfig) -> HuggingFaceTokenizer:
+    tokenizer = HuggingFaceTokenizer(str(resolve_assets_path(run.data.tokenizer_path)))
+    vocab_size = run.model.vocab_size
+    if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(
-            f"model.hf_assets_path '{job_config.model.hf_assets_path}' has a tokenizer of "
-            f"{tokenizer.get_vocab_size()} tokens, more than flavor '{job_config.model.flavor}' "
+            f"model.hf_assets_path '{run.data.tokenizer_path}' has a tokenizer of "
+            f"{tokenizer.get_vocab_size()} tokens, more than flavor '{run.flavor}' "
             f"embeds (vocab_size={vocab_size})")
     return tokenizer

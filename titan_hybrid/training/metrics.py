@@ -1,4 +1,5 @@
-"""torchtitan's metrics processor, plus an exact loss-curve file.
+"""What titan_hybrid adds to torchtitan's metrics processor: an exact loss-curve file, the
+pipeline's loss on every rank, and the layer kinds' statistics.
 
 The console prints losses to 5 decimals; comparing parallel layouts bit for bit needs the exact
 values. With `--hybrid.loss_curve_file PATH` (relative to job.dump_folder unless absolute), rank
@@ -13,8 +14,8 @@ other stages, so every rank, rank 0 included, logs and writes the real value whi
 holds the last stage (the V-shaped schedules put it on pp rank 0).
 
 The layer kinds' statistics since the last log (LayerKind.statistics, collected by
-titan_hybrid.kind_statistics) are added to the logged metrics (TensorBoard / W&B, a console
-line, and the curve file). MoE: `moe/max_expert_load` and `moe/min_expert_load` (slots an
+titan_hybrid.training.kind_statistics) are added to the logged metrics (TensorBoard / W&B, a
+console line, and the curve file). MoE: `moe/max_expert_load` and `moe/min_expert_load` (slots an
 expert received over the mean per expert, worst layer; 1.0 is perfect balance) and
 `moe/aux_loss` (the load-balancing loss before its coefficient, mean over layers). Counts are
 summed over the data-parallel ranks, so they describe the global batch whatever the layout.
@@ -31,25 +32,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from titan_hybrid.job_config import JobConfig
-from titan_hybrid.kind_statistics import StatisticsCollector
+from titan_hybrid.training.kind_statistics import StatisticsCollector
+from titan_hybrid.training.run_config import RunConfig
 
 
 def _as_float(value) -> float:
     return value.item() if isinstance(value, torch.Tensor) else float(value)
 
 
-def loss_curve_path(job_config: JobConfig) -> Path | None:
-    """hybrid.loss_curve_file, a relative path taken under job.dump_folder; None if unset."""
-    path = job_config.hybrid.loss_curve_file
+def loss_curve_path(run: RunConfig) -> Path | None:
+    """hybrid.loss_curve_file, a relative path taken under the dump folder; None if unset."""
+    path = run.hybrid.loss_curve_file
     if not path:
         return None
     path = Path(path).expanduser()
-    return path if path.is_absolute() else Path(job_config.job.dump_folder) / path
+    return path if path.is_absolute() else Path(run.dump_folder) / path
 
 
 def drop_records_from(path: Path, step: int) -> None:
@@ -74,13 +74,16 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows float64 past ~709
 
 
-class HybridMetricsProcessor(MetricsProcessor):
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, tag=None) -> None:
-        super().__init__(job_config, parallel_dims, tag)
+class HybridMetrics:
+    """What titan_hybrid adds to torchtitan's MetricsProcessor, whose constructor differs
+    between torchtitan versions: each adapter's metrics class puts this before it and calls
+    `init_hybrid_metrics` after the processor's own constructor."""
+
+    def init_hybrid_metrics(self, run: RunConfig, parallel_dims: ParallelDims) -> None:
         self.pp_group = (parallel_dims.get_mesh("pp").get_group()
                          if parallel_dims.pp_enabled else None)
         self.statistics = StatisticsCollector(parallel_dims)
-        self.loss_curve_file = loss_curve_path(job_config)
+        self.loss_curve_file = loss_curve_path(run)
         self._curve_started = False
 
     def _from_last_stage(self, *values) -> list[float]:
@@ -120,7 +123,8 @@ class HybridMetricsProcessor(MetricsProcessor):
                           "grad_norm": _as_float(grad_norm), **statistics})
 
     def log_validation(self, loss, step, extra_metrics=None):
-        """`loss` is the same on every rank (titan_hybrid.validation); adds its perplexity."""
+        """`loss` is the same on every rank (titan_hybrid.training.validation); adds its
+        perplexity."""
         loss = _as_float(loss)
         ppl = perplexity(loss)
         super().log_validation(loss, step,
@@ -128,7 +132,3 @@ class HybridMetricsProcessor(MetricsProcessor):
         logger.info(f"validate step: {step:2}  perplexity: {ppl:.4f}")
         self.write_curve({"step": step, "validation_loss": loss, "validation_perplexity": ppl})
 
-
-def build_hybrid_metrics_processor(job_config: JobConfig, parallel_dims: ParallelDims,
-                                   model_args=None, tag: str | None = None) -> MetricsProcessor:
-    return HybridMetricsProcessor(job_config, parallel_dims, tag)
