@@ -21,6 +21,7 @@ from titan_hybrid.training.run_config import ActivationCheckpointSection as Acti
 MODES = {
     "full": ActivationCheckpoint(mode="full"),
     "selective op": ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+    "selective 2": ActivationCheckpoint(mode="selective", selective_ac_option="2"),
 }
 
 
@@ -68,6 +69,23 @@ def test_modes_give_the_same_gradients_and_selective_keeps_half_the_matmuls():
     recomputed_full, recomputed_selective = mm["full"] - mm["none"], mm["selective op"] - mm["none"]
     assert recomputed_full > 0, mm
     assert recomputed_selective == recomputed_full // 2, mm
+    # every second layer by its index in the model: layers 1 and 3 of 0-3
+    wrapped = [name for name, layer in _checkpointed(model, "selective 2").layers.named_children()
+               if hasattr(layer, "_checkpoint_wrapped_module")]
+    assert wrapped == ["1", "3"]
+    assert 0 < mm["selective 2"] - mm["none"] < recomputed_full, mm
+
+
+@pytest.mark.parametrize("config, message", [
+    (ActivationCheckpoint(mode="partial"), "activation_checkpoint.mode 'partial' is not one of"),
+    (ActivationCheckpoint(mode="selective", selective_ac_option="x"),
+     "selective_ac_option 'x' must be 'op' or a positive integer"),
+    (ActivationCheckpoint(mode="memory_budget"), "'memory_budget' needs compile.enable"),
+])
+def test_bad_modes_are_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        apply_activation_checkpointing(tiny_model("M-"), config, model_compile_enabled=False,
+                                       base_folder="")
 
 
 @pytest.mark.triton_interpreter
@@ -85,4 +103,6 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
             torch.testing.assert_close(ac_loss, loss, rtol=0, atol=0)
             for name, grad in grads.items():
                 torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=0)
-    assert runs == {"none": [1, 1], "full": [2, 2], "selective op": [1, 1]}
+    # "selective 2" checkpoints layers 1 and 3, the MLPs: each scan runs once
+    assert runs == {"none": [1, 1], "full": [2, 2], "selective op": [1, 1],
+                    "selective 2": [1, 1]}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import inspect
 import re
 import subprocess
@@ -240,25 +241,31 @@ def f():
 
 @pytest.mark.parametrize("torch_version, torchtitan_version", [
     ("2.10.0", "0.2.2"), ("2.12.1", "0.2.2"), ("2.16.0", "0.2.2"), ("2.13.0+cpu", "0.3.0"),
-    ("2.11.0+cu130", "0.2.1"), ("2.13.0", "(not installed)")])
+    ("2.11.0+cu130", "0.3.0"), ("2.11.0+cu130", "0.2.1"), ("2.14.1", "0.4.0"),
+    ("2.13.0", "(not installed)")])
 def test_unchecked_versions_are_refused_by_name(torch_version, torchtitan_version):
     with pytest.raises(ImportError) as raised:
         compat.check_versions(torch_version, torchtitan_version)
     message = str(raised.value)
     for text in (f"torch {torch_version}", f"torchtitan {torchtitan_version}",
-                 "2.11.x / 2.13.x / 2.14.x / 2.15.x", "0.2.2"):
+                 "torchtitan 0.2.2 with torch 2.11.x / 2.13.x / 2.14.x / 2.15.x",
+                 "torchtitan 0.3.0 with torch 2.14.x / 2.15.x"):
         assert text in message, message
 
 
-@pytest.mark.parametrize("torch_version", [
-    "2.11.0+cu130", "2.13.0+cpu", "2.13.1", "2.14.1+cu130", "2.15.0+cu130", "2.15.0"])
-def test_checked_versions_pass(torch_version):
-    compat.check_versions(torch_version, "0.2.2")
+@pytest.mark.parametrize("torch_version, torchtitan_version", [
+    ("2.11.0+cu130", "0.2.2"), ("2.13.0+cpu", "0.2.2"), ("2.13.1", "0.2.2"),
+    ("2.14.1+cu130", "0.2.2"), ("2.15.0+cu130", "0.2.2"), ("2.15.0", "0.2.2"),
+    ("2.14.1+cu130", "0.3.0"), ("2.15.0", "0.3.0")])
+def test_checked_versions_pass(torch_version, torchtitan_version):
+    compat.check_versions(torch_version, torchtitan_version)
 
 
-def test_torch_release_is_the_installed_one():
+def test_torch_and_torchtitan_releases_are_the_installed_ones():
     assert compat.TORCH_RELEASE == tuple(int(p) for p in torch.__version__.split(".")[:2])
     assert ".".join(map(str, compat.TORCH_RELEASE)) in compat.CHECKED_TORCH
+    torchtitan = importlib.metadata.version("torchtitan")
+    assert compat.TORCHTITAN_RELEASE == tuple(int(p) for p in torchtitan.split(".")[:2])
 
 
 @pytest.mark.parametrize("shape_inference_hook", [False, True])

@@ -1,5 +1,11 @@
-"""Activation checkpointing: torchtitan's `apply_ac` on every top-level layer / bracket group,
-with titan_hybrid's list of ops that per-op selective AC keeps.
+"""Activation checkpointing of every top-level layer / bracket group, with the modes and option
+names of torchtitan 0.2's `[activation_checkpoint]` section, and titan_hybrid's list of ops
+that per-op selective AC keeps.
+
+Modes: `full` (each layer's forward is recomputed in the backward), `selective` with
+`selective_ac_option` N (every N-th layer, counted by its index in the whole model, so a
+pipeline stage checkpoints the layers it would in the whole model) or `op` (per-op, below), and
+`memory_budget` (compiled models: torch's partitioner saves activations up to the budget).
 
 Per-op selective AC (`--activation_checkpoint.mode selective
 --activation_checkpoint.selective_ac_option op`) keeps the outputs of the ops in
@@ -13,16 +19,26 @@ would recompute everything, like full AC.
 
 from __future__ import annotations
 
-import dataclasses
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch import nn
-from torchtitan.config.job_config import ActivationCheckpoint
-from torchtitan.distributed.activation_checkpoint import apply_ac
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import titan_hybrid.ops.gated_delta  # noqa: F401  (registers titan_hybrid::fla_gated_delta_fwd)
 import titan_hybrid.ops.ssd  # noqa: F401  (registers titan_hybrid::mamba_ssd_fwd)
-from titan_hybrid.compat.aten_ops import ATTENTION_OPS, GROUPED_MM_OP, REDUCE_SCATTER_OP
+from titan_hybrid.compat.aten_ops import (
+    ATTENTION_OPS,
+    GROUPED_MM_OP,
+    REDUCE_SCATTER_OP,
+    TO_COPY_OP,
+)
+from titan_hybrid.compat.checkpointing import (
+    checkpoint_wrapper,
+    keep_compiled_frames_of_every_layer,
+    set_activation_memory_budget,
+)
 from titan_hybrid.training.run_config import ActivationCheckpointSection
 
 SELECTIVE_AC_SAVED_OPS = {
@@ -34,10 +50,70 @@ SELECTIVE_AC_SAVED_OPS = {
     torch.ops.titan_hybrid.mamba_ssd_fwd.default,
     torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
 }
+MODES = ("none", "full", "selective", "memory_budget")
+
+
+def _keep_listed_ops_and_every_second_matmul():
+    """A fresh selective-checkpoint context pair per forward: the listed ops' outputs are
+    kept, except every second matmul (torchtitan's rule for transformers), counted apart in
+    the forward and in the recompute so both make the same choices."""
+    matmuls = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        if (func == TO_COPY_OP and args[0].device.type != "cpu"
+                and str(kwargs.get("device")) == "cpu"):
+            return CheckpointPolicy.MUST_SAVE  # an offload to the host: never done twice
+        if func == torch.ops.aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return (CheckpointPolicy.MUST_SAVE if func in SELECTIVE_AC_SAVED_OPS
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _wrap(layer: nn.Module, config: ActivationCheckpointSection, **options) -> nn.Module:
+    return checkpoint_wrapper(layer, preserve_rng_state=config.preserve_rng_state,
+                              early_stop=config.early_stop, **options)
+
+
+def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSection):
+    if config.mode == "full":
+        return _wrap(layer, config)
+    if config.selective_ac_option == "op":
+        return _wrap(layer, config, context_fn=_keep_listed_ops_and_every_second_matmul)
+    every = int(config.selective_ac_option)
+    return _wrap(layer, config) if every <= 1 or (index + 1) % every == 0 else layer
+
+
+def check_activation_checkpoint(config: ActivationCheckpointSection, *,
+                                model_compile_enabled: bool) -> None:
+    """ValueError for a mode or option that cannot run (the pre-flight check calls it too)."""
+    if config.mode not in MODES:
+        raise ValueError(f"activation_checkpoint.mode '{config.mode}' is not one of "
+                         f"{', '.join(MODES)}")
+    option = config.selective_ac_option
+    if config.mode == "selective" and option != "op" and not option.isdigit():
+        raise ValueError(f"activation_checkpoint.selective_ac_option '{option}' must be 'op' "
+                         "or a positive integer N (every N-th layer)")
+    if config.mode == "memory_budget" and not model_compile_enabled:
+        raise ValueError("activation_checkpoint.mode 'memory_budget' needs compile.enable "
+                         "with 'model' in compile.components")
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointSection, *,
                                    model_compile_enabled: bool, base_folder: str) -> None:
-    apply_ac(model, ActivationCheckpoint(**dataclasses.asdict(config)),
-             model_compile_enabled=model_compile_enabled,
-             op_sac_save_list=SELECTIVE_AC_SAVED_OPS, base_folder=base_folder)
+    """Checkpoint `model`'s layers (a whole model or a pipeline stage) in place."""
+    check_activation_checkpoint(config, model_compile_enabled=model_compile_enabled)
+    if config.mode == "none":
+        return
+    keep_compiled_frames_of_every_layer()
+    if config.mode == "memory_budget":
+        pareto = (str(Path(base_folder) / "memory_budget_pareto")
+                  if config.visualize_memory_budget_pareto else None)
+        set_activation_memory_budget(config.memory_budget, pareto)
+        return
+    layers = model.get_submodule("layers")
+    for name, layer in list(layers.named_children()):
+        layers.register_module(name, _checkpointed(int(name), layer, config))

@@ -17,6 +17,7 @@ import torch
 from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.training.run_config import RunConfig
@@ -106,6 +107,9 @@ def check_run(run: RunConfig, world_size: int) -> None:
     check_optimizer(run.optimizer, run.lr_scheduler)
     check_checkpoint(run.checkpoint)
     check_metrics(run.metrics)
+    check_activation_checkpoint(
+        run.activation_checkpoint,
+        model_compile_enabled=run.compile.enable and "model" in run.compile.components)
     data_parallel = validate_layout(run, world_size)
     check_global_batch(run.training, data_parallel)
     validate_dataset_config(run)

@@ -105,6 +105,7 @@ class ActivationCheckpointSection:
     """An integer N (every N-th layer) or "op" (per-op selective AC)."""
     early_stop: bool = False
     memory_budget: float = 0.5
+    visualize_memory_budget_pareto: bool = False
     preserve_rng_state: bool = True
 
 

@@ -175,5 +175,9 @@ def parse_job(job_args: list[str]) -> JobConfig:
                          f"{error}") from None
     except AssertionError as error:  # torchtitan's own field checks (e.g. validation.steps)
         raise ValueError(f"job config: {error}") from None
+    except ModuleNotFoundError as error:  # job.custom_config_module names no module
+        raise ValueError(
+            f"job.custom_config_module '{error.name}' cannot be imported (titan_hybrid's job "
+            "sections are in 'titan_hybrid.torchtitan_plugin')") from None
     finally:
         logging.disable(logging.NOTSET)
