@@ -17,7 +17,7 @@ from titan_hybrid.data.tokenizer import resolve_assets_path
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return HuggingFaceTokenizer(str(TOKENIZER_DIR))
+    return HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR))
 
 
 def make_loader(tokenizer, *, dp_rank, dp_world_size, local_batch_size, seq_len=32,
@@ -42,7 +42,8 @@ def test_corpus_is_real_documentation_text():
 
 def test_committed_tokenizer_matches_the_build_script(tmp_path):
     write_tokenizer(tmp_path)
-    assert (tmp_path / "tokenizer.json").read_bytes() == (TOKENIZER_DIR / "tokenizer.json").read_bytes()
+    written, committed = tmp_path / "tokenizer.json", TOKENIZER_DIR / "tokenizer.json"
+    assert written.read_bytes() == committed.read_bytes()
     assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == json.loads(
         (TOKENIZER_DIR / "tokenizer_config.json").read_text())
 

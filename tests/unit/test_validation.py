@@ -72,7 +72,7 @@ class Recorder:
 def make_validator(run, metrics):
     return HybridValidator(
         run=run, dp_world_size=1, dp_rank=0,
-        tokenizer=HuggingFaceTokenizer(str(TOKENIZER_DIR)),
+        tokenizer=HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR)),
         parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
                                    world_size=1),
         validation_context=contextlib.nullcontext, maybe_enable_amp=contextlib.nullcontext(),
@@ -93,7 +93,7 @@ def test_validation_loss_is_the_main_heads_token_mean_over_the_same_windows():
     assert torch.equal(model.moe.routed_tokens, routed_before)
     # Reference: main-head cross-entropy over the first 3 batches of 2 held-out windows,
     # read straight from the held-out documents (aux loss and MTP logits are not in it).
-    tokenizer = HuggingFaceTokenizer(str(TOKENIZER_DIR))
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR))
     stream = [t for doc in pydoc_split("validation")
               for t in tokenizer.encode(doc, add_bos=True, add_eos=True)]
     windows = torch.tensor([stream[i * 33:(i + 1) * 33] for i in range(6)])
@@ -108,8 +108,8 @@ def test_all_windows_with_steps_minus_one_and_a_too_small_set_is_a_user_error():
     metrics = Recorder()
     validator = make_validator(job("--validation.seq_len", "512"), metrics)
     validator.validate([TinyMoELM()], step=1)
-    tokens = sum(len(HuggingFaceTokenizer(str(TOKENIZER_DIR)).encode(d, add_bos=True,
-                                                                     add_eos=True))
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR))
+    tokens = sum(len(tokenizer.encode(d, add_bos=True, add_eos=True))
                  for d in pydoc_split("validation"))
     assert metrics.ntokens_since_last_log == (tokens // 513 // 2) * 2 * 512
     with pytest.raises(JobError, match=r"validation.local_batch_size\(2\)"):

@@ -22,7 +22,8 @@ def resolve_assets_path(path: str) -> Path:
 
 
 def build_hybrid_tokenizer(run: RunConfig) -> HuggingFaceTokenizer:
-    tokenizer = HuggingFaceTokenizer(str(resolve_assets_path(run.data.tokenizer_path)))
+    tokenizer = HuggingFaceTokenizer(
+        tokenizer_path=str(resolve_assets_path(run.data.tokenizer_path)))
     vocab_size = run.model.vocab_size
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(

@@ -44,21 +44,26 @@ def _build_one(model: nn.Module, optimizer_cls, optimizer_kwargs,
 
 
 class HybridOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container (its step, zero_grad, state-dict handling and hooks)
+    over optimizers built here: one per model part, with weight-decay groups and ZeRO-1 state
+    sharding.
+
+    torchtitan's constructor builds the optimizers itself, and its signature differs between
+    its versions (0.2: an optimizer class and kwargs; 0.3: a Config of regex parameter groups),
+    so it is not called. This one sets up the same state: the model parts, their optimizers,
+    and the container's own torch Optimizer state (where step hooks register)."""
+
     def __init__(self, model_parts: list[nn.Module], optimizer_cls, optimizer_kwargs,
                  plan: ParallelPlan) -> None:
         self.layouts = plan.layouts
-        # torchtitan's constructor calls `optimizer_cls(params, **kwargs)` once per model part,
-        # in order, with that part's trainable parameters. It is handed a builder that makes
-        # each part's optimizer with weight-decay groups (and ZeRO-1 state sharding) instead.
-        parts = iter(model_parts)
-
-        def build(params, **kwargs) -> torch.optim.Optimizer:
-            optimizer = _build_one(next(parts), optimizer_cls, kwargs, plan)
-            grouped = [p for group in optimizer.param_groups for p in group["params"]]
-            assert {id(p) for p in grouped} == {id(p) for p in params}, "parameters differ"
-            return optimizer
-
-        super().__init__(model_parts, build, optimizer_kwargs)
+        self.model_parts = model_parts
+        self.optimizers = [_build_one(part, optimizer_cls, optimizer_kwargs, plan)
+                           for part in model_parts]
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups
+                  for p in group["params"]]
+        trainable = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+        assert {id(p) for p in params} == {id(p) for p in trainable}, "parameters differ"
+        torch.optim.Optimizer.__init__(self, params, optimizer_kwargs)
 
     # Checkpoints hold fused parameters' states (Adam's moments) as logical components, like
     # the parameters themselves, so they reload under any TP / FSDP layout.
