@@ -1,0 +1,116 @@
+"""titan_hybrid under torchtitan 0.3 (its adapter, titan_hybrid/adapters/torchtitan_0_3): the
+config registry, real torchrun runs of `python -m torchtitan.train --module titan_hybrid`, and
+the same loss curve as under torchtitan 0.2.
+
+Collected only in the torchtitan 0.3 venv (tests/conftest.py; CI's 0.3 leg:
+TITAN_HYBRID_TORCH=2.14 TITAN_HYBRID_TORCHTITAN=0.3 ./run_tests.sh tests/torchtitan_0_3). The
+0.2 reference run uses the default venv, which scripts/bootstrap.sh builds if it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from tests.launch import REPO_ROOT
+
+TRAIN_CONFIGS = REPO_ROOT / "train_configs"
+SMALL = ("--training.steps", "3", "--training.seq_len", "64")
+
+
+
+def torchtitan_run(tmp_path, *args: str, nproc: int = 1, config: str = "hybrid"):
+    """`torchrun -m torchtitan.train --module titan_hybrid --config CONFIG ARGS`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", "-m", "torchtitan.train", "--module", "titan_hybrid",
+         "--config", config, "--dump_folder", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+
+
+def curve(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_toml_job_is_a_config_function_of_the_registry():
+    import titan_hybrid.config_registry as registry
+    from titan_hybrid.adapters.torchtitan_0_3.trainer import HybridTrainer
+
+    stems = sorted(path.stem for path in TRAIN_CONFIGS.glob("*.toml"))
+    assert sorted(registry.__all__) == stems and len(stems) >= 4
+    for stem in stems:
+        config = getattr(registry, stem)()
+        job = tomllib.loads((TRAIN_CONFIGS / f"{stem}.toml").read_text())
+        assert isinstance(config, HybridTrainer.Config)
+        assert config.hybrid.flavor == job["model"]["flavor"]
+        assert config.training.seq_len == job["training"]["seq_len"]
+        assert config.training.steps == job["training"]["steps"]
+        assert config.dataloader.dataset == job["training"]["dataset"]
+        assert config.optimizer.lr == job["optimizer"]["lr"]
+        assert config.parallelism.spmd_backend == "partial_dtensor"
+
+
+def test_fsdp2_on_two_processes_gives_the_one_process_curve(tmp_path):
+    one = torchtitan_run(tmp_path / "one", *SMALL, "--training.global_batch_size", "16",
+                         "--hybrid.loss_curve_file", "curve.jsonl")
+    two = torchtitan_run(tmp_path / "two", *SMALL, "--hybrid.loss_curve_file", "curve.jsonl",
+                         nproc=2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_curve, two_curve = curve(tmp_path / "one" / "curve.jsonl"), curve(
+        tmp_path / "two" / "curve.jsonl")
+    assert [r["step"] for r in one_curve] == [1, 2, 3]
+    for a, b in zip(one_curve, two_curve, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert one_curve[-1]["loss"] < one_curve[0]["loss"]
+
+
+def test_the_moe_job_gives_the_torchtitan_0_2_curve(tmp_path):
+    """The same job under both torchtitan generations (and their torch: the 0.2 reference runs
+    in the default venv): the training losses are the same; the validation losses too, to
+    float32 rounding (the two torch builds' matmuls round differently)."""
+    job = (*SMALL, "--hybrid.loss_curve_file", "curve.jsonl")
+    ours = torchtitan_run(tmp_path / "v03", *job, "--validator.enable", "--validator.freq",
+                          "2", "--validator.steps", "1", "--validator.seq_len", "64",
+                          config="hybrid_moe")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env.update(TITAN_HYBRID_TORCH="2.13", TITAN_HYBRID_TORCHTITAN="0.2", OMP_NUM_THREADS="1")
+    reference = subprocess.run(
+        ["bash", "-c", 'source scripts/bootstrap.sh && exec python -m titan_hybrid.launch "$@"',
+         "launch", "--job.config_file", str(TRAIN_CONFIGS / "hybrid_moe.toml"), *job,
+         "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+         "--validation.seq_len", "64", "--job.dump_folder", str(tmp_path / "v02")],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    theirs = curve(tmp_path / "v02" / "curve.jsonl")
+    mine = curve(tmp_path / "v03" / "curve.jsonl")
+    assert [sorted(r) for r in mine] == [sorted(r) for r in theirs] and len(mine) == 5
+    for a, b in zip(theirs, mine, strict=True):
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-6), (a["step"], key)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--hybrid.pattern", "MX"), "error: hybrid pattern 'MX'"),
+    (("--hybrid.flavor", "nope"), "error: model.flavor 'nope' is not a hybrid flavor"),
+    (("--parallelism.context_parallel_linear_mode", "ring"),
+     "error: parallelism.context_parallel_linear_mode='ring': must be one of"),
+    (("--training.steps", "0"), "error: training.steps=0 must be >= 1"),
+])
+def test_a_bad_value_is_one_line_before_any_process_group(tmp_path, args, message):
+    result = torchtitan_run(tmp_path, *args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr.split(message)[0][-2000:]
+    assert "Building device mesh" not in result.stdout + result.stderr

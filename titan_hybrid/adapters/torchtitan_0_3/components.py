@@ -1,0 +1,125 @@
+"""titan_hybrid's components as torchtitan 0.3 builds them: each a Config whose `build` gets
+torchtitan's fixed keyword arguments and makes titan_hybrid's component.
+
+What those arguments lack (the RunConfig, the ParallelPlan that parallelizing returned) comes
+from the run's HybridBuild, which HybridTrainer's constructor makes current while torchtitan's
+constructor runs (`building`): the configs themselves hold no run objects (torchtitan copies
+and serializes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from functools import partial
+
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import BaseLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.validate import Validator
+from torchtitan.config import CompileConfig, Configurable
+
+from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
+from titan_hybrid.data.loader import build_global_batch_dataloader
+from titan_hybrid.training.loss import hybrid_loss
+from titan_hybrid.training.metrics import HybridMetrics
+from titan_hybrid.training.optimizer import build_hybrid_optimizers
+from titan_hybrid.training.run_config import OptimizerSection, section_from
+from titan_hybrid.training.validation import HybridValidator
+
+_current_build = contextvars.ContextVar("titan_hybrid_build")
+
+
+@contextlib.contextmanager
+def building(build):
+    """Make `build` (a model_spec.HybridBuild) the one the component configs read."""
+    token = _current_build.set(build)
+    try:
+        yield
+    finally:
+        _current_build.reset(token)
+
+
+def current_build():
+    build = _current_build.get(None)
+    if build is None:
+        raise RuntimeError("titan_hybrid's components are built by titan_hybrid's trainer "
+                           "(torchtitan.train --module titan_hybrid); in a job of your own use "
+                           "torchtitan's components with titan_hybrid's model_spec")
+    return build
+
+
+class HybridLoss(BaseLoss):
+    """Token cross-entropy + MoE load-balancing + MTP losses (training/loss.py), summed and
+    divided by the step's global valid-token count, as torchtitan 0.3's losses are."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseLoss.Config):
+        mtp_loss_coeff: float = 0.1
+
+    def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
+        self.fn = partial(hybrid_loss, mtp_loss_coeff=config.mtp_loss_coeff)
+        self._maybe_compile(compile_config)
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridDataLoaderConfig(BaseDataLoader.Config):
+    """titan_hybrid's layout-independent global batches (data/loader.py): `dataset` is "pydoc"
+    or a torchtitan dataset, `dataset_path` a local corpus."""
+
+    dataset: str = "pydoc"
+
+    def build(self, *, dp_world_size: int, dp_rank: int, tokenizer, **kwargs):
+        return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer,
+                                             current_build().run)
+
+
+class HybridOptimizers(Configurable):
+    """The `--optimizer.*` section of titan_hybrid's trainer (HybridOptimizerSettings' fields);
+    its build makes training/optimizer.py's container, with the run's ParallelPlan."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(HybridOptimizerSettings, Configurable.Config):
+        def build(self, *, model_parts):
+            return build_hybrid_optimizers(model_parts, section_from(OptimizerSection, self),
+                                           current_build().plan)
+
+
+def _held_out_documents() -> BaseDataLoader.Config:
+    return BaseDataLoader.Config(dataset="pydoc")
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridValidatorConfig(Validator.Config):
+    """`--validator.*`: titan_hybrid's validator (training/validation.py), with the window
+    shape of its own (the TOML jobs' validation.seq_len / local_batch_size)."""
+
+    dataloader: BaseDataLoader.Config = field(default_factory=_held_out_documents)
+    seq_len: int = 2048
+    local_batch_size: int = 8
+
+    def build(self, *, dp_world_size, dp_rank, tokenizer, parallel_dims, validation_context,
+              metrics_processor, pp_schedule=None, pp_has_first_stage=None,
+              pp_has_last_stage=None, **kwargs):
+        # torchtitan 0.3 trains without autocast (its mixed precision is FSDP's), so
+        # validation runs without it too.
+        return HybridValidator(
+            run=current_build().run, dp_world_size=dp_world_size, dp_rank=dp_rank,
+            tokenizer=tokenizer, parallel_dims=parallel_dims,
+            validation_context=validation_context, maybe_enable_amp=contextlib.nullcontext(),
+            metrics_processor=metrics_processor, pp_schedule=pp_schedule,
+            pp_has_first_stage=pp_has_first_stage, pp_has_last_stage=pp_has_last_stage)
+
+
+class HybridMetricsProcessor(HybridMetrics, MetricsProcessor):
+    """torchtitan 0.3's metrics processor with titan_hybrid's additions (training/metrics.py:
+    the exact loss-curve file, the pipeline's loss on every rank, the kinds' statistics)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    def __init__(self, config: Config, *, parallel_dims, **kwargs) -> None:
+        MetricsProcessor.__init__(self, config, parallel_dims=parallel_dims, **kwargs)
+        self.init_hybrid_metrics(current_build().run, parallel_dims)

@@ -1,0 +1,129 @@
+"""torchtitan 0.3's ModelSpec for hybrid models, and the run's builders behind it.
+
+`model_spec(flavor, **overrides)` is the public entry for a torchtitan 0.3 job of a user's own
+(README, "Using the model from any torchtitan job"): put it in a `Trainer.Config` with
+torchtitan's components. titan_hybrid's own trainer (trainer.py) uses the same spec, built from
+the run's RunConfig.
+
+Under a stock trainer the spec's functions receive torchtitan's config sections only; the
+RunConfig is then built from those at the first call (`HybridBuild.run_for`), with titan_hybrid's
+defaults for what the sections do not say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
+from torch import nn
+from torchtitan.protocols import BaseModel
+from torchtitan.protocols.model_spec import ModelSpec
+
+from titan_hybrid.adapters.torchtitan_0_3.config import run_from_parts
+from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
+from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.parallel.init import full_tensor_materializer
+from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.parallel.plan import ParallelPlan
+from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.training.run_config import RunConfig
+
+
+class TitanHybridModel(HybridModel):
+    """HybridModel as torchtitan 0.3's trainer handles a model: its layers are plain
+    nn.Modules, not torchtitan Modules (whose protocol its check enforces), and its weights are
+    initialised by its own `init_weights`."""
+
+    def verify_module_protocol(self) -> None:
+        """Nothing to verify: titan_hybrid's layers are plain nn.Modules by design."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridModelConfig(BaseModel.Config):
+    """The model config a ModelSpec carries: a flavor with overrides of its fields (the
+    pattern, dims, sections). The run's sequence length and seed are applied when torchtitan
+    calls `update_from_config`."""
+
+    flavor: str = "debug"
+    overrides: Annotated[dict, tyro.conf.Suppress] = field(default_factory=dict)
+    args: Annotated[HybridModelArgs | None, tyro.conf.Suppress] = None
+    """The run's resolved model args (set by update_from_config, or by titan_hybrid's trainer,
+    which resolved them before)."""
+
+    def update_from_config(self, *, config, **kwargs) -> None:
+        if self.args is None or self.args.max_seq_len != config.training.seq_len:
+            self.args = self.resolve(seq_len=config.training.seq_len, seed=config.debug.seed)
+
+    def resolve(self, *, seq_len: int, seed: int | None) -> HybridModelArgs:
+        args = resolve_model_args(self.flavor, pattern=self.overrides.get("pattern", ""),
+                                  seq_len=seq_len, seed=seed)
+        others = {k: v for k, v in self.overrides.items() if k != "pattern"}
+        if others:
+            args = dataclasses.replace(args, **others)
+            args.validate()
+        return args
+
+    def build(self, **kwargs) -> TitanHybridModel:
+        return TitanHybridModel(self.args, init_materializer=full_tensor_materializer)
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        return self.args.get_nparams_and_flops(model, seq_len)
+
+
+class HybridBuild:
+    """One run's ModelSpec functions and what they share: the RunConfig and the ParallelPlan
+    that parallelizing returned (the optimizer and checkpointer take it)."""
+
+    def __init__(self, model_config: HybridModelConfig, run: RunConfig | None = None) -> None:
+        self.model_config = model_config
+        self.run = run
+        self.layout_checked = run is not None
+        self.plan = ParallelPlan()
+
+    def run_for(self, *, training, parallelism, compile_config, ac_config,
+                dump_folder) -> RunConfig:
+        """The run's RunConfig: titan_hybrid's trainer's, else built from a stock trainer's
+        sections at the first call."""
+        if self.run is None:
+            self.run = run_from_parts(
+                self.model_config.args, flavor=self.model_config.flavor,
+                dump_folder=dump_folder, training=training, parallelism=parallelism,
+                compile_config=compile_config, ac_config=ac_config)
+        return self.run
+
+    def parallelize(self, model: nn.Module, *, parallel_dims, training, parallelism,
+                    compile_config, ac_config, dump_folder) -> nn.Module:
+        run = self.run_for(training=training, parallelism=parallelism,
+                           compile_config=compile_config, ac_config=ac_config,
+                           dump_folder=dump_folder)
+        if not self.layout_checked:
+            validate_layout(run, parallel_dims.world_size)
+            self.layout_checked = True
+        self.plan = parallelize_hybrid(model, parallel_dims, run)
+        return model
+
+    def state_dict_adapter(self, model_config: HybridModelConfig, hf_assets_path):
+        return hybrid_state_dict_adapter(model_config.args, hf_assets_path)
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(
+            name="hybrid",
+            flavor=self.model_config.flavor,
+            model=self.model_config,
+            parallelize_fn=self.parallelize,
+            pipelining_fn=None,
+            post_optimizer_build_fn=None,
+            state_dict_adapter=self.state_dict_adapter,
+        )
+
+
+def model_spec(flavor: str = "debug", **overrides) -> ModelSpec:
+    """The ModelSpec of a hybrid flavor for a torchtitan 0.3 job, with `overrides` of its
+    model args (`pattern="M*M-E"`, `dim=512`, ...). Checked here: an unknown flavor or field,
+    or shapes that cannot work, raise ValueError."""
+    config = HybridModelConfig(flavor=flavor, overrides=dict(overrides))
+    config.resolve(seq_len=1, seed=None)  # the flavor, the fields and the pattern exist
+    return HybridBuild(config).model_spec()

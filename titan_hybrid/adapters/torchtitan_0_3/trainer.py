@@ -1,0 +1,107 @@
+"""torchtitan 0.3's Trainer with titan_hybrid's model, components, input layout and checks.
+
+`python -m torchtitan.train --module titan_hybrid --config hybrid` builds this trainer from the
+config function `hybrid` (titan_hybrid/config_registry.py). Its Config adds titan_hybrid's
+sections to torchtitan's (`--hybrid.*`, titan_hybrid's `--parallelism.*` fields, the
+`--optimizer.*` of the TOML jobs); a value titan_hybrid cannot run stops the parse with one line
+(`__post_init__`, which tyro runs on the final config).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torchtitan.config import TrainingConfig
+from torchtitan.trainer import Trainer
+
+from titan_hybrid.adapters.torchtitan_0_3.components import (
+    HybridDataLoaderConfig,
+    HybridLoss,
+    HybridMetricsProcessor,
+    HybridOptimizers,
+    HybridValidatorConfig,
+    building,
+)
+from titan_hybrid.adapters.torchtitan_0_3.config import (
+    HybridActivationCheckpoint,
+    HybridOptions,
+    HybridParallelismConfig,
+    run_config,
+)
+from titan_hybrid.adapters.torchtitan_0_3.model_spec import HybridBuild, HybridModelConfig
+from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
+from titan_hybrid.data.tokenizer import resolve_assets_path
+from titan_hybrid.training.batch import prepare_batch
+from titan_hybrid.training.divergence import DivergenceGuard
+from titan_hybrid.training.errors import report_and_exit
+from titan_hybrid.training.preflight import check_run
+
+
+def _training_defaults() -> TrainingConfig:
+    # torchtitan captures the step in a CUDA graph by default; titan_hybrid's layers (custom
+    # kernels, host-side routing counts) are not capture-safe.
+    return TrainingConfig(disable_cuda_graphs=True)
+
+
+class HybridTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        hybrid: HybridOptions = field(default_factory=HybridOptions)
+        hf_assets_path: str = "pydoc_bpe"
+        training: TrainingConfig = field(default_factory=_training_defaults)
+        parallelism: HybridParallelismConfig = field(default_factory=HybridParallelismConfig)
+        optimizer: HybridOptimizers.Config = field(default_factory=HybridOptimizers.Config)
+        dataloader: HybridDataLoaderConfig = field(default_factory=HybridDataLoaderConfig)
+        loss: HybridLoss.Config = field(default_factory=HybridLoss.Config)
+        activation_checkpoint: HybridActivationCheckpoint = field(
+            default_factory=HybridActivationCheckpoint)
+        validator: HybridValidatorConfig = field(default_factory=HybridValidatorConfig)
+        metrics: HybridMetricsProcessor.Config = field(
+            default_factory=HybridMetricsProcessor.Config)
+
+        def __post_init__(self):
+            Trainer.Config.__post_init__(self)
+            try:  # the pre-flight checks, on the config as the command line left it
+                check_run(run_config(self), int(os.environ.get("WORLD_SIZE", "1")))
+            except ValueError as error:
+                report_and_exit(error)
+
+    def __init__(self, config: Config) -> None:
+        run = run_config(config)
+        self.run = run
+        self.build = HybridBuild(HybridModelConfig(flavor=run.flavor, args=run.model), run)
+        config.model_spec = self.build.model_spec()
+        config.loss.mtp_loss_coeff = run.model.mtp_loss_coeff
+        config.hf_assets_path = str(resolve_assets_path(config.hf_assets_path))
+        with building(self.build), warnings.catch_warnings():
+            # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
+            # torch disables it with a warning. fp32 needs no autocast: nothing is lost.
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
+            super().__init__(config)
+        self.document_masking = run.hybrid.document_masking
+        self.divergence_guard = DivergenceGuard(self.model_parts,
+                                                self.gradient_accumulation_steps)
+
+    def train(self) -> None:
+        with without_final_sleep():
+            super().train()
+        if dist.is_initialized():
+            dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=global_valid_tokens)
+        self.divergence_guard.after_microbatch(loss, self.step)
+        return loss
+
+    def post_dataloading_process(self, input_dict, labels):
+        cp_group = (self.parallel_dims.get_mesh("cp").get_group()
+                    if self.parallel_dims.cp_enabled else None)
+        inputs, labels, extra_inputs, extra_kwargs = prepare_batch(
+            input_dict, labels, document_masking=self.document_masking,
+            bos_id=self.tokenizer.bos_id, cp_group=cp_group)
+        self.ntokens_seen += labels.numel()  # torchtitan 0.3 counts here, after the CP split
+        return inputs, labels, {**extra_inputs, **extra_kwargs}
