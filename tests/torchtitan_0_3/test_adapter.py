@@ -60,11 +60,23 @@ def test_every_toml_job_is_a_config_function_of_the_registry():
         assert config.parallelism.spmd_backend == "partial_dtensor"
 
 
-def test_fsdp2_on_two_processes_gives_the_one_process_curve(tmp_path):
-    one = torchtitan_run(tmp_path / "one", *SMALL, "--training.global_batch_size", "16",
-                         "--hybrid.loss_curve_file", "curve.jsonl")
-    two = torchtitan_run(tmp_path / "two", *SMALL, "--hybrid.loss_curve_file", "curve.jsonl",
-                         nproc=2)
+LAYOUTS = {
+    # the one-process reference takes the same global batch: 2 microbatches for FSDP2's 2 ranks
+    "fsdp2": (("--training.global_batch_size", "16"), ()),
+    "tp2": ((), ("--parallelism.tensor_parallel_degree", "2")),
+    "cp2-chunkwise-documents": (
+        ("--hybrid.document_masking",),
+        ("--hybrid.document_masking", "--parallelism.context_parallel_degree", "2",
+         "--parallelism.context_parallel_linear_mode", "chunkwise")),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_process_layouts_give_the_one_process_curve(tmp_path, layout):
+    reference_args, layout_args = LAYOUTS[layout]
+    job = (*SMALL, "--hybrid.loss_curve_file", "curve.jsonl")
+    one = torchtitan_run(tmp_path / "one", *job, *reference_args)
+    two = torchtitan_run(tmp_path / "two", *job, *reference_args, *layout_args, nproc=2)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     one_curve, two_curve = curve(tmp_path / "one" / "curve.jsonl"), curve(
@@ -107,6 +119,10 @@ def test_the_moe_job_gives_the_torchtitan_0_2_curve(tmp_path):
     (("--parallelism.context_parallel_linear_mode", "ring"),
      "error: parallelism.context_parallel_linear_mode='ring': must be one of"),
     (("--training.steps", "0"), "error: training.steps=0 must be >= 1"),
+    (("--parallelism.spmd_backend", "spmd_types"),
+     "error: parallelism.spmd_backend='spmd_types' must be 'partial_dtensor'"),
+    (("--checkpoint.enable",), "error: checkpoint.enable=True is not supported under "
+                               "torchtitan 0.3 (issue 33"),
 ])
 def test_a_bad_value_is_one_line_before_any_process_group(tmp_path, args, message):
     result = torchtitan_run(tmp_path, *args)

@@ -9,12 +9,16 @@ sections to torchtitan's (`--hybrid.*`, titan_hybrid's `--parallelism.*` fields,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
-from torchtitan.config import TrainingConfig
+from torch.distributed.tensor.parallel import loss_parallel
+from torchtitan.config import TORCH_DTYPE_MAP, TrainingConfig
+from torchtitan.tools import utils
 from torchtitan.trainer import Trainer
 
 from titan_hybrid.adapters.torchtitan_0_3.components import (
@@ -84,6 +88,34 @@ class HybridTrainer(Trainer):
         self.document_masking = run.hybrid.document_masking
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
+
+    @property
+    def train_context(self):
+        return self._train_context
+
+    @train_context.setter
+    def train_context(self, spmd_context) -> None:
+        """torchtitan 0.3 sets its SPMD context here (and hands it to the validator); around
+        it titan_hybrid keeps what 0.2's train context and autocast did: loss parallelism under
+        TP (the LM head's logits are vocab-sharded; the backward needs it too), and bf16
+        autocast where no FSDP casts the parameters (one device, plain DDP)."""
+        dims, training = self.parallel_dims, self.run.training
+        parallel_loss = dims.tp_enabled and not self.run.parallelism.disable_loss_parallel
+        autocast = (not dims.fsdp_enabled and not dims.tp_enabled and not dims.pp_enabled
+                    and training.mixed_precision_param != "float32")
+
+        @contextlib.contextmanager
+        def context():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(spmd_context())
+                if parallel_loss:
+                    stack.enter_context(loss_parallel())
+                if autocast:
+                    stack.enter_context(torch.autocast(
+                        utils.device_type, dtype=TORCH_DTYPE_MAP[training.mixed_precision_param]))
+                yield
+
+        self._train_context = context
 
     def train(self) -> None:
         with without_final_sleep():
