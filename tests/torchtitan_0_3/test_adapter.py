@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,6 +37,17 @@ def torchtitan_run(tmp_path, *args: str, nproc: int = 1, config: str = "hybrid")
          f"--nproc_per_node={nproc}", "-m", "torchtitan.train", "--module", "titan_hybrid",
          "--config", config, "--dump_folder", str(tmp_path), *args],
         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+
+
+def torchtitan_0_2_run(dump_folder, *args: str, config: str = "hybrid"):
+    """The same job under torchtitan 0.2.2 (titan_hybrid's launcher, the default venv)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env.update(TITAN_HYBRID_TORCH="2.13", TITAN_HYBRID_TORCHTITAN="0.2", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        ["bash", "-c", 'source scripts/bootstrap.sh && exec python -m titan_hybrid.launch "$@"',
+         "launch", "--job.config_file", str(TRAIN_CONFIGS / f"{config}.toml"), *args,
+         "--job.dump_folder", str(dump_folder)],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
 
 
 def curve(path) -> list[dict]:
@@ -96,14 +108,9 @@ def test_the_moe_job_gives_the_torchtitan_0_2_curve(tmp_path):
                           "2", "--validator.steps", "1", "--validator.seq_len", "64",
                           config="hybrid_moe")
     assert ours.returncode == 0, ours.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
-    env.update(TITAN_HYBRID_TORCH="2.13", TITAN_HYBRID_TORCHTITAN="0.2", OMP_NUM_THREADS="1")
-    reference = subprocess.run(
-        ["bash", "-c", 'source scripts/bootstrap.sh && exec python -m titan_hybrid.launch "$@"',
-         "launch", "--job.config_file", str(TRAIN_CONFIGS / "hybrid_moe.toml"), *job,
-         "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
-         "--validation.seq_len", "64", "--job.dump_folder", str(tmp_path / "v02")],
-        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT, env=env)
+    reference = torchtitan_0_2_run(
+        tmp_path / "v02", *job, "--validation.enable", "--validation.freq", "2",
+        "--validation.steps", "1", "--validation.seq_len", "64", config="hybrid_moe")
     assert reference.returncode == 0, reference.stderr[-3000:]
     theirs = curve(tmp_path / "v02" / "curve.jsonl")
     mine = curve(tmp_path / "v03" / "curve.jsonl")
@@ -121,8 +128,8 @@ def test_the_moe_job_gives_the_torchtitan_0_2_curve(tmp_path):
     (("--training.steps", "0"), "error: training.steps=0 must be >= 1"),
     (("--parallelism.spmd_backend", "spmd_types"),
      "error: parallelism.spmd_backend='spmd_types' must be 'partial_dtensor'"),
-    (("--checkpoint.enable",), "error: checkpoint.enable=True is not supported under "
-                               "torchtitan 0.3 (issue 33"),
+    (("--checkpoint.enable", "--checkpoint.keep_latest_k", "1"),
+     "error: checkpoint.keep_latest_k=1 must be 0 (keep all) or >= 2"),
 ])
 def test_a_bad_value_is_one_line_before_any_process_group(tmp_path, args, message):
     result = torchtitan_run(tmp_path, *args)
@@ -130,3 +137,25 @@ def test_a_bad_value_is_one_line_before_any_process_group(tmp_path, args, messag
     assert message in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split(message)[0][-2000:]
     assert "Building device mesh" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("writer", ["0.2", "0.3"])
+def test_a_checkpoint_resumes_under_the_other_torchtitan(tmp_path, writer):
+    """Four steps with a checkpoint at step 2, written under one torchtitan; its step 4 is
+    removed, and the other torchtitan resumes from step 2: steps 3 and 4 are the first run's."""
+    job = ("--training.steps", "4", "--training.seq_len", "64", "--checkpoint.enable",
+           "--checkpoint.interval", "2", "--hybrid.loss_curve_file", "curve.jsonl")
+    runs = {"0.2": lambda: torchtitan_0_2_run(tmp_path, *job),
+            "0.3": lambda: torchtitan_run(tmp_path, *job)}
+    first = runs[writer]()
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = curve(tmp_path / "curve.jsonl")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
+    resumed = runs["0.3" if writer == "0.2" else "0.2"]()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-2" in resumed.stdout + resumed.stderr  # it loaded the other's checkpoint
+    again = curve(tmp_path / "curve.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    for a, b in zip(written[2:], again[2:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]

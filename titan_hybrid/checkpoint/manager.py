@@ -23,9 +23,11 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
   kept from one save to the next; the train step waits for it before the optimizer changes
   the weights (torchtitan's `maybe_wait_for_staging`), so it overlaps forward and backward.
 
-Besides the public `load` / `dcp_save` / `dcp_load`, this overrides three hooks that torchtitan
-0.2.2 keeps private, under the public names titan_hybrid.compat.torchtitan_0_2 gives them
-(`save_last_step`, `find_load_step`, `purge_stale_checkpoints`), and feeds its `purge_queue`.
+Besides the public `load` / `save` / `close` / `dcp_save` / `dcp_load`, this overrides hooks that
+torchtitan keeps private, under the public names that the installed torchtitan's fence gives
+them (titan_hybrid.compat.torchtitan_hooks: `save_last_step`, `find_load_step`,
+`purge_stale_checkpoints`, `wait_for_background_save`, ...), and feeds its `purge_queue`. The
+same class runs under torchtitan 0.2 and 0.3; only the fence differs.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from titan_hybrid.checkpoint.state import (
     map_layers_by_order,
 )
 from titan_hybrid.compat.dcp import background_stager, files_written_by
-from titan_hybrid.compat.torchtitan_0_2 import CheckpointManagerHooks
+from titan_hybrid.compat.torchtitan_hooks import CheckpointManagerHooks
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.runtime.cluster import restart_count
 from titan_hybrid.training.errors import JobError
@@ -119,7 +121,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
             # background thread into buffers it keeps; torchtitan's train step waits for it
             # (maybe_wait_for_staging, enabled here) before the optimizer step.
             self.stager = background_stager()
-            self.enable_staging = True
+            self.enable_background_staging()
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         if async_mode == AsyncMode.ASYNC and self.stager is not None:
             response = dcp.async_save(state_dict, checkpoint_id=str(partial),
                                       process_group=self.pg, async_stager=self.stager)
-            self.staging_future, self.staging = response.staging_completion, True
+            self.staging_started(response.staging_completion)
             result = response.upload_completion
         else:
             result = super().dcp_save(state_dict, str(partial), async_mode,
@@ -152,13 +154,13 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.verified.add(str(final))
         return result
 
-    def save(self, curr_step: int, last_step: bool = False) -> None:
+    def save(self, curr_step: int, last_step: bool = False) -> bool | None:
         # torchtitan calls this every step: a background save that every rank has finished
         # is committed at the first step after it (the ranks agree, so all commit together).
         if self.uncommitted is not None and integrity.all_ranks(self.background_save_done(),
                                                                     self.agreement_group):
             self.wait_for_background_save()
-        super().save(curr_step, last_step)
+        return super().save(curr_step, last_step)
 
     def wait_for_background_save(self) -> None:
         """Wait for the background save, then commit it: checksums, fsync, rename, and
@@ -174,7 +176,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
             self.purge_stale_checkpoints()
 
     def close(self) -> None:
-        if getattr(self, "enable", False) and self.uncommitted is not None:
+        if getattr(self, "enable", False) and getattr(self, "uncommitted", None) is not None:
             self.wait_for_background_save()
         super().close()
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
-from titan_hybrid.compat.torchtitan_0_2 import ModelWrapperHooks
+from titan_hybrid.compat.torchtitan_hooks import ModelWrapperHooks
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.training.errors import JobError

@@ -13,8 +13,10 @@ notice, and a clear refusal beats a wrong result.
 Importing changes nothing global. The two patches (`point_device_globals_at_cpu`,
 `force_sum_reduction_on_cpu`) run only when titan_hybrid.runtime.cpu.apply() calls them.
 
-    torchtitan_0_2.py  torchtitan 0.2's CheckpointManager / ModelWrapper hooks under public
-                   names; its device-type globals (patch); its final sleep
+    torchtitan.py  torchtitan's device-type globals (patch), the same in 0.2 and 0.3
+    torchtitan_0_2.py, torchtitan_0_3.py  each generation's CheckpointManager / ModelWrapper
+                   hooks under the same public names, and its final sleep; torchtitan_hooks.py
+                   picks the installed one
     collectives.py the functional all-to-all, for context parallelism inside compiled graphs
     dcp.py         DCP's chunk protocol, data-less wrapper tensors, a DTensor shard's offsets;
                    the background stager that keeps its buffers (a 2.11 / 2.12 path)

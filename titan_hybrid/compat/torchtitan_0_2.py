@@ -1,5 +1,5 @@
-"""torchtitan 0.2.2 internals: checkpoint hooks under public names, its device globals, and
-the pause at the end of its training loop.
+"""torchtitan 0.2.2 internals: checkpoint hooks under public names, and the pause at the end
+of its training loop (its device globals, the same in 0.3, are in torchtitan.py).
 
 Checked on torchtitan 0.2.2 (with torch 2.11 and 2.13-2.15).
 """
@@ -7,11 +7,8 @@ Checked on torchtitan 0.2.2 (with torch 2.11 and 2.13-2.15).
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-import types
 
-import torch
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 import titan_hybrid.compat  # noqa: F401  (the version check)
@@ -46,8 +43,18 @@ class CheckpointManagerHooks(CheckpointManager):
     - `_purge_stale_checkpoints`: `keep_latest_k` (titan_hybrid counts intact folders only);
     - `_create_checkpoint_id`: the folder of a step, as torchtitan names it;
     - `_async_wait`: where a save waits for the previous background save (titan_hybrid commits
-      that one there); `save_future` holds the background save's future (torchtitan's field).
+      that one there); `save_future` holds the background save's future (torchtitan's field);
+    - `enable_staging`, `staging`, `staging_future`: the flags and future through which the
+      train step waits for a background copy to host memory (`maybe_wait_for_staging`).
     """
+
+    def enable_background_staging(self) -> None:
+        """The train step waits for each save's staging (titan_hybrid's own stager)."""
+        self.enable_staging = True
+
+    def staging_started(self, future) -> None:
+        """A save's copy to host memory runs in the background until `future` is done."""
+        self.staging_future, self.staging = future, True
 
     def save_last_step(self, step: int) -> None:
         super()._save_last_step(step)
@@ -80,28 +87,6 @@ class CheckpointManagerHooks(CheckpointManager):
 
     def _async_wait(self) -> None:
         self.wait_for_background_save()
-
-
-def point_device_globals_at_cpu(cpu_module: types.ModuleType) -> None:
-    """Make every loaded torchtitan module see device "cpu" and `cpu_module` (a patch: applied
-    only by titan_hybrid.runtime.cpu.apply()).
-
-    Internal detail relied on: `torchtitan.tools.utils` computes `device_type = ... or "cuda"`
-    and `device_module` once at import, other modules copy them with `from ... import
-    device_type`, and their functions read these module globals at call time. torchtitan has
-    no setting for the device type, so each copy is rewritten; modules imported later copy the
-    already rewritten values from torchtitan.tools.utils.
-    """
-    import torchtitan.tools.utils as tt_utils
-
-    tt_utils.device_type, tt_utils.device_module = "cpu", cpu_module
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("torchtitan") or module is None:
-            continue
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = cpu_module
 
 
 class _TimeWithoutSleep:

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
-from titan_hybrid.compat.torchtitan_0_2 import point_device_globals_at_cpu
+from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
 
 _applied = False
 # How long a worker's exit waits for gloo's threads (see "gloo at exit" above).

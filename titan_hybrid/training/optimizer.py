@@ -14,6 +14,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_hybrid.checkpoint.split import merge_state_dict
@@ -23,6 +28,7 @@ from titan_hybrid.parallel.zero1 import shard_optimizer_state
 from titan_hybrid.training.run_config import OptimizerSection
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -65,16 +71,26 @@ class HybridOptimizersContainer(OptimizersContainer):
         assert {id(p) for p in params} == {id(p) for p in trainable}, "parameters differ"
         torch.optim.Optimizer.__init__(self, params, optimizer_kwargs)
 
+    # The state as torch's distributed-checkpoint API flattens it, keyed by parameter names
+    # (torchtitan 0.2's format; 0.3 has a format of its own), so a checkpoint moves between
+    # torchtitan versions.
+    def _flat_state_dict(self) -> dict[str, Any]:
+        return {key: value for part, optimizer in zip(self.model_parts, self.optimizers)
+                for key, value in get_optimizer_state_dict(part, optimizer,
+                                                           options=FLAT).items()}
+
     # Checkpoints hold fused parameters' states (Adam's moments) as logical components, like
     # the parameters themselves, so they reload under any TP / FSDP layout.
     def state_dict(self) -> dict[str, Any]:
-        return split_optimizer_state(super().state_dict(), self.model_parts, self.layouts)[0]
+        return split_optimizer_state(self._flat_state_dict(), self.model_parts, self.layouts)[0]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # {logical key: optimizer key} of this optimizer, whatever was saved or loaded before.
-        _, originals = split_optimizer_state(super().state_dict(), self.model_parts,
+        _, originals = split_optimizer_state(self._flat_state_dict(), self.model_parts,
                                              self.layouts)
-        super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
+        flat = merge_state_dict(physical_keys(state_dict, originals))
+        for part, optimizer in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(part, optimizer, optim_state_dict=flat, options=FLAT)
 
 
 def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: OptimizerSection,

@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.config import Optimizer as OptimizerConfig
@@ -66,6 +66,27 @@ class _RunFlavors(dict):
     def __getitem__(self, flavor: str) -> HybridModelArgs:
         assert self.build.run is not None, "the tokenizer builder resolves the run first"
         return self.build.run.model
+
+
+class StepOnlyLRSchedulers(LRSchedulersContainer):
+    """torchtitan 0.2's LR schedulers with torchtitan 0.3's checkpoint state: the step alone
+    (`last_epoch`). torchtitan's schedules are pure functions of it and of the optimizer's base
+    learning rate, so a checkpoint written under either torchtitan resumes under the other; the
+    other keys of an older 0.2 checkpoint are not read."""
+
+    def __init__(self, built: LRSchedulersContainer) -> None:
+        self.schedulers = built.schedulers  # what torchtitan's builder made
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.schedulers[0].last_epoch}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        step = state_dict["last_epoch"]
+        for scheduler in self.schedulers:
+            rates = [base * rate(step)
+                     for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": step,
+                                       "_step_count": step + 1, "_last_lr": rates})
 
 
 class HybridMetricsProcessor(HybridMetrics, MetricsProcessor):
@@ -136,6 +157,10 @@ class HybridBuild:
                    parallel_dims: ParallelDims, ft_manager=None):
         return build_hybrid_optimizers(model_parts, self.run.optimizer, self.plan)
 
+    def lr_schedulers(self, optimizers, lr_scheduler_config, training_steps: int):
+        return StepOnlyLRSchedulers(build_lr_schedulers(optimizers, lr_scheduler_config,
+                                                        training_steps))
+
     def validator(self, *, job_config: JobConfig, loss_fn=None, **kwargs):
         return HybridValidator(run=self.resolved(job_config), **kwargs)
 
@@ -146,7 +171,7 @@ class HybridBuild:
             parallelize_fn=self.parallelize,
             pipelining_fn=self.pipeline,
             build_optimizers_fn=self.optimizers,
-            build_lr_schedulers_fn=build_lr_schedulers,
+            build_lr_schedulers_fn=self.lr_schedulers,
             build_dataloader_fn=self.dataloader,
             build_tokenizer_fn=self.tokenizer,
             build_loss_fn=self.loss,

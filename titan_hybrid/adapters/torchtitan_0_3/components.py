@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
+from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import BaseLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -22,6 +24,7 @@ from torchtitan.config import CompileConfig, Configurable
 
 from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
 from titan_hybrid.data.loader import build_global_batch_dataloader
+from titan_hybrid.training.errors import report_and_exit
 from titan_hybrid.training.loss import hybrid_loss
 from titan_hybrid.training.metrics import HybridMetrics
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
@@ -123,3 +126,27 @@ class HybridMetricsProcessor(HybridMetrics, MetricsProcessor):
     def __init__(self, config: Config, *, parallel_dims, **kwargs) -> None:
         MetricsProcessor.__init__(self, config, parallel_dims=parallel_dims, **kwargs)
         self.init_hybrid_metrics(current_build().run, parallel_dims)
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridCheckpointConfig(CheckpointManager.Config):
+    """`--checkpoint.*` with titan_hybrid's field and default (as in a 0.2 job): the last step's
+    checkpoint holds the optimizer too, so a finished run can be extended. torchtitan builds
+    its own manager from it; HybridTrainer replaces that with titan_hybrid's
+    (checkpoint/manager.py), as under 0.2."""
+
+    last_save_model_only: bool = False
+    resume_with_fresh_optimizer: bool = False
+    """Resume from a model-only checkpoint: the weights load, the optimizer starts fresh, and
+    the step, LR schedule and data position continue from the checkpoint's step."""
+
+    def __post_init__(self) -> None:
+        # 0.3 wants an absolute initial_load_path (0.2 took a relative one), and an HF export
+        # model-only (titan_hybrid's manager makes it so whatever this says).
+        if self.initial_load_path and "://" not in self.initial_load_path:
+            self.initial_load_path = os.path.abspath(self.initial_load_path)
+        self.last_save_model_only = self.last_save_model_only or self.last_save_in_hf
+        try:
+            CheckpointManager.Config.__post_init__(self)
+        except ValueError as error:
+            report_and_exit(ValueError(f"checkpoint: {error}"))

@@ -22,6 +22,7 @@ from torchtitan.tools import utils
 from torchtitan.trainer import Trainer
 
 from titan_hybrid.adapters.torchtitan_0_3.components import (
+    HybridCheckpointConfig,
     HybridDataLoaderConfig,
     HybridLoss,
     HybridMetricsProcessor,
@@ -36,6 +37,7 @@ from titan_hybrid.adapters.torchtitan_0_3.config import (
     run_config,
 )
 from titan_hybrid.adapters.torchtitan_0_3.model_spec import HybridBuild, HybridModelConfig
+from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.training.batch import prepare_batch
@@ -65,6 +67,7 @@ class HybridTrainer(Trainer):
         validator: HybridValidatorConfig = field(default_factory=HybridValidatorConfig)
         metrics: HybridMetricsProcessor.Config = field(
             default_factory=HybridMetricsProcessor.Config)
+        checkpoint: HybridCheckpointConfig = field(default_factory=HybridCheckpointConfig)
 
         def __post_init__(self):
             Trainer.Config.__post_init__(self)
@@ -86,8 +89,26 @@ class HybridTrainer(Trainer):
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             super().__init__(config)
         self.document_masking = run.hybrid.document_masking
+        self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
+
+    def _hybrid_checkpointer(self, built) -> HybridCheckpointManager:
+        """Ours, with the same inputs as the one torchtitan's constructor just built."""
+        built.close()
+        return HybridCheckpointManager(
+            config=self.config.checkpoint,
+            dataloader=self.dataloader,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            sd_adapter=built.sd_adapter if built.enable else None,
+            base_folder=self.run.dump_folder,
+            run=self.run,
+            tokenizer_folder=self.config.hf_assets_path,
+            layouts=self.build.plan.layouts,
+        )
 
     @property
     def train_context(self):
