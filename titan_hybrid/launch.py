@@ -14,9 +14,10 @@ worker starts a session of its own, as torchrun's worker processes do, and takes
 fork-safe) every worker is a fresh `python -m titan_hybrid.train` process.
 
 A worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
-or on divergence reports its message through a file (titan_hybrid.training.errors); the launcher prints
-it once in place of torchrun's failure banner and exits with the worker's status. A worker that
-crashes on a bug keeps its traceback, and the launcher says which rank failed.
+or on divergence reports its message through a file (titan_hybrid.training.errors); the
+launcher prints it once in place of torchrun's failure banner and exits with the worker's
+status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
+failed.
 
 Options before the job's own arguments: `--nproc N` (processes, default $NGPU or 1) and
 `--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0). Several nodes, the

@@ -1,6 +1,6 @@
 """Runs that span nodes and heal themselves (titan_hybrid.runtime.cluster, run_train.sh's
-environment): two launches on this host sharing a rendezvous endpoint are two nodes; workers are killed with
-kill -9 while the launcher (torchrun's elastic agent) lives."""
+environment): two launches on this host sharing a rendezvous endpoint are two nodes; workers are
+killed with kill -9 while the launcher (torchrun's elastic agent) lives."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one collector of layer-kind statistics (titan_hybrid.training.kind_statistics): MoE
-router and DSA indexer counters read, reset, set aside and logged through the kinds' KindStatistics give
-what reading the modules directly gives. The reductions over ranks run in the distributed
+router and DSA indexer counters read, reset, set aside and logged through the kinds'
+KindStatistics give what reading the modules directly gives. The reductions over ranks run in the distributed
 tests (test_expert_parallel: moe/*, test_mla_dsa: dsa/indexer_loss, under PP and CP)."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Outside this package titan_hybrid uses only public names of torch, torchtitan an
 kernel packages mamba_ssm, fla and causal_conv1d (tests/unit/test_compat.py checks it). Each
 private use here says why no public API suffices and was checked on the versions below (torch
 2.11, 2.13, 2.14 and 2.15, each of which CI runs the whole suite on, with torchtitan 0.2.2, and
-torch 2.14 and 2.15 with torchtitan 0.3.0; the kernel packages' in kernel_packages.py); where a release differs, the module takes a path
-chosen by `TORCH_RELEASE`. Importing this package (or any module in it) on other versions
+torch 2.14 and 2.15 with torchtitan 0.3.0; the kernel packages' in kernel_packages.py); where a
+release differs, the module takes a path chosen by `TORCH_RELEASE`. Importing this package (or any module in it) on other versions
 raises ImportError before anything else happens: private names move between releases without
 notice, and a clear refusal beats a wrong result.
 

@@ -1,8 +1,9 @@
 """aten / c10d operators known only by private names: the ones selective activation
 checkpointing keeps (parallel/activation_checkpoint.py). The attention kernels that
 F.scaled_dot_product_attention dispatches to, grouped_mm's operator, the functional
-reduce-scatter and `Tensor.to`'s copy (which a host offload runs) have no public op handle; a policy must name the op it sees. Checked on torch
-2.11 and 2.13-2.15 (native_functions.yaml of each has every one).
+reduce-scatter and `Tensor.to`'s copy (which a host offload runs) have no public op handle; a
+policy must name the op it sees. Checked on torch 2.11 and 2.13-2.15 (native_functions.yaml of
+each has every one).
 """
 
 from __future__ import annotations
