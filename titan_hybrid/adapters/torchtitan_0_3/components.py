@@ -28,7 +28,8 @@ from titan_hybrid.training.errors import report_and_exit
 from titan_hybrid.training.loss import hybrid_loss
 from titan_hybrid.training.metrics import HybridMetrics
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
-from titan_hybrid.training.run_config import OptimizerSection, section_from
+from titan_hybrid.training.preflight import check_checkpoint
+from titan_hybrid.training.run_config import CheckpointSection, OptimizerSection, section_from
 from titan_hybrid.training.validation import HybridValidator
 
 _current_build = contextvars.ContextVar("titan_hybrid_build")
@@ -146,6 +147,10 @@ class HybridCheckpointConfig(CheckpointManager.Config):
         if self.initial_load_path and "://" not in self.initial_load_path:
             self.initial_load_path = os.path.abspath(self.initial_load_path)
         self.last_save_model_only = self.last_save_model_only or self.last_save_in_hf
+        try:  # titan_hybrid's checks first: their messages name the field and the value
+            check_checkpoint(section_from(CheckpointSection, self))
+        except ValueError as error:
+            report_and_exit(error)
         try:
             CheckpointManager.Config.__post_init__(self)
         except ValueError as error:
