@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 try:
+    from titan_hybrid.adapters.torchtitan_0_3.model_spec import model_spec
     from titan_hybrid.adapters.torchtitan_0_3.toml_job import apply_toml
     from titan_hybrid.adapters.torchtitan_0_3.trainer import HybridTrainer
     from titan_hybrid.data.loader import register_pydoc_dataset
@@ -44,4 +45,5 @@ def _job_function(path: Path):
 
 JOBS = sorted(TRAIN_CONFIGS.glob("*.toml"))
 globals().update({path.stem: _job_function(path) for path in JOBS})
-__all__ = [path.stem for path in JOBS]
+# The config functions, and `model_spec` for a torchtitan 0.3 job of your own (README).
+__all__ = [path.stem for path in JOBS] + ["model_spec"]

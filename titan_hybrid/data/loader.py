@@ -21,6 +21,7 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import datasets
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
@@ -38,9 +39,10 @@ TORCHTITAN_VALIDATION_DATASET = "c4_validation"
 _STATE_KEY = "global_text_position"
 
 
-def _load_pydoc(path: str) -> list[dict[str, str]]:
+def _load_pydoc(path: str) -> datasets.Dataset:
+    """The training documents as the Hugging Face dataset torchtitan's loaders shard by rank."""
     del path  # the corpus ships with Python; the field exists only for torchtitan's interface
-    return [{"text": text} for text in pydoc_split("train")]
+    return datasets.Dataset.from_list([{"text": text} for text in pydoc_split("train")])
 
 
 def register_pydoc_dataset() -> None:
