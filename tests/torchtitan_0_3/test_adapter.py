@@ -204,3 +204,10 @@ def test_the_readmes_user_registry_runs_on_torchtitans_own_trainer(tmp_path):
     assert logged_losses(tp2.stdout + tp2.stderr) == losses
     sharded = logged_losses(fsdp2.stdout + fsdp2.stderr)
     assert len(sharded) == 3 and sharded[-1] < sharded[0]
+
+
+def test_a_user_job_on_another_spmd_backend_is_told_which_one_to_set(tmp_path):
+    result = user_job_run(tmp_path, "--parallelism.spmd_backend", "spmd_types", nproc=2)
+    assert result.returncode != 0
+    assert ("parallelism.spmd_backend='spmd_types': titan_hybrid's model shards on the meshes "
+            "of 'partial_dtensor'") in result.stderr, result.stderr[-3000:]

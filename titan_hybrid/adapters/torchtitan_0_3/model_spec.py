@@ -99,6 +99,10 @@ class HybridBuild:
         run = self.run_for(training=training, parallelism=parallelism,
                            compile_config=compile_config, ac_config=ac_config,
                            dump_folder=dump_folder)
+        backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
+        if backend != "partial_dtensor" and parallel_dims.world_size > 1:
+            raise ValueError(f"parallelism.spmd_backend='{backend}': titan_hybrid's model shards "
+                             "on the meshes of 'partial_dtensor'; set it in your config")
         if not self.layout_checked:
             validate_layout(run, parallel_dims.world_size)
             self.layout_checked = True
