@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -170,15 +171,26 @@ def readme_registry() -> str:
     return found[0]
 
 
-def user_job_run(tmp_path, *args: str, nproc: int):
+def readme_user_command() -> list[str]:
+    """The README's command for that registry, continuation lines joined."""
+    text = (REPO_ROOT / "README.md").read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if "--module my_registry" in line]
+    assert len(lines) == 1 and lines[0].startswith("torchrun "), lines
+    return shlex.split(lines[0])
+
+
+def user_job_run(tmp_path, *args: str, nproc: int = 1, command: list[str] | None = None):
+    """The README's registry under torchrun: `command` (the README's own) or `nproc`
+    processes with `args`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "my_registry.py").write_text(readme_registry())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", "-m", "torchtitan.train", "--module", "my_registry",
-         "--config", "hybrid_in_my_job", "--dump_folder", str(tmp_path / "out"), *args],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    if command is None:
+        command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
+                   "torchtitan.train", "--module", "my_registry", "--config", "hybrid_in_my_job"]
+    words = [sys.executable, "-m", "torch.distributed.run", *command[1:]]  # torchrun itself
+    return subprocess.run([*words, "--dump_folder", str(tmp_path / "out"), *args],
+                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
 
 
 def logged_losses(output: str) -> list[float]:
@@ -195,7 +207,7 @@ def test_the_readmes_user_registry_runs_on_torchtitans_own_trainer(tmp_path):
     process, TP2 (the same data: the one-process curve) and FSDP2 (torchtitan's loader shards
     documents by rank, so its curve is its own) all train."""
     one = user_job_run(tmp_path / "one", nproc=1)
-    tp2 = user_job_run(tmp_path / "tp2", "--parallelism.tensor_parallel_degree", "2", nproc=2)
+    tp2 = user_job_run(tmp_path / "tp2", command=readme_user_command())  # TP2, as written
     fsdp2 = user_job_run(tmp_path / "fsdp2", nproc=2)
     for result in (one, tp2, fsdp2):
         assert result.returncode == 0, result.stderr[-3000:]
