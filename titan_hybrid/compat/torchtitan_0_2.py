@@ -6,12 +6,10 @@ Checked on torchtitan 0.2.2 (with torch 2.11 and 2.13-2.15).
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 from torchtitan.components.checkpoint import CheckpointManager, ModelWrapper
 
 import titan_hybrid.compat  # noqa: F401  (the version check)
+from titan_hybrid.compat.torchtitan import without_final_sleep as without_final_sleep_in
 
 
 class ModelWrapperHooks(ModelWrapper):
@@ -89,30 +87,9 @@ class CheckpointManagerHooks(CheckpointManager):
         self.wait_for_background_save()
 
 
-class _TimeWithoutSleep:
-    """The `time` module as torchtitan.train sees it inside `without_final_sleep`."""
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        """Returns at once: HybridTrainer.train waits for the other ranks with a barrier."""
-
-
-@contextlib.contextmanager
 def without_final_sleep():
-    """torchtitan's `Trainer.train` ends with rank 0 sleeping 2 s "for other ranks to complete";
-    inside this context that sleep returns at once, and the caller waits for the other ranks
-    with a barrier instead (2 s less per run, and no guess at how long the slowest rank takes).
+    """titan_hybrid.compat.torchtitan.without_final_sleep for this generation, whose
+    `Trainer.train` is in torchtitan.train."""
+    import torchtitan.train as trainer_module
 
-    Internal detail relied on: torchtitan.train calls `time.sleep` through its module global
-    `time`, and only for that wait. torchtitan has no setting for it.
-    """
-    import torchtitan.train as tt_train
-
-    tt_train.time = _TimeWithoutSleep()
-    try:
-        yield
-    finally:
-        tt_train.time = time
+    return without_final_sleep_in(trainer_module)

@@ -7,12 +7,10 @@ public names as torchtitan_0_2.py does for 0.2, so that one class runs under bot
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 from torchtitan.components.checkpointer import CheckpointManager, ModelWrapper
 
 import titan_hybrid.compat  # noqa: F401  (the version check)
+from titan_hybrid.compat.torchtitan import without_final_sleep as without_final_sleep_in
 
 
 class ModelWrapperHooks(ModelWrapper):
@@ -98,30 +96,9 @@ class CheckpointManagerHooks(CheckpointManager):
             self.staging_future = None
 
 
-class _TimeWithoutSleep:
-    """The `time` module as torchtitan.trainer sees it inside `without_final_sleep`."""
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        """Returns at once: HybridTrainer.train waits for the other ranks with a barrier."""
-
-
-@contextlib.contextmanager
 def without_final_sleep():
-    """torchtitan's `Trainer.train` ends with rank 0 sleeping 2 s "for other ranks to complete";
-    inside this context that sleep returns at once, and the caller waits for the other ranks
-    with a barrier instead.
+    """titan_hybrid.compat.torchtitan.without_final_sleep for this generation, whose
+    `Trainer.train` is in torchtitan.trainer (0.2: torchtitan.train)."""
+    import torchtitan.trainer as trainer_module
 
-    Internal detail relied on: torchtitan.trainer calls `time.sleep` through its module global
-    `time` (0.2 did it in torchtitan.train), and only for that wait.
-    """
-    import torchtitan.trainer as tt_trainer
-
-    tt_trainer.time = _TimeWithoutSleep()
-    try:
-        yield
-    finally:
-        tt_trainer.time = time
+    return without_final_sleep_in(trainer_module)
