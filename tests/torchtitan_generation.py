@@ -11,7 +11,7 @@ INSTALLED = tuple(int(p) for p in importlib.metadata.version("torchtitan").split
 
 MODULES_OF = {
     (0, 2): ("titan_hybrid.adapters.torchtitan_0_2", "titan_hybrid.compat.torchtitan_0_2",
-             "titan_hybrid.torchtitan_plugin", "titan_hybrid.train", "titan_hybrid.launch"),
+             "titan_hybrid.torchtitan_plugin"),
     (0, 3): ("titan_hybrid.adapters.torchtitan_0_3", "titan_hybrid.compat.torchtitan_0_3",
              "titan_hybrid.config_registry"),
 }

@@ -17,11 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 try:
+    from titan_hybrid.adapters.torchtitan_0_3.front_end import activate
     from titan_hybrid.adapters.torchtitan_0_3.model_spec import model_spec
     from titan_hybrid.adapters.torchtitan_0_3.toml_job import apply_toml
     from titan_hybrid.adapters.torchtitan_0_3.trainer import HybridTrainer
-    from titan_hybrid.data.loader import register_pydoc_dataset
-    from titan_hybrid.runtime import cpu
 except ImportError as error:
     raise RuntimeError(f"titan_hybrid's config registry cannot be imported: {error!r} (the "
                        "installed torchtitan must be 0.3.x for --module titan_hybrid; under "
@@ -30,8 +29,7 @@ except ImportError as error:
 
 TRAIN_CONFIGS = Path(__file__).resolve().parents[1] / "train_configs"
 
-cpu.apply()
-register_pydoc_dataset()
+activate()
 
 
 def _job_function(path: Path):

@@ -47,8 +47,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 
-from titan_hybrid import torchtitan_plugin, train
-from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
+from titan_hybrid import train
+from titan_hybrid.adapters.installed import front_end
 from titan_hybrid.compat.elastic import AgentEvents
 from titan_hybrid.runtime import cpu
 from titan_hybrid.runtime.cluster import Cluster, cluster_from_env
@@ -62,7 +62,8 @@ def preflight(job_args: list[str], nproc: int) -> tuple[Cluster | None, str | No
     """Parse and check the job and this launch's place in the cluster, in this process:
     (the cluster, None) when they are fine, else (None, the message)."""
     try:
-        run = run_config(parse_job(job_args))
+        adapter = front_end
+        run = adapter.run_config(adapter.parse_job(job_args))
         cluster = cluster_from_env(dict(os.environ), run.dump_folder)
         check_run(run, cluster.nnodes * nproc)
     except ValueError as error:
@@ -102,7 +103,7 @@ def fork_worker(job_args: list[str]) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     code = 1
     try:
-        torchtitan_plugin.activate()
+        front_end.activate()
         train.run(job_args)
         code = 0
     except SystemExit as error:  # what the interpreter makes of it at the end of a process

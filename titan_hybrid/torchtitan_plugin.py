@@ -11,25 +11,9 @@ library modules have none.
 
 from __future__ import annotations
 
+from titan_hybrid.adapters.torchtitan_0_2.front_end import activate
 from titan_hybrid.adapters.torchtitan_0_2.job_config import JobConfig
-from titan_hybrid.adapters.torchtitan_0_2.train_spec import register_hybrid_train_spec
-from titan_hybrid.data.loader import register_pydoc_dataset
-from titan_hybrid.runtime import cpu
 
 __all__ = ["JobConfig", "activate"]
-
-_active = False
-
-
-def activate() -> None:
-    """Register the TrainSpec and dataset and apply the CPU runtime; later calls do nothing."""
-    global _active
-    if _active:
-        return
-    cpu.apply()
-    register_pydoc_dataset()
-    register_hybrid_train_spec()
-    _active = True
-
 
 activate()

@@ -1,8 +1,9 @@
 """Worker entry point: `torchrun ... -m titan_hybrid.train --job.config_file F [...]`.
 
 What the launcher (titan_hybrid.launch, used by run_train.sh) starts in every process; it also
-works under a plain torchrun. Compared with `python -m torchtitan.train` it parses the job with
-titan_hybrid's JobConfig, checks it before any process group, mesh or model exists, runs
+works under a plain torchrun, and under either torchtitan (the installed one's front end:
+titan_hybrid/adapters). Compared with `python -m torchtitan.train` it parses the job with
+titan_hybrid's job sections, checks it before any process group, mesh or model exists, runs
 HybridTrainer, and ends a run that stops on a user error or on divergence with one message and
 a non-zero status instead of a traceback (titan_hybrid.training.errors). Bugs keep their traceback.
 """
@@ -15,9 +16,7 @@ import sys
 import torch.distributed as dist
 from torchtitan.tools.logging import init_logger, logger
 
-from titan_hybrid import torchtitan_plugin
-from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
-from titan_hybrid.adapters.torchtitan_0_2.trainer import HybridTrainer
+from titan_hybrid.adapters.installed import front_end
 from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
 from titan_hybrid.training.errors import DivergedError, JobError, report_and_exit
@@ -26,9 +25,10 @@ from titan_hybrid.training.preflight import check_run
 
 def run(job_args: list[str]) -> None:
     init_logger()
+    adapter = front_end
     try:
-        job = parse_job(job_args)
-        config = run_config(job)
+        job = adapter.parse_job(job_args)
+        config = adapter.run_config(job)
         check_run(config, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as error:
         report_and_exit(error)
@@ -38,7 +38,7 @@ def run(job_args: list[str]) -> None:
             logger.warning(line)
     trainer = None
     try:
-        trainer = HybridTrainer(job, config)
+        trainer = adapter.build_trainer(job, config)
         if config.checkpoint.create_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
@@ -54,7 +54,7 @@ def run(job_args: list[str]) -> None:
 
 
 def main(job_args: list[str] | None = None) -> None:
-    torchtitan_plugin.activate()
+    front_end.activate()
     run(sys.argv[1:] if job_args is None else job_args)
     if cpu.accelerator_available():
         return

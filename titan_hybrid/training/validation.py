@@ -67,6 +67,10 @@ def validate_validation_config(run: RunConfig) -> None:
     if v.steps != -1 and v.steps < 1:
         raise ValueError(f"validation.steps={v.steps} must be -1 (the whole validation set) "
                          "or >= 1")
+    if v.seq_len > run.training.seq_len:
+        raise ValueError(f"validation.seq_len={v.seq_len} must be <= training.seq_len="
+                         f"{run.training.seq_len}: the model's positions are built for the "
+                         "training windows")
     name = validation_dataset_name(run)
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(f"validation.dataset '{v.dataset}' is unknown: use '{PYDOC_DATASET}' "

@@ -23,8 +23,8 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, Configurable
 
 from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
+from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
 from titan_hybrid.data.loader import build_global_batch_dataloader
-from titan_hybrid.training.errors import report_and_exit
 from titan_hybrid.training.loss import hybrid_loss
 from titan_hybrid.training.metrics import HybridMetrics
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
@@ -103,6 +103,11 @@ class HybridValidatorConfig(Validator.Config):
     seq_len: int = 2048
     local_batch_size: int = 8
 
+    def __post_init__(self) -> None:
+        # Not torchtitan's assertion on `steps` (a traceback): titan_hybrid's pre-flight checks
+        # the section, naming the field and the value (training/validation.py).
+        pass
+
     def build(self, *, dp_world_size, dp_rank, tokenizer, parallel_dims, validation_context,
               metrics_processor, pp_schedule=None, pp_has_first_stage=None,
               pp_has_last_stage=None, **kwargs):
@@ -150,8 +155,8 @@ class HybridCheckpointConfig(CheckpointManager.Config):
         try:  # titan_hybrid's checks first: their messages name the field and the value
             check_checkpoint(section_from(CheckpointSection, self))
         except ValueError as error:
-            report_and_exit(error)
+            report_user_error(error)
         try:
             CheckpointManager.Config.__post_init__(self)
         except ValueError as error:
-            report_and_exit(ValueError(f"checkpoint: {error}"))
+            report_user_error(ValueError(f"checkpoint: {error}"))

@@ -37,12 +37,12 @@ from titan_hybrid.adapters.torchtitan_0_3.config import (
     run_config,
 )
 from titan_hybrid.adapters.torchtitan_0_3.model_spec import HybridBuild, HybridModelConfig
+from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
-from titan_hybrid.training.errors import report_and_exit
 from titan_hybrid.training.preflight import check_run
 
 
@@ -72,9 +72,13 @@ class HybridTrainer(Trainer):
         def __post_init__(self):
             Trainer.Config.__post_init__(self)
             try:  # the pre-flight checks, on the config as the command line left it
-                check_run(run_config(self), int(os.environ.get("WORLD_SIZE", "1")))
+                run = run_config(self)
+                # In a torchrun worker; titan_hybrid's launcher checks the layout against the
+                # world it is about to start, before WORLD_SIZE exists.
+                if "WORLD_SIZE" in os.environ:
+                    check_run(run, int(os.environ["WORLD_SIZE"]))
             except ValueError as error:
-                report_and_exit(error)
+                report_user_error(error)
 
     def __init__(self, config: Config) -> None:
         run = run_config(config)
