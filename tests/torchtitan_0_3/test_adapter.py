@@ -74,30 +74,56 @@ def test_every_toml_job_is_a_config_function_of_the_registry():
         assert config.parallelism.spmd_backend == "partial_dtensor"
 
 
+# layout: (config, the one-process reference's args, the 2-process layout's args). The
+# reference takes the same global batch: 2 microbatches where the layout has 2 batch ranks.
+TWO_BATCHES = ("--training.global_batch_size", "16")
+PP2 = ("--parallelism.pipeline_parallel_degree", "2",
+       "--parallelism.pipeline_parallel_microbatch_size", "2")
 LAYOUTS = {
-    # the one-process reference takes the same global batch: 2 microbatches for FSDP2's 2 ranks
-    "fsdp2": (("--training.global_batch_size", "16"), ()),
-    "tp2": ((), ("--parallelism.tensor_parallel_degree", "2")),
+    "fsdp2": ("hybrid", TWO_BATCHES, ()),
+    "tp2": ("hybrid", (), ("--parallelism.tensor_parallel_degree", "2")),
     "cp2-chunkwise-documents": (
-        ("--hybrid.document_masking",),
+        "hybrid", ("--hybrid.document_masking",),
         ("--hybrid.document_masking", "--parallelism.context_parallel_degree", "2",
          "--parallelism.context_parallel_linear_mode", "chunkwise")),
+    "pp2-1f1b": ("hybrid", (), PP2),
+    "pp2-interleaved": ("hybrid", (), (
+        *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")),  # 2 stages a rank
+    # the MoE job's aux and MTP losses on the last stage (`|` splits its 5 layers). Its
+    # load-balancing loss is one per microbatch: the reference accumulates 4 microbatches of 2.
+    "pp2-moe": ("hybrid_moe", ("--hybrid.pattern", "M*E|ME/*-", "--training.local_batch_size",
+                               "2", "--training.global_batch_size", "8"),
+                (*PP2, "--training.local_batch_size", "8")),
+    "hsdp-2x1": ("hybrid", TWO_BATCHES, ("--parallelism.data_parallel_replicate_degree", "2")),
+    "zero1": ("hybrid", TWO_BATCHES, ("--parallelism.data_parallel_sharding_strategy", "optim")),
+    "ep2-moe": ("hybrid_moe", TWO_BATCHES, ("--parallelism.expert_parallel_degree", "2")),
 }
+_references: dict = {}
+
+
+def one_process_curve(tmp_path_factory, config: str, args: tuple[str, ...]) -> list[dict]:
+    """The one-process run's curve, run once per (config, args) in a session."""
+    if (config, args) not in _references:
+        folder = tmp_path_factory.mktemp("one")
+        one = torchtitan_run(folder, *args, config=config)
+        assert one.returncode == 0, one.stderr[-3000:]
+        _references[config, args] = curve(folder / "curve.jsonl")
+    return _references[config, args]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_process_layouts_give_the_one_process_curve(tmp_path, layout):
-    reference_args, layout_args = LAYOUTS[layout]
+def test_two_process_layouts_give_the_one_process_curve(tmp_path, tmp_path_factory, layout):
+    config, reference_args, layout_args = LAYOUTS[layout]
     job = (*SMALL, "--hybrid.loss_curve_file", "curve.jsonl")
-    one = torchtitan_run(tmp_path / "one", *job, *reference_args)
-    two = torchtitan_run(tmp_path / "two", *job, *reference_args, *layout_args, nproc=2)
-    assert one.returncode == 0, one.stderr[-3000:]
+    one_curve = one_process_curve(tmp_path_factory, config, (*job, *reference_args))
+    two = torchtitan_run(tmp_path, *job, *reference_args, *layout_args, nproc=2,
+                         config=config)
     assert two.returncode == 0, two.stderr[-3000:]
-    one_curve, two_curve = curve(tmp_path / "one" / "curve.jsonl"), curve(
-        tmp_path / "two" / "curve.jsonl")
+    two_curve = curve(tmp_path / "curve.jsonl")
     assert [r["step"] for r in one_curve] == [1, 2, 3]
     for a, b in zip(one_curve, two_curve, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert one_curve[-1]["loss"] < one_curve[0]["loss"]
 
 

@@ -38,7 +38,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "titan_hybrid"
 KIND_MODULES = ("mamba", "gdn", "attention", "mla", "dsa", "deepseek_v4", "deepseek_v4_hca",
                 "mlp", "moe")
 SYMBOL_TABLE_FILES = {PACKAGE / "model" / "symbols.py", PACKAGE / "pattern.py"}
-NOT_SYMBOL_METHODS = {"split", "rsplit", "join", "strip", "lstrip", "rstrip", "glob", "rglob"}
+NOT_SYMBOL_METHODS = {"split", "rsplit", "join", "strip", "lstrip", "rstrip", "glob", "rglob",
+                      "replace"}
 
 
 def kind_classes() -> dict[str, Path]:

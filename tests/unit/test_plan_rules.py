@@ -39,7 +39,7 @@ ALLOWED = {
     ("parallel/ep_overlap.py", "dispatcher.overlap"):
         "the plan's dispatcher (a plain object, not a module) learns its coordinator",
     ("parallel/zero1.py", "param.grad"): "torch's own gradient slot",
-    ("adapters/torchtitan_0_3/toml_job.py", "setattr(target, name, value)"):
+    ("adapters/torchtitan_0_3/toml_job.py", "setattr(target, path[-1], value)"):
         "a TOML job's values onto the torchtitan 0.3 config it becomes",
     ("adapters/torchtitan_0_3/trainer.py", "config.model_spec"):
         "torchtitan 0.3's contract: the trainer's config carries the ModelSpec",
@@ -51,6 +51,8 @@ ALLOWED = {
     ("config_registry.py", "config.__qualname__"): "a config function named after its TOML job",
     ("config_registry.py", "config.__doc__"): "a config function named after its TOML job",
     ("adapters/torchtitan_0_2/trainer.py", "scaled_loss_of(self.pp_schedule).global_valid_tokens"):
+        "the step's token count on the schedule's loss function",
+    ("adapters/torchtitan_0_3/trainer.py", "scaled_loss_of(self.pp_schedule).global_valid_tokens"):
         "the step's token count on the schedule's loss function",
     ("training/validation.py", "stage.get_local_bwd_output"): "forward-only validation of a stage",
     ("training/validation.py", "stage.set_local_bwd_input"): "forward-only validation of a stage",

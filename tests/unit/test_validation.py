@@ -113,7 +113,8 @@ def test_all_windows_with_steps_minus_one_and_a_too_small_set_is_a_user_error():
                  for d in pydoc_split("validation"))
     assert metrics.ntokens_since_last_log == (tokens // 513 // 2) * 2 * 512
     with pytest.raises(JobError, match=r"validation.local_batch_size\(2\)"):
-        make_validator(job("--validation.seq_len", "8192"), metrics)
+        make_validator(job("--validation.seq_len", "8192", "--training.seq_len", "8192"),
+                       metrics)
 
 
 def test_next_token_loss_sum_reads_the_main_head_only():

@@ -58,6 +58,11 @@ def loss_function(schedule):
     return schedule._loss_fn
 
 
+def set_loss_function(schedule, loss_fn) -> None:
+    """Make `loss_fn` the schedule's loss function (one a builder wrapped, unwrapped)."""
+    schedule._loss_fn = loss_fn
+
+
 def stage_count(schedule) -> int:
     """The number of stages in the whole pipeline (all ranks)."""
     return schedule._num_stages

@@ -1,5 +1,6 @@
-"""torchtitan 0.3.0 internals: checkpoint hooks under public names, and the pause at the end of
-its training loop. Checked on torchtitan 0.3.0 with torch 2.14 and 2.15.
+"""torchtitan 0.3.0 internals: checkpoint hooks under public names, the pause at the end of its
+training loop, and its pipeline split and schedule builder (public in 0.2, private in 0.3).
+Checked on torchtitan 0.3.0 with torch 2.14 and 2.15.
 
 The hooks give titan_hybrid's checkpoint manager (titan_hybrid/checkpoint/manager.py) the same
 public names as torchtitan_0_2.py does for 0.2, so that one class runs under both.
@@ -8,8 +9,14 @@ public names as torchtitan_0_2.py does for 0.2, so that one class runs under bot
 from __future__ import annotations
 
 from torchtitan.components.checkpointer import CheckpointManager, ModelWrapper
+from torchtitan.distributed.pipeline_parallel import (
+    _build_get_mesh_callback,
+    _build_pipeline_schedule,
+    _pipeline_module_split,
+)
 
 import titan_hybrid.compat  # noqa: F401  (the version check)
+from titan_hybrid.compat import pipelining
 from titan_hybrid.compat.torchtitan import without_final_sleep as without_final_sleep_in
 
 
@@ -102,3 +109,32 @@ def without_final_sleep():
     import torchtitan.trainer as trainer_module
 
     return without_final_sleep_in(trainer_module)
+
+
+def pipeline_module_splitter(parallel_dims):
+    """`split(model, pp_mesh, schedule_name, device, module_names_per_stage)` -> (stages,
+    model parts), as 0.2's public `pipeline_module_split`; 0.3's stages also take the
+    callback that gives them their meshes."""
+    get_mesh = _build_get_mesh_callback(parallel_dims)
+
+    def split(model, pp_mesh, schedule_name, device, module_names_per_stage):
+        return _pipeline_module_split(model, pp_mesh, schedule_name, device,
+                                      module_names_per_stage, get_mesh=get_mesh)
+
+    return split
+
+
+def pipeline_schedule_builder(parallelism, local_batch_size: int):
+    """`build(stages, loss_fn)` -> the schedule, as 0.2's public `build_pipeline_schedule`.
+    0.3's builder wraps the loss function into one that unpacks 0.3's (loss, metrics) pair;
+    titan_hybrid's returns the loss alone and is set back as the schedule's own, which the
+    EP-overlap's actions and the validator read (compat.pipelining.loss_function)."""
+
+    def build(stages, loss_fn):
+        schedule = _build_pipeline_schedule(
+            parallelism=parallelism, local_batch_size=local_batch_size, stages=stages,
+            loss_fn=lambda *args, **kwargs: (loss_fn(*args, **kwargs), {}))
+        pipelining.set_loss_function(schedule, loss_fn)
+        return schedule
+
+    return build

@@ -69,6 +69,7 @@ class GlobalBatchTextLoader(BaseDataLoader):
         dp_world_size: int,
         infinite: bool = True,
         name: str = "",
+        microbatch_size: int | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
@@ -81,6 +82,9 @@ class GlobalBatchTextLoader(BaseDataLoader):
         self._dp_world_size = dp_world_size
         self._infinite = infinite
         self._name = name
+        # What one iteration yields: the rank's whole share of a slab, or (torchtitan 0.3's
+        # pipeline schedules take one microbatch per fetch) that share in consecutive pieces.
+        self._yield_size = microbatch_size or local_batch_size
         # Global position, identical on every rank: documents consumed in the current pass,
         # tokens read but not yet windowed, and the pass number.
         self.restart()
@@ -137,7 +141,8 @@ class GlobalBatchTextLoader(BaseDataLoader):
             # Snapshot after the whole slab: state_dict() between batches is a slab boundary.
             self._saved = pickle.dumps(self._position)
             tokens = torch.tensor(slab[mine], dtype=torch.long)
-            yield {"input": tokens[:, :-1]}, tokens[:, 1:]
+            for piece in tokens.split(self._yield_size):
+                yield {"input": piece[:, :-1]}, piece[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         # Same key and bytes on every rank: DCP stores one copy that any layout can reload.
@@ -191,14 +196,18 @@ def build_global_batch_dataloader(
     tokenizer: BaseTokenizer,
     run: RunConfig,
     infinite: bool = True,
+    microbatch_size: int | None = None,
 ) -> GlobalBatchTextLoader:
+    """The training loader of one data-parallel rank; with `microbatch_size` each batch comes
+    in pieces of that many rows."""
     validate_dataset_config(run)
     return _loader(run.data.dataset.lower(), run.data.dataset_path, "train", run.training,
-                   tokenizer, dp_rank, dp_world_size, infinite)
+                   tokenizer, dp_rank, dp_world_size, infinite, microbatch_size)
 
 
 def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: BaseTokenizer,
-            dp_rank: int, dp_world_size: int, infinite: bool) -> GlobalBatchTextLoader:
+            dp_rank: int, dp_world_size: int, infinite: bool,
+            microbatch_size: int | None = None) -> GlobalBatchTextLoader:
     """A loader of dataset `name` with the batch shape of a job section ([training] or
     [validation]: its seq_len and local_batch_size)."""
     section_name = "training" if pydoc_part == "train" else "validation"
@@ -213,6 +222,7 @@ def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: Ba
         dp_world_size=dp_world_size,
         infinite=infinite,
         name=name,
+        microbatch_size=microbatch_size,
     )
 
 

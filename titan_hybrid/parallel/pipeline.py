@@ -35,18 +35,20 @@ from titan_hybrid.training.run_config import RunConfig
 
 
 class GlobalTokenScaledLoss:
-    """The per-microbatch loss divided by the step's global valid-token count, which
-    HybridTrainer sets each step. torchtitan's own trainer sets none: there the microbatch
-    losses pass through undivided, as with torchtitan's own pipeline loss (it divides their
-    sum afterwards)."""
+    """The per-microbatch loss divided by the step's global valid-token count: the one
+    torchtitan 0.3's schedule step passes (its `loss_kwargs`), else the one HybridTrainer sets
+    each step (the EP-overlap's actions pass none). torchtitan 0.2's own trainer sets none:
+    there the microbatch losses pass through undivided, as with its own pipeline loss (it
+    divides their sum afterwards)."""
 
     def __init__(self, loss_fn) -> None:
         self.loss_fn = loss_fn
         self.global_valid_tokens: torch.Tensor | None = None
 
-    def __call__(self, pred, labels):
+    def __call__(self, pred, labels, global_valid_tokens: torch.Tensor | None = None):
         loss = self.loss_fn(pred, labels)
-        return loss if self.global_valid_tokens is None else loss / self.global_valid_tokens
+        count = self.global_valid_tokens if global_valid_tokens is None else global_valid_tokens
+        return loss if count is None else loss / count
 
 
 def scaled_loss_of(schedule) -> GlobalTokenScaledLoss:

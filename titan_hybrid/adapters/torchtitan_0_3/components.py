@@ -74,9 +74,13 @@ class HybridDataLoaderConfig(BaseDataLoader.Config):
 
     dataset: str = "pydoc"
 
-    def build(self, *, dp_world_size: int, dp_rank: int, tokenizer, **kwargs):
+    def build(self, *, dp_world_size: int, dp_rank: int, tokenizer, local_batch_size: int,
+              **kwargs):
+        # Under PP torchtitan 0.3 fetches one microbatch at a time (local_batch_size is then
+        # the microbatch size): the same rows as a whole batch, in consecutive pieces.
         return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer,
-                                             current_build().run)
+                                             current_build().run,
+                                             microbatch_size=local_batch_size)
 
 
 class HybridOptimizers(Configurable):

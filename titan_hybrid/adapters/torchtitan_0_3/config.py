@@ -173,8 +173,6 @@ def check_torchtitan_0_3_fields(config) -> None:
              "DTensor on the meshes that backend builds")
     _require(config.training.disable_cuda_graphs, "training.disable_cuda_graphs", False,
              "is not supported: titan_hybrid's layers are not CUDA-graph safe")
-    _require(p.pipeline_parallel_degree == 1, "parallelism.pipeline_parallel_degree",
-             p.pipeline_parallel_degree, f"> 1 is not supported {NOT_YET}")
     _require(p.expert_parallel_degree == 1 or p.tensor_parallel_degree == 1,
              "parallelism.expert_parallel_degree", p.expert_parallel_degree,
              f"with tensor_parallel_degree > 1 is not supported {NOT_YET}")

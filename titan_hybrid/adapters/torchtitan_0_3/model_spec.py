@@ -23,10 +23,12 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from titan_hybrid.adapters.torchtitan_0_3.config import run_from_parts
 from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
+from titan_hybrid.compat.torchtitan_0_3 import pipeline_module_splitter, pipeline_schedule_builder
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.training.run_config import RunConfig
@@ -94,8 +96,10 @@ class HybridBuild:
                 compile_config=compile_config, ac_config=ac_config)
         return self.run
 
-    def parallelize(self, model: nn.Module, *, parallel_dims, training, parallelism,
-                    compile_config, ac_config, dump_folder) -> nn.Module:
+    def checked_run(self, *, parallel_dims, training, parallelism, compile_config, ac_config,
+                    dump_folder) -> RunConfig:
+        """The run, its layout checked once against the world (a stock trainer's job is not
+        checked before it reaches the model spec)."""
         run = self.run_for(training=training, parallelism=parallelism,
                            compile_config=compile_config, ac_config=ac_config,
                            dump_folder=dump_folder)
@@ -106,8 +110,26 @@ class HybridBuild:
         if not self.layout_checked:
             validate_layout(run, parallel_dims.world_size)
             self.layout_checked = True
+        return run
+
+    def parallelize(self, model: nn.Module, *, parallel_dims, **sections) -> nn.Module:
+        run = self.checked_run(parallel_dims=parallel_dims, **sections)
         self.plan = parallelize_hybrid(model, parallel_dims, run)
         return model
+
+    def pipeline(self, model: nn.Module, *, parallel_dims, device, loss_fn, model_config,
+                 parallelize_fn, **sections):
+        """0.3's `pipelining_fn`: this rank's stages, each parallelized like a whole model
+        (titan_hybrid.parallel.pipeline). The schedule's loss is 0.3's loss function without
+        its division, which titan_hybrid's GlobalTokenScaledLoss does (the EP-overlap's
+        actions call it without 0.3's loss arguments)."""
+        run = self.checked_run(parallel_dims=parallel_dims, **sections)
+        (schedule, parts, has_first, has_last), self.plan = pipeline_hybrid(
+            model, parallel_dims, run, device, lambda pred, labels: loss_fn(pred, labels)[0],
+            split_module=pipeline_module_splitter(parallel_dims),
+            build_schedule=pipeline_schedule_builder(sections["parallelism"],
+                                                     sections["training"].local_batch_size))
+        return schedule, parts, has_first, has_last
 
     def state_dict_adapter(self, model_config: HybridModelConfig, hf_assets_path):
         return hybrid_state_dict_adapter(model_config.args, hf_assets_path)
@@ -118,7 +140,7 @@ class HybridBuild:
             flavor=self.model_config.flavor,
             model=self.model_config,
             parallelize_fn=self.parallelize,
-            pipelining_fn=None,
+            pipelining_fn=self.pipeline,
             post_optimizer_build_fn=None,
             state_dict_adapter=self.state_dict_adapter,
         )

@@ -41,6 +41,7 @@ from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
+from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
 from titan_hybrid.training.preflight import check_run
@@ -149,6 +150,8 @@ class HybridTrainer(Trainer):
             dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
+        if self.parallel_dims.pp_enabled:  # for the actions that get no loss arguments
+            scaled_loss_of(self.pp_schedule).global_valid_tokens = global_valid_tokens
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
                                              global_valid_tokens=global_valid_tokens)
         self.divergence_guard.after_microbatch(loss, self.step)
