@@ -249,3 +249,21 @@ def test_a_user_job_on_another_spmd_backend_is_told_which_one_to_set(tmp_path):
     assert result.returncode != 0
     assert ("parallelism.spmd_backend='spmd_types': titan_hybrid's model shards on the meshes "
             "of 'partial_dtensor'") in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # 4 processes
+def test_ep2_with_tp2_and_fsdp2_gives_the_one_process_curve(tmp_path, tmp_path_factory):
+    """0.3's EP borrows TP ranks; titan_hybrid's experts keep their TP split (expert TP = TP)
+    and take EP from the data-parallel ranks, as under 0.2 (parallelize.expert_meshes)."""
+    job = (*SMALL, "--hybrid.loss_curve_file", "curve.jsonl", *TWO_BATCHES)
+    one_curve = one_process_curve(tmp_path_factory, "hybrid_moe", job)
+    four = torchtitan_run(tmp_path, *job, "--parallelism.tensor_parallel_degree", "2",
+                          "--parallelism.expert_parallel_degree", "2",
+                          "--parallelism.expert_tensor_parallel_degree", "2", nproc=4,
+                          config="hybrid_moe")
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "Applied expert parallel over 2 ranks" in four.stdout + four.stderr
+    for a, b in zip(one_curve, curve(tmp_path / "curve.jsonl"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["moe/max_expert_load"] == a["moe/max_expert_load"]

@@ -23,8 +23,6 @@ UNDER_0_3 = {
     "--fault_tolerance.enable": "fault_tolerance.enable has no meaning under torchtitan 0.3",
     "--job.custom_config_module titan_hybrid.job_config": None,
     "--validation.enable --validation.steps 0": "validation.steps=0 must be -1",
-    # Refused by the 0.3 adapter before the stage split is looked at (see its NOT_YET)
-    "--nproc 2 --parallelism.pipeline_parallel_degree 2 --hybrid.pattern M-*": None,
 }
 CASES = [(args, UNDER_0_3.get(" ".join(args), message)) for args, message in BAD_INPUTS]
 CASES += [

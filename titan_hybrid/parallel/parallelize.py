@@ -5,11 +5,14 @@ HybridBuild.parallelize, which keeps it)."""
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.compat.device_mesh import split_dimensions
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_hybrid.parallel.compile import apply_compile
@@ -36,13 +39,30 @@ def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
     return strategy, parallel_dims.get_mesh("fsdp")
 
 
-def expert_data_parallel_mesh(parallel_dims: ParallelDims):
-    """Ranks holding the same experts under EP (torchtitan's "efsdp", with HSDP's replicas)."""
-    if not parallel_dims.ep_enabled:
-        return None
-    if parallel_dims.dp_replicate_enabled:
-        return parallel_dims.get_mesh(["dp_replicate", "efsdp"])
-    return parallel_dims.get_mesh("efsdp")
+def expert_meshes(parallel_dims: ParallelDims):
+    """(the mesh experts are split over: "ep", with TP ("ep", "etp"); the ranks holding the
+    same experts: "efsdp", with HSDP's replicas), or (None, None) without EP."""
+    pd = parallel_dims
+    if not pd.ep_enabled:
+        return None, None
+    if pd.tp_enabled and not hasattr(pd, "etp"):
+        return _expert_meshes_beside_tp(
+            pd.world_mesh, (pd.pp, pd.dp_replicate, pd.dp_shard * pd.cp // pd.ep, pd.ep, pd.tp),
+            pd.dp_replicate_enabled)
+    ep_mesh = pd.get_mesh(["ep", "etp"] if pd.tp_enabled else "ep")
+    return ep_mesh, pd.get_mesh(["dp_replicate", "efsdp"] if pd.dp_replicate_enabled else "efsdp")
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_meshes_beside_tp(world_mesh, sizes: tuple[int, ...], replicated: bool):
+    """torchtitan 0.3's EP borrows TP ranks and has no "etp". titan_hybrid's experts keep their
+    TP split (expert TP = TP, as under 0.2 and in Megatron), so EP takes its ranks from the
+    data-parallel ones, as 0.2 built it: the world mesh split into (pp, dp_replicate, efsdp, ep,
+    etp). Built once per world mesh: a pipeline rank parallelizes each of its stages."""
+    names = ("pp", "dp_replicate", "efsdp", "ep", "etp")
+    trivial = tuple(n for n, size in zip(names, sizes) if size == 1 and n != "efsdp")
+    mesh = split_dimensions(world_mesh, sizes, names, without_groups=trivial)
+    return mesh["ep", "etp"], mesh["dp_replicate", "efsdp"] if replicated else mesh["efsdp"]
 
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
@@ -66,8 +86,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag; Mamba2 "
                     f"/ GDN: {linear_mode})")
     if parallel_dims.ep_enabled:
-        ep_mesh = parallel_dims.get_mesh(["ep", "etp"] if parallel_dims.tp_enabled else "ep")
-        plan.expert_dispatchers = apply_expert_parallel(model, ep_mesh)
+        plan.expert_dispatchers = apply_expert_parallel(model, expert_meshes(parallel_dims)[0])
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     compile_model = run.compile.enable and "model" in run.compile.components
     if run.activation_checkpoint.mode != "none":
@@ -93,7 +112,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             param_dtype=TORCH_DTYPE_MAP[run.training.mixed_precision_param],
             reduce_dtype=TORCH_DTYPE_MAP[run.training.mixed_precision_reduce],
             cpu_offload=run.training.enable_cpu_offload,
-            expert_mesh=expert_data_parallel_mesh(parallel_dims),
+            expert_mesh=expert_meshes(parallel_dims)[1],
         )
         # The optimizer builder shards the optimizer state over it (ZeRO-1).
         plan.zero1_mesh = dp_mesh if strategy == "optim" else None

@@ -161,21 +161,14 @@ def _require(condition: bool, field: str, value, rule: str) -> None:
         raise ValueError(f"{field}={value!r} {rule}")
 
 
-# What titan_hybrid's trainer does not run under torchtitan 0.3 yet (it does under 0.2.2).
-NOT_YET = "under torchtitan 0.3 (issue 33: it runs under torchtitan 0.2.2)"
-
-
 def check_torchtitan_0_3_fields(config) -> None:
-    """The fields only a 0.3 job has, and the layouts 0.3's trainer cannot run yet."""
+    """The fields only a 0.3 job has."""
     p = config.parallelism
     _require(p.spmd_backend == "partial_dtensor", "parallelism.spmd_backend", p.spmd_backend,
              "must be 'partial_dtensor': titan_hybrid's parallel code shards with FSDP2 and "
              "DTensor on the meshes that backend builds")
     _require(config.training.disable_cuda_graphs, "training.disable_cuda_graphs", False,
              "is not supported: titan_hybrid's layers are not CUDA-graph safe")
-    _require(p.expert_parallel_degree == 1 or p.tensor_parallel_degree == 1,
-             "parallelism.expert_parallel_degree", p.expert_parallel_degree,
-             f"with tensor_parallel_degree > 1 is not supported {NOT_YET}")
 
 
 def run_config(config) -> RunConfig:
