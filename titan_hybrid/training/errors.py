@@ -11,6 +11,7 @@ torchrun the worker prints it itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,16 @@ def report_and_exit(error: BaseException) -> None:
     # os._exit: the interpreter's teardown would run gloo's destructors, which can abort
     # (see titan_hybrid.train) and turn a clean report into a crash.
     os._exit(exit_code_of(error))
+
+
+@contextlib.contextmanager
+def reported_at_once():
+    """A user error or a divergence raised inside is reported (one line, the exit status) here,
+    before any caller (e.g. torchrun's error recorder, which would print the traceback)."""
+    try:
+        yield
+    except (JobError, DivergedError) as error:
+        report_and_exit(error)
 
 
 def first_reported_error(error_dir: Path) -> tuple[int, str] | None:

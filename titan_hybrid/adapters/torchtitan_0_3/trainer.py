@@ -44,6 +44,7 @@ from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
+from titan_hybrid.training.errors import reported_at_once
 from titan_hybrid.training.preflight import check_run
 
 
@@ -51,6 +52,15 @@ def _training_defaults() -> TrainingConfig:
     # torchtitan captures the step in a CUDA graph by default; titan_hybrid's layers (custom
     # kernels, host-side routing counts) are not capture-safe.
     return TrainingConfig(disable_cuda_graphs=True)
+
+
+class _CheckpointManager(HybridCheckpointManager):
+    """torchtitan 0.3 loads the checkpoint inside Trainer.train, under torchrun's error
+    recorder: a checkpoint that cannot serve this job is reported here, in one line."""
+
+    def load(self, *args, **kwargs):
+        with reported_at_once():
+            return super().load(*args, **kwargs)
 
 
 class HybridTrainer(Trainer):
@@ -101,7 +111,7 @@ class HybridTrainer(Trainer):
     def _hybrid_checkpointer(self, built) -> HybridCheckpointManager:
         """Ours, with the same inputs as the one torchtitan's constructor just built."""
         built.close()
-        return HybridCheckpointManager(
+        return _CheckpointManager(
             config=self.config.checkpoint,
             dataloader=self.dataloader,
             model_parts=self.model_parts,
@@ -148,6 +158,12 @@ class HybridTrainer(Trainer):
             super().train()
         if dist.is_initialized():
             dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
+
+    def train_step(self, data_iterator) -> None:
+        # A divergence is one line and the exit status under `torchtitan.train` too: torchrun's
+        # error recorder around Trainer.train would print its traceback.
+        with reported_at_once():
+            super().train_step(data_iterator)
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.parallel_dims.pp_enabled:  # for the actions that get no loss arguments
