@@ -208,11 +208,12 @@ def readme_user_command() -> list[str]:
     return shlex.split(lines[0])
 
 
-def user_job_run(tmp_path, *args: str, nproc: int = 1, command: list[str] | None = None):
-    """The README's registry under torchrun: `command` (the README's own) or `nproc`
-    processes with `args`."""
+def user_job_run(tmp_path, *args: str, nproc: int = 1, command: list[str] | None = None,
+                 registry: str | None = None):
+    """The README's registry (or `registry`, its source) under torchrun: `command` (the
+    README's own) or `nproc` processes with `args`."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "my_registry.py").write_text(readme_registry())
+    (tmp_path / "my_registry.py").write_text(registry or readme_registry())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
     if command is None:
         command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",

@@ -1,12 +1,23 @@
 """Under torchtitan 0.3, the rest of what holds under both generations (the layouts, the
 checkpoints across generations and the 0.2 curve are in test_adapter.py): compile and the
-divergence guard, through `torchtitan.train` and through titan_hybrid's launcher."""
+divergence guard, through `torchtitan.train` and through titan_hybrid's launcher, and Hugging
+Face checkpoints through torchtitan's own checkpointer in a user's job."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from tests.torchtitan_0_3.test_adapter import SMALL, curve, one_process_curve, torchtitan_run
+import pytest
+import torch
+
+from tests.torchtitan_0_3.test_adapter import (
+    SMALL,
+    curve,
+    one_process_curve,
+    readme_registry,
+    torchtitan_run,
+    user_job_run,
+)
 from tests.torchtitan_0_3.test_front_end import run_train
 
 CURVE = ("--hybrid.loss_curve_file", "curve.jsonl")
@@ -41,3 +52,67 @@ def test_divergence_stops_every_stage_before_the_step_is_applied_or_saved(tmp_pa
     assert ours.stderr.count("error: training diverged at step 2:") == 1
     assert "Traceback" not in ours.stdout + ours.stderr
     assert sorted(p.name for p in (tmp_path / "ours" / "checkpoint").iterdir()) == ["step-1"]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A transformers NemotronHForCausalLM of the debug_nemotron_h shapes, saved by
+    transformers (random weights, shifted so no tensor keeps its init)."""
+    import transformers
+
+    from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
+    from titan_hybrid.model.args import hybrid_flavors
+
+    folder = tmp_path_factory.mktemp("hf_source")
+    args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], max_seq_len=64)
+    config = {k: v for k, v in nemotron_h_config(args).items()
+              if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def safetensors_of(folder) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+HF_ROUND_TRIP = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                 "--checkpoint.last_save_in_hf", "--training.steps", "1",
+                 "--optimizer.param-groups.0.optimizer-kwargs.lr", "0")
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, ()), (2, ()),
+                                           (2, ("--parallelism.tensor_parallel_degree", "2"))],
+                         ids=["one-process", "fsdp2", "tp2"])
+def test_hf_load_and_save_through_torchtitans_checkpointer_in_a_users_job(
+        tmp_path, hf_checkpoint, nproc, layout):
+    """The README's registry with an HF-format model (`model_spec("debug_nemotron_h")`):
+    torchtitan 0.3's own checkpointer reads a transformers checkpoint and writes it back
+    through titan_hybrid's state_dict_adapter. At lr 0 the weights do not move, so every tensor
+    comes back bit for bit (a tensor the load missed would come back as its random init).
+    Under TP the fused Mamba2 tensors are interleaved per rank: refused, naming the tensor."""
+    registry = readme_registry().replace('model_spec("debug", pattern="M*G-")',
+                                         'model_spec("debug_nemotron_h")')
+    assert registry != readme_registry()
+    result = user_job_run(tmp_path, *HF_ROUND_TRIP, "--checkpoint.initial_load_path",
+                          str(hf_checkpoint), *layout, nproc=nproc, registry=registry)
+    if layout:
+        assert result.returncode != 0
+        assert ("HF tensor 'backbone.layers.0.mixer.in_proj.weight': 'layers.0.mamba.in_proj"
+                ".weight' is split by tensor parallelism") in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
+    original = safetensors_of(hf_checkpoint)
+    written = safetensors_of(tmp_path / "out" / "checkpoint" / "step-1")
+    assert sorted(written) == sorted(original) and len(original) == 44
+    for key, tensor in original.items():
+        assert torch.equal(written[key], tensor), key

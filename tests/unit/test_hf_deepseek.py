@@ -108,6 +108,24 @@ def test_runs_pick_the_adapter_by_layer_kinds_and_it_renames_split_entries():
                                          and "mlp" not in key and "post_attention" not in key}
 
 
+def test_a_plain_state_dict_with_fc1_whole_converts_and_nothing_is_dropped():
+    """torchtitan's own checkpointer hands the adapter the model's plain state dict (fc1 whole):
+    its halves are DeepSeek's gate_proj / up_proj, and from_hf joins them again."""
+    args = tiny_args("D-D-")
+    model = HybridModel(args)
+    model.init_weights()
+    plain = model.state_dict()
+    adapter = hybrid_state_dict_adapter(args, None)
+    hf = adapter.to_hf(plain)
+    offline = to_deepseek(plain, args)
+    assert hf.keys() == offline.keys() and all(torch.equal(hf[k], offline[k]) for k in hf)
+    back = adapter.from_hf(hf)
+    assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
+    del plain["layers.1.mlp.fc1.weight"]
+    with pytest.raises(ValueError, match=r"HF tensor 'model.layers.0.mlp.gate_proj.weight'"):
+        adapter.to_hf(plain)
+
+
 @pytest.mark.parametrize("pattern, message", [
     ("M+-", "cannot use the HF DeepSeek-V3 / V3.2 format: hybrid.pattern 'M+-' must be"),
     ("M-G-", "cannot use the HF Nemotron-H format: hybrid.pattern 'M-G-' has layer types"),

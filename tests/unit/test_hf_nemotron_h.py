@@ -121,9 +121,44 @@ def test_plain_tensor_conversion_round_trips():
     d_inner, group_state = args.mamba_d_inner, args.mamba.n_groups * args.mamba.d_state
     assert split["layers.0.mamba.in_proj.weight.z"].shape == (d_inner, args.dim)
     assert split["layers.0.mamba.in_proj.weight.C"].shape == (group_state, args.dim)
-    back = adapter.to_hf(split)
+    layer = {key: value for key, value in plain.items()  # the layer's other entries
+             if key.startswith("layers.0.") and key not in fused}
+    back = adapter.to_hf({**layer, **split})
     assert torch.equal(back["backbone.layers.0.mixer.in_proj.weight"],
                        fused["layers.0.mamba.in_proj.weight"])
+
+
+def test_a_plain_state_dict_converts_whole_and_nothing_is_dropped(tmp_path):
+    """torchtitan's own checkpointer (a user's torchtitan 0.3 job) hands the adapter the
+    model's plain state dict, with in_proj / conv1d fused and grouped layers under their own
+    keys: the same HF keys as the split one gives, each fused tensor the parameter itself (a
+    load lands in it), and transformers computes our logits from them; a held layer's tensor
+    without a source is an error naming it."""
+    args = small_args()
+    model = our_model(args)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    adapter = NemotronHStateDictAdapter(args, None)
+    split = adapter.to_hf(SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict())
+    plain_state = model.state_dict()
+    plain = NemotronHStateDictAdapter(args, None)
+    hf = plain.to_hf(plain_state)
+    assert hf.keys() == split.keys() and len(hf) == len(plain_state)
+    assert hf["backbone.layers.0.mixer.in_proj.weight"] is plain_state["layers.0.mamba.in_proj.weight"]
+    dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
+        path=str(tmp_path), save_distributed=True, enable_consolidation=True))
+    (tmp_path / "config.json").write_text(json.dumps(nemotron_h_config(args)))
+    with torch.no_grad():
+        ours = model(tokens())
+    assert (ours - hf_logits(str(tmp_path))).abs().max() < 1e-5
+    back = plain.from_hf(hf)
+    assert back.keys() == plain_state.keys()
+    assert all(back[key] is plain_state[key] for key in plain_state)
+    del plain_state["layers.0.mamba.conv1d.bias"]
+    with pytest.raises(ValueError, match=r"no 'layers.0.mamba.conv1d.bias' .* HF tensor "
+                                         r"'backbone.layers.0.mixer.conv1d.bias'"):
+        plain.to_hf(plain_state)
 
 
 def test_models_the_format_cannot_hold_are_rejected_by_field():

@@ -8,6 +8,7 @@ import os
 import re
 
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor, Shard
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.model.args import HybridModelArgs
@@ -26,6 +27,9 @@ class HFStateDictAdapter(BaseStateDictAdapter):
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
         self.model_args = model_args
         self.hf_assets_path = hf_assets_path
+        # {logical key: the state dict's own key} of the last to_hf (a plain state dict's
+        # grouped sub-layers), for from_hf to give the same keys back
+        self._physical: dict[str, str] = {}
         self.fqn_to_index_mapping = None
         index_file = os.path.join(hf_assets_path or "", "model.safetensors.index.json")
         if hf_assets_path and os.path.isfile(index_file):
@@ -39,3 +43,46 @@ class HFStateDictAdapter(BaseStateDictAdapter):
             raise ValueError(f"checkpoint.initial_load_in_hf_quantized: {self.FORMAT_NAME} "
                              "checkpoints are read unquantized only")
         return HuggingFaceStorageReader(path)
+
+
+# ------------------------------------------------------------------ the state dicts adapters see
+# titan_hybrid's checkpoint manager hands an adapter its split state dict: a fused parameter
+# (Mamba2's in_proj, the SwiGLU fc1, ...) as its components `<key>.<part>` in global
+# coordinates. torchtitan's own checkpointer (a user's torchtitan job) hands it the model's
+# plain state dict: the fused parameter itself.
+
+
+def layer_prefix(key: str) -> str | None:
+    """"layers.3." of "layers.3.mamba.in_proj.weight" (None for the embedding, final norm and
+    head, which a pipeline stage may lack)."""
+    parts = key.split(".")
+    return f"{parts[0]}.{parts[1]}." if parts[0] in ("layers", "mtp") and len(parts) > 2 else None
+
+
+def check_present(state_dict: dict, ours: str, hf_key: str, layers: set[str]) -> None:
+    """An HF tensor of a layer the state dict holds must have its source there: a tensor is
+    never dropped silently (a pipeline stage holds only its own layers)."""
+    if layer_prefix(ours) in layers:
+        raise ValueError(f"the state dict has no '{ours}' (or its components) for the HF "
+                         f"tensor '{hf_key}'")
+
+
+def held_layers(state_dict: dict) -> set[str]:
+    return {prefix for key in state_dict if (prefix := layer_prefix(key))}
+
+
+def whole_fused(state_dict: dict, fused_key: str, hf_key: str):
+    """The fused parameter of a plain state dict, whose rows are the HF tensor's in order
+    (None if the state dict lacks it). Tensor parallelism interleaves the components' rows per
+    rank, so a TP-sharded one is refused: titan_hybrid's trainer splits it when it saves."""
+    value = state_dict.get(fused_key)
+    if isinstance(value, DTensor):
+        names = value.device_mesh.mesh_dim_names or ()
+        if any(name in ("tp", "etp") and isinstance(placement, Shard)
+               for name, placement in zip(names, value.placements)):
+            raise ValueError(
+                f"HF tensor '{hf_key}': '{fused_key}' is split by tensor parallelism, which "
+                "interleaves its components per rank; read or write HF checkpoints of this "
+                "model without TP, or through titan_hybrid's trainer (its checkpoint manager "
+                "splits the components)")
+    return value

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
+from titan_hybrid.checkpoint.hf_adapter import (
+    HFStateDictAdapter,
+    check_present,
+    held_layers,
+    whole_fused,
+)
+from titan_hybrid.checkpoint.state import logical_keys, physical_keys
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.dsa import KIND as DSA
 from titan_hybrid.model.layer_kind import LayerKind
@@ -86,14 +92,40 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
 
     FORMAT_NAME = "DeepSeek-V3 / V3.2"
 
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
+        super().__init__(model_args, hf_assets_path)
+        # In a plain state dict (torchtitan's own checkpointer) fc1 is whole: the fused keys
+        # whose gate / up halves to_hf handed out, for from_hf to join them again.
+        self._halved: set[str] = set()
+
     def to_hf(self, state_dict: dict) -> dict:
-        # A pipeline stage holds only its own layers.
-        return {hf_key: state_dict[ours] for hf_key, ours in _key_map(self.model_args).items()
-                if ours in state_dict}
+        """Split state dicts (titan_hybrid's manager: fc1's halves `fc1.weight_w` / `_v`) and
+        plain ones (fc1 whole, halved here; without TP its rows are gate then up); ValueError
+        names an HF tensor of a held layer with no source."""
+        hf_state_dict, self._halved = {}, set()
+        state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
+        layers = held_layers(state_dict)
+        for hf_key, ours in _key_map(self.model_args).items():
+            if ours in state_dict:
+                hf_state_dict[hf_key] = state_dict[ours]
+                continue
+            half = ours.endswith(("fc1.weight_w", "fc1.weight_v"))
+            whole = whole_fused(state_dict, ours[:-2], hf_key) if half else None
+            if whole is None:
+                check_present(state_dict, ours, hf_key, layers)
+                continue
+            hf_state_dict[hf_key] = whole.chunk(2, dim=0)[0 if ours.endswith("_w") else 1]
+            self._halved.add(ours[:-2])
+        return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
-        return {ours: hf_state_dict[hf_key] for hf_key, ours in _key_map(self.model_args).items()
-                if hf_key in hf_state_dict}
+        state_dict = {ours: hf_state_dict[hf_key]
+                      for hf_key, ours in _key_map(self.model_args).items()
+                      if hf_key in hf_state_dict}
+        for fused_key in self._halved:
+            state_dict[fused_key] = torch.cat((state_dict.pop(fused_key + "_w"),
+                                               state_dict.pop(fused_key + "_v")))
+        return physical_keys(state_dict, self._physical)
 
 
 def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:

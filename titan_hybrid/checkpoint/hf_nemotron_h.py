@@ -26,8 +26,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
+from titan_hybrid.checkpoint.hf_adapter import (
+    HFStateDictAdapter,
+    check_present,
+    held_layers,
+    whole_fused,
+)
 from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.checkpoint.state import logical_keys, physical_keys
 from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kind import LayerKind
@@ -146,18 +152,33 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         return mapping
 
     def to_hf(self, state_dict: dict) -> dict:
+        """Split state dicts (titan_hybrid's manager) and plain ones (torchtitan's own
+        checkpointer: an HF tensor is then the fused parameter itself, rows in HF order
+        without TP); ValueError names an HF tensor of a held layer with no source."""
         hf_state_dict = {}
         self._fused_handed_out = {}
+        state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
+        layers = held_layers(state_dict)
         for hf_key, ours in self._key_map().items():
             if isinstance(ours, str):
                 if ours in state_dict:
                     hf_state_dict[hf_key] = state_dict[ours]
+                else:
+                    check_present(state_dict, ours, hf_key, layers)
                 continue
-            if not all(key in state_dict for key in ours):
-                continue  # on another pipeline stage
-            fused = concat_components([state_dict[key] for key in ours], dim=0, cls=HFFusedChunks)
+            if all(key in state_dict for key in ours):
+                fused = concat_components([state_dict[key] for key in ours], dim=0,
+                                          cls=HFFusedChunks)
+                components = {key: state_dict[key] for key in ours}
+            else:
+                fused_key = ours[0].rsplit(".", 1)[0]
+                fused = whole_fused(state_dict, fused_key, hf_key)
+                if fused is None:
+                    check_present(state_dict, fused_key, hf_key, layers)
+                    continue
+                components = {fused_key: fused}
             hf_state_dict[hf_key] = fused
-            self._fused_handed_out[hf_key] = (fused, {key: state_dict[key] for key in ours})
+            self._fused_handed_out[hf_key] = (fused, components)
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
@@ -175,12 +196,13 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                 continue
             handed_out = self._fused_handed_out.get(hf_key)
             if handed_out is not None and handed_out[0] is value:
-                state_dict.update(handed_out[1])  # loaded in place through the components' views
+                # loaded in place (through the components' views, or into the fused parameter)
+                state_dict.update(handed_out[1])
                 continue
             parts = [key.rsplit(".", 1)[1] for key in ours]
             pieces = value.split([sizes["." + part] for part in parts], dim=0)
             state_dict.update(zip(ours, pieces))
-        return state_dict
+        return physical_keys(state_dict, self._physical)
 
 
 # --------------------------------------------------------------------------- config.json
