@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
+from tests.launch import REPO_ROOT
 from tests.torchtitan_0_3.test_adapter import SMALL, curve
 from tests.unit.test_bad_inputs import BAD_INPUTS, CONFIG
-from tests.launch import REPO_ROOT
 from titan_hybrid import launch
 
 # The launcher's bad inputs under 0.2 whose message is another one under 0.3 (None: the flag

@@ -21,7 +21,6 @@ from titan_hybrid.runtime import cpu
 from titan_hybrid.training.run_config import RunConfig
 
 
-
 def activate() -> None:
     """Register the pydoc dataset and apply the CPU runtime (both once per process)."""
     cpu.apply()
