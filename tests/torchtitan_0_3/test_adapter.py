@@ -97,7 +97,12 @@ LAYOUTS = {
     "hsdp-2x1": ("hybrid", TWO_BATCHES, ("--parallelism.data_parallel_replicate_degree", "2")),
     "zero1": ("hybrid", TWO_BATCHES, ("--parallelism.data_parallel_sharding_strategy", "optim")),
     "ep2-moe": ("hybrid_moe", TWO_BATCHES, ("--parallelism.expert_parallel_degree", "2")),
+    # each rank's 2 microbatches: the second's forward runs with the first's backward
+    "ep2-overlap-moe": ("hybrid_moe", (*TWO_BATCHES, "--training.local_batch_size", "4"), (
+        "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_parallel_overlap",
+        "--training.local_batch_size", "4")),
 }
+LOGGED = {"ep2-overlap-moe": "EP-overlap: combined 1F1B over the step's 2 microbatches"}
 _references: dict = {}
 
 
@@ -119,6 +124,7 @@ def test_two_process_layouts_give_the_one_process_curve(tmp_path, tmp_path_facto
     two = torchtitan_run(tmp_path, *job, *reference_args, *layout_args, nproc=2,
                          config=config)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert LOGGED.get(layout, "") in two.stdout + two.stderr
     two_curve = curve(tmp_path / "curve.jsonl")
     assert [r["step"] for r in one_curve] == [1, 2, 3]
     for a, b in zip(one_curve, two_curve, strict=True):

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torchtitan.tools.logging import logger
 
 FORWARD, BACKWARD = "forward", "backward"
 _OTHER = {FORWARD: BACKWARD, BACKWARD: FORWARD}
@@ -247,6 +248,8 @@ class CombinedOneFOneB:
         self.num_microbatches = num_microbatches
         self._pending: torch.Tensor | None = None
         self._done = 0
+        logger.info(f"EP-overlap: combined 1F1B over the step's {num_microbatches} "
+                    "microbatches (each forward runs with the previous one's backward)")
 
     def _set_last_backward(self, last: bool) -> None:
         # FSDP clears its backward-prefetch order after a "last" backward; the next

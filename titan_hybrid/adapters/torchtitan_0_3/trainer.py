@@ -41,6 +41,7 @@ from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
 from titan_hybrid.checkpoint.manager import HybridCheckpointManager
 from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
+from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
@@ -107,6 +108,11 @@ class HybridTrainer(Trainer):
         self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
+        # Under PP the overlap runs inside the pipeline schedule (ep_overlap_pipeline.py).
+        self.ep_overlap = None
+        if run.parallelism.expert_parallel_overlap and not self.parallel_dims.pp_enabled:
+            self.ep_overlap = CombinedOneFOneB(self.model_parts[0], self.build.plan.overlap,
+                                               self.gradient_accumulation_steps)
 
     def _hybrid_checkpointer(self, built) -> HybridCheckpointManager:
         """Ours, with the same inputs as the one torchtitan's constructor just built."""
@@ -168,10 +174,24 @@ class HybridTrainer(Trainer):
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.parallel_dims.pp_enabled:  # for the actions that get no loss arguments
             scaled_loss_of(self.pp_schedule).global_valid_tokens = global_valid_tokens
-        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
-                                             global_valid_tokens=global_valid_tokens)
+        if self.ep_overlap is not None:
+            loss = self._overlapped_forward_backward(input_dict, labels, global_valid_tokens)
+        else:
+            loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                                 global_valid_tokens=global_valid_tokens)
         self.divergence_guard.after_microbatch(loss, self.step)
         return loss
+
+    def _overlapped_forward_backward(self, input_dict, labels, global_valid_tokens):
+        """This microbatch's forward, run together with the previous one's backward."""
+        inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+
+        def forward():
+            with self.train_context():
+                pred = self.model_parts[0](inputs, **extra_kwargs)
+                return self.loss_fn(pred, labels, global_valid_tokens)[0]
+
+        return self.ep_overlap(forward)
 
     def post_dataloading_process(self, input_dict, labels):
         cp_group = (self.parallel_dims.get_mesh("cp").get_group()
