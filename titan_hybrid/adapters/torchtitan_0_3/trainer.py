@@ -1,10 +1,18 @@
 """torchtitan 0.3's Trainer with titan_hybrid's model, components, input layout and checks.
 
 `python -m torchtitan.train --module titan_hybrid --config hybrid` builds this trainer from the
-config function `hybrid` (titan_hybrid/config_registry.py). Its Config adds titan_hybrid's
-sections to torchtitan's (`--hybrid.*`, titan_hybrid's `--parallelism.*` fields, the
-`--optimizer.*` of the TOML jobs); a value titan_hybrid cannot run stops the parse with one line
-(`__post_init__`, which tyro runs on the final config).
+config function `hybrid` (titan_hybrid/config_registry.py), and titan_hybrid's launcher builds
+it from a TOML job (front_end.py). Its Config adds titan_hybrid's sections to torchtitan's
+(`--hybrid.*`, titan_hybrid's `--parallelism.*` fields, the `--optimizer.*` of the TOML jobs); a
+value titan_hybrid cannot run stops the parse with one line (`__post_init__`, which tyro runs on
+the final config). As under 0.2 (torchtitan_0_2/trainer.py):
+- checkpoints: HybridCheckpointManager replaces the CheckpointManager torchtitan builds;
+- divergence: a non-finite loss or gradient norm on any rank stops the run, in one line, before
+  the optimizer applies the step;
+- inputs: packed-document layout and this CP rank's zigzag shard;
+- EP-overlap at PP = 1: each microbatch's forward runs with the previous one's backward;
+- loss parallelism under TP and bf16 autocast without FSDP, which 0.3's own trainer dropped;
+- the end: all ranks meet at a barrier instead of rank 0 sleeping 2 s.
 """
 
 from __future__ import annotations
