@@ -5,11 +5,10 @@ Face checkpoints through torchtitan's own checkpointer in a user's job."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+from tests.distributed.test_hf_checkpoint import hf_checkpoint, safetensors_of  # noqa: F401  (fixtures)
 from tests.torchtitan_0_3.test_adapter import (
     SMALL,
     curve,
@@ -54,37 +53,6 @@ def test_divergence_stops_every_stage_before_the_step_is_applied_or_saved(tmp_pa
     assert sorted(p.name for p in (tmp_path / "ours" / "checkpoint").iterdir()) == ["step-1"]
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
-    """A transformers NemotronHForCausalLM of the debug_nemotron_h shapes, saved by
-    transformers (random weights, shifted so no tensor keeps its init)."""
-    import transformers
-
-    from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
-    from titan_hybrid.model.args import hybrid_flavors
-
-    folder = tmp_path_factory.mktemp("hf_source")
-    args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], max_seq_len=64)
-    config = {k: v for k, v in nemotron_h_config(args).items()
-              if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**config))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.02 * torch.randn_like(param))
-    model.save_pretrained(str(folder))
-    return folder
-
-
-def safetensors_of(folder) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
 HF_ROUND_TRIP = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf",
                  "--checkpoint.last_save_in_hf", "--training.steps", "1",
                  "--optimizer.param-groups.0.optimizer-kwargs.lr", "0")
@@ -94,7 +62,7 @@ HF_ROUND_TRIP = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf",
                                            (2, ("--parallelism.tensor_parallel_degree", "2"))],
                          ids=["one-process", "fsdp2", "tp2"])
 def test_hf_load_and_save_through_torchtitans_checkpointer_in_a_users_job(
-        tmp_path, hf_checkpoint, nproc, layout):
+        tmp_path, hf_checkpoint, nproc, layout):  # noqa: F811  (the imported fixture)
     """The README's registry with an HF-format model (`model_spec("debug_nemotron_h")`):
     torchtitan 0.3's own checkpointer reads a transformers checkpoint and writes it back
     through titan_hybrid's state_dict_adapter. At lr 0 the weights do not move, so every tensor

@@ -58,20 +58,36 @@ def hf_logits(path):
         return model(tokens()).logits
 
 
-def test_our_checkpoint_in_hf_format_loads_into_transformers(tmp_path):
-    args = small_args()
+def distinctive_model(args):
+    """Our model with A_log / D / dt_bias / conv biases distinctive, so that a misplaced
+    component shows."""
     model = our_model(args)
-    # Make A_log / D / dt_bias / conv biases distinctive so a misplaced component shows.
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
-    adapter = NemotronHStateDictAdapter(args, None)
-    hf_state_dict = adapter.to_hf(SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict())
+    return model
+
+
+def split_to_hf(args, model) -> dict:
+    """The HF state dict of titan_hybrid's split state dict (its checkpoint manager's)."""
+    split = SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict()
+    return NemotronHStateDictAdapter(args, None).to_hf(split)
+
+
+def save_hf(hf_state_dict: dict, folder, args) -> None:
+    """An HF folder transformers loads: the tensors (DCP's safetensors writer) and config.json."""
+    dcp.save(hf_state_dict, storage_writer=HuggingFaceStorageWriter(
+        path=str(folder), save_distributed=True, enable_consolidation=True))
+    (folder / "config.json").write_text(json.dumps(nemotron_h_config(args)))
+
+
+def test_our_checkpoint_in_hf_format_loads_into_transformers(tmp_path):
+    args = small_args()
+    model = distinctive_model(args)
+    hf_state_dict = split_to_hf(args, model)
     assert "backbone.layers.0.mixer.in_proj.weight" in hf_state_dict
     assert "backbone.layers.6.mixer.up_proj.weight" in hf_state_dict  # the group's 2nd layer
-    dcp.save(hf_state_dict, storage_writer=HuggingFaceStorageWriter(
-        path=str(tmp_path), save_distributed=True, enable_consolidation=True))
-    (tmp_path / "config.json").write_text(json.dumps(nemotron_h_config(args)))
+    save_hf(hf_state_dict, tmp_path, args)
 
     with torch.no_grad():
         ours = model(tokens())
@@ -135,20 +151,14 @@ def test_a_plain_state_dict_converts_whole_and_nothing_is_dropped(tmp_path):
     load lands in it), and transformers computes our logits from them; a held layer's tensor
     without a source is an error naming it."""
     args = small_args()
-    model = our_model(args)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    adapter = NemotronHStateDictAdapter(args, None)
-    split = adapter.to_hf(SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict())
+    model = distinctive_model(args)
+    split = split_to_hf(args, model)
     plain_state = model.state_dict()
     plain = NemotronHStateDictAdapter(args, None)
     hf = plain.to_hf(plain_state)
     assert hf.keys() == split.keys() and len(hf) == len(plain_state)
     assert hf["backbone.layers.0.mixer.in_proj.weight"] is plain_state["layers.0.mamba.in_proj.weight"]
-    dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
-        path=str(tmp_path), save_distributed=True, enable_consolidation=True))
-    (tmp_path / "config.json").write_text(json.dumps(nemotron_h_config(args)))
+    save_hf(hf, tmp_path, args)
     with torch.no_grad():
         ours = model(tokens())
     assert (ours - hf_logits(str(tmp_path))).abs().max() < 1e-5

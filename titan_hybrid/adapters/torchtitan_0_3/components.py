@@ -108,9 +108,8 @@ class HybridValidatorConfig(Validator.Config):
     local_batch_size: int = 8
 
     def __post_init__(self) -> None:
-        # Not torchtitan's assertion on `steps` (a traceback): titan_hybrid's pre-flight checks
-        # the section, naming the field and the value (training/validation.py).
-        pass
+        """Not torchtitan's assertion on `steps` (a traceback): titan_hybrid's pre-flight
+        checks the section, naming the field and the value (training/validation.py)."""
 
     def build(self, *, dp_world_size, dp_rank, tokenizer, parallel_dims, validation_context,
               metrics_processor, pp_schedule=None, pp_has_first_stage=None,
