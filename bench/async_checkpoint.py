@@ -7,8 +7,9 @@ Each mode is a real training run (titan_hybrid.launch, one process) of a ~141M-p
 (M-M-M-M-M-M-M*- at width 1024; with AdamW's two moments the checkpoint holds ~1.7 GB). The
 time training is blocked is the wall time of each call the trainer makes into the
 checkpointer: the save at a saving step, and in async mode also the wait for the background
-staging copy before the next optimizer step and the commit of the background save (checksums,
-fsync, rename) at the first step after it finished. The last step's save is excluded
+staging copy before the next optimizer step (on CUDA a wait of the compute stream on the copies'
+event, which the step-after-save time shows) and, before the next save, the wait for the
+previous background save and its commit (checksums, fsync, rename: on the save's thread). The last step's save is excluded
 (torchtitan saves the last step synchronously). The train step's own time (forward, backward,
 optimizer, the staging wait included) is also reported for the step after each save against
 the median step, and the whole run's time against the same run without interval saves: on

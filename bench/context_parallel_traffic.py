@@ -1,4 +1,4 @@
-"""Context parallel for Mamba2: bytes each rank sends per `M` layer and step, head_a2a vs
+"""Context parallel for Mamba2: bytes each rank receives per `M` layer and step, head_a2a vs
 chunkwise (`--parallelism.context_parallel_linear_mode`), and the CPU time per training step.
 
     .venv/bin/python bench/context_parallel_traffic.py [--skip-runs]
@@ -7,8 +7,8 @@ chunkwise (`--parallelism.context_parallel_linear_mode`), and the CPU time per t
    conv width 4; bf16 activations, fp32 states; one row per microbatch; packed documents), for
    T = 4k / 16k / 64k and CP = 2 / 4 / 8. `mamba_layer_bytes` follows the collectives' sizes in
    parallel/context_parallel.py and parallel/context_parallel_chunkwise.py one by one;
-   tests/distributed/test_context_parallel.py checks it, byte for byte, against the bytes that
-   parallel/collectives.record_traffic counts in real CP runs.
+   tests/distributed/test_context_parallel.py checks it, byte for byte, against the bytes
+   received that parallel/collectives.record_traffic counts in real CP runs.
 2. Time per step of the real trainer on this CPU (`M-G-` layers at width 256, packed
    documents), CP 2 and CP 4, both modes, at the largest T that runs here in reasonable time.
    Baseline: the same job on one process.
@@ -37,7 +37,7 @@ INT32, INT64 = 4, 8
 def mamba_layer_bytes(mode: str, cp: int, seq_len: int, args, dim: int, *, batch: int = 1,
                       documents: bool = True, act_bytes: int = 2, state_bytes: int = 4,
                       tp: int = 1) -> dict[str, int]:
-    """{"forward": bytes, "backward": bytes} one CP rank sends to the others for one Mamba2
+    """{"forward": bytes, "backward": bytes} one CP rank receives from the others for one Mamba2
     layer (its heads per TP rank) and one microbatch of `batch` rows of `seq_len` tokens."""
     heads, groups = args.n_heads(dim) // tp, args.n_groups // tp
     head_dim, state = args.head_dim, args.d_state

@@ -121,7 +121,7 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
 
 
 def count_traffic(cp: int, rank: int, linear_mode: str) -> dict:
-    """Bytes this rank sends in the forward and the backward of a one-`M`-layer float64 model,
+    """Bytes this rank receives in the forward and the backward of a one-`M`-layer float64 model,
     as parallel/collectives.record_traffic counts them, with and without packed documents."""
     args = dataclasses.replace(
         hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern="M",
@@ -142,7 +142,8 @@ def count_traffic(cp: int, rank: int, linear_mode: str) -> dict:
             logits = model(tokens[:, index], **kwargs)
         with record_traffic() as backward:
             logits.square().mean().backward()
-        counted[case] = {"forward": sum(forward.sent), "backward": sum(backward.sent)}
+        counted[case] = {"forward": sum(forward.received),
+                         "backward": sum(backward.received)}
     return counted
 
 

@@ -104,7 +104,7 @@ def test_cp4_chunkwise_layers_match_one_device():
 @pytest.mark.parametrize("mode", ["head_a2a", "chunkwise"])
 def test_counted_mamba_traffic_is_the_benchs_formula(mode):
     """bench/context_parallel_traffic.py's bytes per M layer, byte for byte against what the
-    collectives sent in a real CP2 forward and backward (float64, 2 rows)."""
+    collectives received in a real CP2 forward and backward (float64, 2 rows)."""
     from bench.context_parallel_traffic import mamba_layer_bytes
     from titan_hybrid.model.args import MambaArgs
 

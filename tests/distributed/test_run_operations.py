@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -234,3 +235,29 @@ def test_async_saves_commit_intact_checkpoints_and_leave_the_curve_unchanged(tmp
     assert checkpoints(tmp_path) == ["step-6", "step-8"]
     for name in checkpoints(tmp_path):
         assert integrity.verify(tmp_path / "outputs" / "ck" / name) is None
+
+
+def _groups_readme_documents(async_mode: str) -> list[str]:
+    """The rank-connecting process groups README's "Process groups" table lists for a run
+    with `--checkpoint.async_mode async_mode`."""
+    text = (REPO_ROOT / "README.md").read_text()
+    rows = re.findall(r"^  \| `(\w+)` \| [^|]+ \| (.+) \|$",
+                      text[text.index("**Process groups.**"):], re.M)
+    return [name for name, when in rows
+            if when == "always" or f"`--checkpoint.async_mode {async_mode}`" in when]
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_run_makes_each_process_group_once_as_the_readme_lists(tmp_path, async_mode):
+    run = run_training(tmp_path, "--training.steps", "4", *SMALL, *CHECKPOINT,
+                       "--checkpoint.async_mode", async_mode, nproc=2).check()
+    logged = re.findall(r"\[rank(\d)\].*Process groups: (\d+): (.*)", run.output)
+    assert sorted(rank for rank, _, _ in logged) == ["0", "1"]
+    for _, count, listing in logged:
+        groups = [re.fullmatch(r"(\w+) \((\w+), (\d+)\)", entry).groups()
+                  for entry in listing.split("; ")]
+        assert len(groups) == int(count)
+        # fake groups (size 1, unused mesh dimensions) open no connection.
+        connecting = [name for name, backend, _ in groups if backend != "fake"]
+        assert connecting == _groups_readme_documents(async_mode)
+    assert checkpoints(tmp_path) == ["step-2", "step-4"]

@@ -24,7 +24,6 @@ import shutil
 import zlib
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from titan_hybrid.training.errors import JobError
@@ -54,13 +53,13 @@ def is_rank0() -> bool:
     return _world()[0] == 0
 
 
-def _gather_dicts(mine: dict) -> dict:
+def _gather_dicts(mine: dict, group=None) -> dict:
     """Union of every rank's dict (every rank gets it)."""
     rank, world = _world()
     if world == 1:
         return mine
     every_rank: list = [None] * world
-    dist.all_gather_object(every_rank, mine)
+    dist.all_gather_object(every_rank, mine, group=group)
     return {key: value for part in every_rank for key, value in part.items()}
 
 
@@ -74,18 +73,9 @@ def agree(value):
     return box[0]
 
 
-def all_ranks(flag: bool, group) -> bool:
-    """Whether `flag` holds on every rank (collective over `group`, a gloo group)."""
-    if _world()[1] == 1:
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
-
-
-def barrier() -> None:
+def barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def files_of(folder: Path) -> list[str]:
@@ -98,24 +88,24 @@ def file_entry(path: Path) -> dict[str, int]:
     return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
 
 
-def checksum_folder(folder: Path, known: dict[str, dict[str, int]] | None = None
-                    ) -> dict[str, dict[str, int]]:
+def checksum_folder(folder: Path, known: dict[str, dict[str, int]] | None = None,
+                    group=None) -> dict[str, dict[str, int]]:
     """{relative path: {"bytes": size, "crc32": crc}} of every file, computed collectively.
     `known`: entries this rank computed already (a background save's own files), used while
     the file still has that size; the other files are shared out between the ranks."""
     rank, world = _world()
     names = files_of(folder)
-    listings = _gather_dicts({rank: names})
+    listings = _gather_dicts({rank: names}, group)
     if any(listing != names for listing in listings.values()):
         raise JobError(f"checkpoint folder '{folder.parent}' is not the same on every rank (ranks "
                        "list different files): checkpoint.folder must be on a filesystem "
                        "shared by all ranks")
     known = {name: entry for name, entry in (known or {}).items()
              if name in names and (folder / name).stat().st_size == entry["bytes"]}
-    every_known = _gather_dicts(known)
+    every_known = _gather_dicts(known, group)
     rest = [name for name in names if name not in every_known]
     mine = {name: file_entry(folder / name) for name in rest[rank::world]}
-    return {**every_known, **_gather_dicts(mine)}
+    return {**every_known, **_gather_dicts(mine, group)}
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -135,11 +125,13 @@ def _write_durably(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def commit(partial: Path, final: Path, known: dict[str, dict[str, int]] | None = None) -> None:
-    """Checksum a fully written `partial` folder and rename it to `final` (collective: every
-    rank calls it after its part of the save returned). `known`: see checksum_folder."""
-    barrier()  # every rank's files are written
-    sums = checksum_folder(partial, known)
+def commit(partial: Path, final: Path, known: dict[str, dict[str, int]] | None = None,
+           group=None) -> None:
+    """Checksum a fully written `partial` folder and rename it to `final` (collective over
+    `group`, default: all ranks: every rank calls it after its part of the save returned).
+    `known`: see checksum_folder."""
+    barrier(group)  # every rank's files are written
+    sums = checksum_folder(partial, known, group)
     if is_rank0():
         _write_durably(partial / CHECKSUMS_FILE, json.dumps(sums, indent=0, sort_keys=True))
         _fsync_folder(partial)
@@ -150,7 +142,7 @@ def commit(partial: Path, final: Path, known: dict[str, dict[str, int]] | None =
         partial.rename(final)
         _fsync_folder(final.parent)
         shutil.rmtree(replaced, ignore_errors=True)
-    barrier()
+    barrier(group)
 
 
 def _storage_extents(metadata) -> dict[str, int]:

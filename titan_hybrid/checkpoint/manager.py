@@ -15,13 +15,20 @@ Same folders (`<dump>/<checkpoint.folder>/step-N`), same state, same options; in
   pattern's checkpoint layer by layer (`hybrid.load_layers_by_order`);
 - a Hugging Face export also writes config.json and the tokenizer files, so `transformers`
   (`AutoModelForCausalLM`, `AutoTokenizer`) loads the folder as it is;
-- `checkpoint.async_mode`: DCP writes `step-N.partial` in the background; each rank checksums
-  its own files on the save's thread when they are written, and the first step after every
-  rank finished commits it (gather of the checksums, fsync, rename, keep_latest_k). A crash
-  before that leaves the `.partial` folder, and the previous checkpoint stays the newest.
+- `checkpoint.async_mode`: DCP writes `step-N.partial` in the background; when it is written,
+  the save's own thread commits it (each rank checksums its own files, then the gather of the
+  checksums, fsync, rename, keep_latest_k), on the save's process group. A crash before that
+  leaves the `.partial` folder, and the previous checkpoint stays the newest. The training
+  thread runs no collective for it: it waits for the commit only where torchtitan waits for the
+  save (before the next save, and at the end).
   In `async` mode the copy to host memory (staging) also runs in the background, into buffers
   kept from one save to the next; the train step waits for it before the optimizer changes
   the weights (torchtitan's `maybe_wait_for_staging`), so it overlaps forward and backward.
+  On CUDA the copies go into pinned buffers on a stream of their own, and that wait is the
+  compute stream's, on an event after the copies (compat.dcp.background_stager).
+- process groups: one gloo group, `checkpoint_background_saves`, in the async modes only (a
+  background save's collectives must not interleave with the training thread's); none
+  otherwise. torchtitan's constructor would make an unnamed one; this one makes it itself, once.
 
 Besides the public `load` / `save` / `close` / `dcp_save` / `dcp_load`, this overrides hooks that
 torchtitan keeps private, under the public names that the installed torchtitan's fence gives
@@ -32,6 +39,8 @@ same class runs under torchtitan 0.2 and 0.3; only the fence differs.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import shutil
 import threading
@@ -58,7 +67,11 @@ from titan_hybrid.checkpoint.state import (
     check_against_checkpoint,
     map_layers_by_order,
 )
-from titan_hybrid.compat.dcp import background_stager, files_written_by
+from titan_hybrid.compat.dcp import (
+    background_stager,
+    files_written_by,
+    wait_before_the_optimizer,
+)
 from titan_hybrid.compat.torchtitan_hooks import CheckpointManagerHooks
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.runtime.cluster import restart_count
@@ -66,26 +79,49 @@ from titan_hybrid.training.errors import JobError
 from titan_hybrid.training.run_config import RunConfig
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
+BACKGROUND_SAVES_GROUP = "checkpoint_background_saves"
 
 
-class OwnFileChecksums:
-    """The CRC-32s of the files this rank's background save wrote, computed on the save's own
-    thread when its write finishes (a done-callback of its future), so the commit on the
-    training thread only gathers them (integrity.checksum_folder's `known`)."""
+class BackgroundCommit:
+    """Commits a background save once written: a done-callback of the save's future, so it runs
+    on the save's own thread (or at once, if the write has finished already) with the save's
+    process group. Every rank's future completes only after DCP's last collective of the save,
+    which tells all ranks of its success or failure alike, so every rank commits, or none does.
+    `done` is set when it has finished either way."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.entries: dict[str, dict[str, int]] = {}
-        self.ready = threading.Event()
+    def __init__(self, partial: Path, final: Path, group, manager: HybridCheckpointManager):
+        self.partial, self.final, self.group, self.manager = partial, final, group, manager
+        self.done = threading.Event()
 
     def __call__(self, future) -> None:
         try:
-            if future.exception() is None:
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                self.entries = {name: integrity.file_entry(self.folder / name)
-                                for name in files_written_by(self.folder, rank)}
+            if future.exception() is not None:
+                return  # torchtitan's wait re-raises it on the training thread
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            own = {name: integrity.file_entry(self.partial / name)
+                   for name in files_written_by(self.partial, rank)}
+            integrity.commit(self.partial, self.final, own, group=self.group)
+            self.manager.verified.add(str(self.final))
+            self.manager.purge_stale_checkpoints()
+        except Exception as error:  # noqa: BLE001  (on a thread: report it, keep the .partial)
+            logger.error(f"Committing the checkpoint {self.final} failed: {error!r}; it stays "
+                         f"{self.partial.name} and the previous checkpoint the newest")
         finally:
-            self.ready.set()
+            self.done.set()
+
+
+@contextlib.contextmanager
+def replaced_without_a_group(checkpoint_config):
+    """Around torchtitan's Trainer constructor, whose CheckpointManager titan_hybrid replaces at
+    once (HybridCheckpointManager): that one is built as a synchronous one, so that it makes no
+    gloo group of its own for background saves (a full mesh of TCP connections at every rank,
+    which nothing would use)."""
+    mode = checkpoint_config.async_mode
+    checkpoint_config.async_mode = AsyncMode.DISABLED.value
+    try:
+        yield
+    finally:
+        checkpoint_config.async_mode = mode
 
 
 def holds_training_state(metadata) -> bool:
@@ -95,7 +131,15 @@ def holds_training_state(metadata) -> bool:
 class HybridCheckpointManager(CheckpointManagerHooks):
     def __init__(self, *, run: RunConfig, tokenizer_folder: str | None,
                  layouts: dict[str, TPLayout], **kwargs) -> None:
-        """`layouts`: the run's ParallelPlan.layouts (fused tensors are saved as components)."""
+        """`layouts`: the run's ParallelPlan.layouts (fused tensors are saved as components).
+        `kwargs`: torchtitan's CheckpointManager's (its config under `config` in 0.3,
+        `checkpoint_config` in 0.2)."""
+        config_key = "config" if "config" in kwargs else "checkpoint_config"
+        background = AsyncMode(kwargs[config_key].async_mode.lower())
+        # torchtitan's constructor would make the background saves' group, unnamed: it is made
+        # below instead, named, so the run's log of its groups says what it is for.
+        kwargs[config_key] = dataclasses.replace(kwargs[config_key],
+                                                 async_mode=AsyncMode.DISABLED.value)
         super().__init__(**kwargs)
         self.run = run
         self.model_args = run.model
@@ -103,25 +147,22 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.by_order = run.hybrid.load_layers_by_order
         self.fresh_optimizer = run.checkpoint.resume_with_fresh_optimizer
         self.verified: set[str] = set()
-        # A background save's (partial, final) folders and its checksums, committed once it
-        # has finished.
-        self.uncommitted: tuple[Path, Path, OwnFileChecksums] | None = None
-        if self.enable:
-            self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
-        # A gloo group of the training thread's own for agreeing that a background save is
-        # done: the save's collectives run on self.pg at times that differ by rank, and two
-        # threads sharing one group interleave their collectives differently on each rank (a
-        # hang).
-        self.agreement_group = None
-        if self.enable and self.async_mode != AsyncMode.DISABLED and dist.is_initialized():
-            self.agreement_group = dist.new_group(backend="gloo")
-        if self.enable and self.async_mode == AsyncMode.ASYNC:
+        self.commit: BackgroundCommit | None = None  # the latest background save's
+        if not self.enable:
+            return
+        self.states[MODEL] = SplitModelWrapper(self.states[MODEL].model, layouts)
+        self.async_mode = background
+        if background != AsyncMode.DISABLED:
+            self.pg = (dist.new_group(backend="gloo", group_desc=BACKGROUND_SAVES_GROUP)
+                       if dist.is_initialized() else None)
+            # The train step waits for each save's staging before the optimizer step.
+            self.enable_background_staging()
+        if background == AsyncMode.ASYNC:
             # torchtitan stages `async` saves on the training thread, into buffers allocated
             # anew each time (most of what a save blocked). A stager of our own copies in a
             # background thread into buffers it keeps; torchtitan's train step waits for it
-            # (maybe_wait_for_staging, enabled here) before the optimizer step.
+            # (maybe_wait_for_staging) before the optimizer step.
             self.stager = background_stager()
-            self.enable_background_staging()
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -135,16 +176,16 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         if async_mode == AsyncMode.ASYNC and self.stager is not None:
             response = dcp.async_save(state_dict, checkpoint_id=str(partial),
                                       process_group=self.pg, async_stager=self.stager)
-            self.staging_started(response.staging_completion)
+            self.staging_started(wait_before_the_optimizer(self.stager,
+                                                           response.staging_completion))
             result = response.upload_completion
         else:
             result = super().dcp_save(state_dict, str(partial), async_mode,
                                       enable_garbage_collection, to_hf)
         if async_mode != "disabled":  # checkpoint.async_mode (a str enum): still being written
-            checksums = OwnFileChecksums(partial)
+            self.commit = BackgroundCommit(partial, final, self.pg, self)
             # async: a Future; async_with_pinned_mem: a response holding the write's future.
-            getattr(result, "upload_completion", result).add_done_callback(checksums)
-            self.uncommitted = (partial, final, checksums)
+            getattr(result, "upload_completion", result).add_done_callback(self.commit)
             return result
         if to_hf:
             integrity.barrier()  # every rank's consolidated files are written
@@ -154,29 +195,17 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         self.verified.add(str(final))
         return result
 
-    def save(self, curr_step: int, last_step: bool = False) -> bool | None:
-        # torchtitan calls this every step: a background save that every rank has finished
-        # is committed at the first step after it (the ranks agree, so all commit together).
-        if self.uncommitted is not None and integrity.all_ranks(self.background_save_done(),
-                                                                    self.agreement_group):
-            self.wait_for_background_save()
-        return super().save(curr_step, last_step)
-
     def wait_for_background_save(self) -> None:
-        """Wait for the background save, then commit it: checksums, fsync, rename, and
-        keep_latest_k. Until then it is a `.partial` folder, which a crash leaves behind and the
+        """Wait for the background save and its commit (torchtitan waits here before the next
+        save). Until the commit it is a `.partial` folder, which a crash leaves behind and the
         next start removes: the previous checkpoint stays the newest intact one."""
         super().wait_for_background_save()
-        if self.uncommitted is not None:
-            partial, final, checksums = self.uncommitted
-            self.uncommitted = None
-            checksums.ready.wait()
-            integrity.commit(partial, final, checksums.entries)
-            self.verified.add(str(final))
-            self.purge_stale_checkpoints()
+        if self.commit is not None:
+            self.commit.done.wait()
+            self.commit = None
 
     def close(self) -> None:
-        if getattr(self, "enable", False) and getattr(self, "uncommitted", None) is not None:
+        if getattr(self, "enable", False) and getattr(self, "commit", None) is not None:
             self.wait_for_background_save()
         super().close()
 

@@ -22,3 +22,14 @@ def traceable_all_to_all(x: torch.Tensor, *, recv_splits: list[int] | None,
                          send_splits: list[int] | None, group) -> torch.Tensor:
     """`dist.all_to_all_single` as a value, for code that dynamo traces."""
     return functional_collectives.all_to_all_single(x, recv_splits, send_splits, group)
+
+
+def traceable_all_gather(x: torch.Tensor, *, group) -> torch.Tensor:
+    """`dist.all_gather_into_tensor` along dim 0, as a value, for code that dynamo traces."""
+    return functional_collectives.all_gather_tensor(x, 0, group)
+
+
+def traceable_reduce_scatter(x: torch.Tensor, *, group) -> torch.Tensor:
+    """`dist.reduce_scatter_tensor` (sum) along dim 0, as a value, for code that dynamo
+    traces."""
+    return functional_collectives.reduce_scatter_tensor(x, "sum", 0, group)

@@ -6,6 +6,8 @@ shard-offset function in all of them); `background_stager` takes a path of its o
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -126,9 +128,59 @@ class _StagerKeepingItsBuffers(DefaultStager):
         return self._state_dict_stager.stage(state_dict, non_blocking=False)
 
 
+class _CudaStreamStager(DefaultStager):
+    """CUDA: the copies to host memory are issued from the training thread, non-blocking, on a
+    stream of their own, into pinned buffers kept from one save to the next. The copy stream
+    first waits for the compute stream (the weights of the step just taken). `copies_done` is an
+    event recorded after the copies: the optimizer step waits on it on the GPU (`gpu_wait`),
+    the writer thread on the CPU (the future `stage` returns). Private: `_state_dict_stager`,
+    DefaultStager's StateDictStager, which copies any state dict (DTensors, the chunked tensors
+    above) and keeps its buffers; DefaultStager itself waits for the copies on a thread."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=True))
+        self.copy_stream = torch.cuda.Stream()
+        self.copies_done: torch.cuda.Event | None = None
+
+    def stage(self, state_dict, **kwargs) -> Future:
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            staged = self._state_dict_stager.stage(state_dict, non_blocking=True)
+        done = self.copies_done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        future: Future = Future()
+        threading.Thread(target=lambda: (done.synchronize(), future.set_result(staged)),
+                         name="titan_hybrid_staging_done", daemon=True).start()
+        return future
+
+
+class _GpuOrderedWait:
+    """torchtitan's train step calls `result()` on the staging future before the optimizer
+    step; on CUDA that makes the compute stream wait for the copies, and the training thread
+    goes on at once."""
+
+    def __init__(self, copies_done) -> None:
+        self.copies_done = copies_done
+
+    def result(self) -> None:
+        torch.cuda.current_stream().wait_event(self.copies_done)
+
+
 def background_stager() -> DefaultStager:
-    """DCP's stager for `async_save` that copies the state to host memory on a thread of its own,
-    into pageable buffers it keeps from one save to the next (blocking copies)."""
+    """DCP's stager for `async_save`. On CUDA: `_CudaStreamStager`. Otherwise a copy to host
+    memory on a thread of its own, into pageable buffers it keeps from one save to the next
+    (blocking copies)."""
+    if torch.cuda.is_available():
+        return _CudaStreamStager()
     options = StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                              use_async_staging=True, use_non_blocking_copy=False)
     return (_StagerKeepingItsBuffers if TORCH_RELEASE < (2, 13) else DefaultStager)(options)
+
+
+def wait_before_the_optimizer(stager: DefaultStager, staging: Future):
+    """What the train step waits on before the optimizer changes the weights: the GPU-side wait
+    for a CUDA stager's copies, else the staging future itself."""
+    if isinstance(stager, _CudaStreamStager):
+        return _GpuOrderedWait(stager.copies_done)
+    return staging

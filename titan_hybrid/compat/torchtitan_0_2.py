@@ -69,11 +69,6 @@ class CheckpointManagerHooks(CheckpointManager):
     def wait_for_background_save(self) -> None:
         super()._async_wait()
 
-    def background_save_done(self) -> bool:
-        """Whether the background save (if any) has finished on this rank."""
-        future = self.save_future
-        return future is None or future.done()
-
     def _save_last_step(self, curr_step: int) -> None:
         self.save_last_step(curr_step)
 

@@ -74,11 +74,6 @@ class CheckpointManagerHooks(CheckpointManager):
         if self.save_future is not None:
             super()._wait_for_saving()
 
-    def background_save_done(self) -> bool:
-        """Whether the background save (if any) has finished on this rank."""
-        future = self.save_future
-        return future is None or future.done()
-
     def enable_background_staging(self) -> None:
         """Nothing to enable: 0.3 waits whenever a staging future is pending."""
 

@@ -23,7 +23,8 @@ from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.train import Trainer
 
 from titan_hybrid.adapters.torchtitan_0_2.train_spec import HybridBuild
-from titan_hybrid.checkpoint.manager import HybridCheckpointManager
+from titan_hybrid.checkpoint.manager import HybridCheckpointManager, replaced_without_a_group
+from titan_hybrid.compat.process_groups import log_process_groups
 from titan_hybrid.compat.torchtitan_0_2 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
@@ -51,7 +52,7 @@ class HybridTrainer(Trainer):
         """`run`: the job's RunConfig, checked by the pre-flight check (preflight.check_run,
         which validated the layout too); without it the build makes and checks it."""
         self.build = HybridBuild(run)
-        with warnings.catch_warnings():
+        with replaced_without_a_group(job_config.checkpoint), warnings.catch_warnings():
             # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
             # torch disables it with a warning. fp32 needs no autocast: nothing is lost.
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
@@ -71,6 +72,7 @@ class HybridTrainer(Trainer):
             super().train()
         if dist.is_initialized():
             dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
+            log_process_groups()
 
     def _hybrid_checkpointer(self, built: CheckpointManager) -> HybridCheckpointManager:
         """Ours, with the same inputs as the one torchtitan's constructor just built."""

@@ -46,7 +46,8 @@ from titan_hybrid.adapters.torchtitan_0_3.config import (
 )
 from titan_hybrid.adapters.torchtitan_0_3.model_spec import HybridBuild, HybridModelConfig
 from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
-from titan_hybrid.checkpoint.manager import HybridCheckpointManager
+from titan_hybrid.checkpoint.manager import HybridCheckpointManager, replaced_without_a_group
+from titan_hybrid.compat.process_groups import log_process_groups
 from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
@@ -107,7 +108,8 @@ class HybridTrainer(Trainer):
         config.model_spec = self.build.model_spec()
         config.loss.mtp_loss_coeff = run.model.mtp_loss_coeff
         config.hf_assets_path = str(resolve_assets_path(config.hf_assets_path))
-        with building(self.build), warnings.catch_warnings():
+        with building(self.build), replaced_without_a_group(config.checkpoint), \
+                warnings.catch_warnings():
             # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
             # torch disables it with a warning. fp32 needs no autocast: nothing is lost.
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
@@ -172,6 +174,7 @@ class HybridTrainer(Trainer):
             super().train()
         if dist.is_initialized():
             dist.barrier()  # what torchtitan's final 2 s sleep on rank 0 stands in for
+            log_process_groups()
 
     def train_step(self, data_iterator) -> None:
         # A divergence is one line and the exit status under `torchtitan.train` too: torchrun's
