@@ -17,9 +17,12 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
     torchtitan_0_2.py, torchtitan_0_3.py  each generation's CheckpointManager / ModelWrapper
                    hooks under the same public names, and its final sleep; torchtitan_hooks.py
                    picks the installed one
-    collectives.py the functional all-to-all, for context parallelism inside compiled graphs
+    collectives.py the functional all-to-all, all-gather and reduce-scatter, for context
+                   parallelism inside compiled graphs
+    process_groups.py  c10d's registry of the process groups a process holds (logged)
     dcp.py         DCP's chunk protocol, data-less wrapper tensors, a DTensor shard's offsets;
-                   the background stager that keeps its buffers (a 2.11 / 2.12 path)
+                   the background stager that keeps its buffers (a 2.11 / 2.12 path), and
+                   the CUDA one that copies on a stream of its own
     fsdp.py        FSDP2's `replicate` (DDP); plain SUM gradient reduction on CPU (patch)
     nn.py          nn.Module's own parameter registry
     pipelining.py  torch's pipelining runtime, for custom (overlapped) actions; schedules'
