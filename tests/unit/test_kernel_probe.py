@@ -1,20 +1,30 @@
 """Kernel packages on CPU: causal-conv1d's custom ops (through a stand-in package with the real
 one's module path and signatures, tests/stand_ins/), torch.compile(fullgraph=True) passing
-through them, and the start-up probe that turns an unusable package into one warning line."""
+through them, and the start-up probe that accepts a package by version range and launcher
+signatures, and turns an unusable one into one warning line and a per-step metrics field."""
 
 import dataclasses
 import importlib.metadata
+import shutil
 import sys
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 
-from tests.triton_kernels import STAND_INS, expect_custom_ops, outputs_and_grads
+from tests.triton_kernels import (
+    INTERPRETED,
+    STAND_INS,
+    expect_custom_ops,
+    kernels_on,
+    outputs_and_grads,
+)
 from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops import kernels
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
-from titan_hybrid.ops.kernels import fla_refusal, force_kernels, kernel_fallbacks
+from titan_hybrid.ops.kernels import fla_refusal, force_kernels, kernel_fallbacks, kernel_path_field
+from titan_hybrid.training.metrics import step_line
 
 
 def _forget_causal_conv1d():
@@ -104,8 +114,8 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     fla = kernels.KERNEL_PACKAGES["fla"]
     monkeypatch.setitem(kernels.KERNEL_PACKAGES, "fla", dataclasses.replace(
-        fla, modules=(), refuses_runtime=lambda: fla_refusal((9, 0), "3.6.0")))
-    _installed(monkeypatch, {"fla-core": "0.6.0"})  # the checked version, or that is the reason
+        fla, launchers=(), refuses_runtime=lambda: fla_refusal((9, 0), "3.6.0")))
+    _installed(monkeypatch, {"fla-core": "0.6.0"})  # an accepted version, or that is the reason
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
         with force_kernels():  # a fresh probe, forgotten afterwards
@@ -123,18 +133,22 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     assert all("\n" not in line for line in lines)
 
 
-def test_a_version_other_than_the_checked_one_is_refused_by_version(monkeypatch, stand_in_conv):
-    """mamba_ssm at another version: one fallback line naming both versions; forced, the op
-    raises with the same reason. The version is refused before any import (mamba_ssm does not
-    import here: that would be the reason otherwise). causal_conv1d's stand-in has no
-    metadata: its `__version__` (the checked one) is read once imported, and it is usable."""
+def test_a_version_outside_the_range_is_refused_by_version(monkeypatch, stand_in_conv):
+    """mamba_ssm at the next minor version: one fallback line naming the version and the range,
+    and the per-step metrics field; forced, the op raises with the same reason. The version is
+    refused before any import (mamba_ssm does not import here: that would be the reason
+    otherwise). causal_conv1d's stand-in has no metadata: its `__version__` (an accepted one) is
+    read once imported, and it is usable."""
     _installed(monkeypatch, {"mamba-ssm": "2.4.0"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    reason = "mamba_ssm 2.4.0 installed, titan_hybrid's custom ops were checked on 2.3.2.post1"
+    reason = ("mamba-ssm 2.4.0 is installed, titan_hybrid's custom ops accept "
+              "mamba-ssm>=2.3.2.post1,<2.4")
     with force_kernels():
         assert kernels.probe_kernels()["mamba_ssm"] == reason
         assert kernels.probe_kernels()["causal_conv1d"] is None
         lines = kernel_fallbacks()
+        field = kernel_path_field()
+        line = step_line(20, {"moe/aux_loss": 0.5})
         with pytest.raises(RuntimeError, match=f"mamba_ssm is unusable: {reason}"):
             gated_group_rms_norm(*(torch.ones(2, 8),) * 2, torch.ones(8), group_size=4,
                                  eps=1e-5)
@@ -142,30 +156,153 @@ def test_a_version_other_than_the_checked_one_is_refused_by_version(monkeypatch,
     assert by_package["mamba_ssm"] == (f"kernel package mamba_ssm is not used: {reason}; the "
                                        "torch path runs the Mamba2 SSD scan and gated RMS norm")
     assert "causal_conv1d" not in by_package, lines
+    assert field.startswith(f"kernels: torch path (mamba_ssm: {reason}"), field
+    assert line == f"step: 20  moe/aux_loss: 0.5000  {field}"
+
+
+def _stand_in_conv_copy(tmp_path, monkeypatch, version: str, old: str = "", new: str = ""):
+    """A copy of the causal_conv1d stand-in at `version`, `old` replaced by `new` in its
+    cpp_functions, first on sys.path for the test."""
+    copy = tmp_path / "causal_conv1d"
+    shutil.copytree(STAND_INS / "causal_conv1d", copy)
+    (copy / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    functions = copy / "cpp_functions.py"
+    source = functions.read_text()
+    if old:
+        assert source.count(old) == 1, old
+        functions.write_text(source.replace(old, new))
+    _forget_causal_conv1d()
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_another_patch_release_is_accepted_and_used(monkeypatch, tmp_path):
+    _stand_in_conv_copy(tmp_path, monkeypatch, "1.7.3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        with force_kernels():
+            assert kernels.probe_kernels()["causal_conv1d"] is None
+            assert "causal_conv1d" not in (kernel_path_field() or "")
+            with expect_custom_ops("causal_conv1d_fwd"):
+                causal_depthwise_conv1d(**_conv_inputs())
+        assert sys.modules["causal_conv1d"].__version__ == "1.7.3"
+        assert sys.modules["causal_conv1d.cpp_functions"].calls["fwd"] == 1
+    finally:
+        _forget_causal_conv1d()
+
+
+_BWD = "def causal_conv1d_bwd_function(x, weight, bias, dout,"
+_FWD = "def causal_conv1d_fwd_function(x, weight, bias, seq_idx,"
+_BWD_END = "return_dinitial_states, silu_activation):"
+_WHERE = "causal_conv1d.cpp_functions"
+
+
+@pytest.mark.parametrize("old, new, reason", [
+    (_BWD, _BWD.replace("dout", "grad_out"), f"{_WHERE}.causal_conv1d_bwd_function takes "
+     "`grad_out` as parameter 4, where titan_hybrid's custom ops pass `dout`"),
+    (_BWD, _BWD.replace("bias,", "bias, scale,"), f"{_WHERE}.causal_conv1d_bwd_function takes "
+     "`scale` as parameter 4, where titan_hybrid's custom ops pass `dout`"),
+    (_BWD_END, _BWD_END.replace("):", ", out):"), f"{_WHERE}.causal_conv1d_bwd_function "
+     "requires `out`, which titan_hybrid's custom ops do not pass"),
+    (_FWD, _FWD.replace("_fwd_function", "_forward"), f"{_WHERE} has no "
+     "causal_conv1d_fwd_function, which titan_hybrid's custom ops call"),
+])
+def test_a_changed_launcher_is_refused_naming_it(monkeypatch, tmp_path, old, new, reason):
+    """An accepted version whose launcher lost or moved a parameter the ops pass, gained one
+    they do not, or is gone: refused, with the version and the launcher in the reason; the op
+    takes its torch path (the start-up line and the metrics field say why) or, forced, raises."""
+    _stand_in_conv_copy(tmp_path, monkeypatch, "1.7.1", old, new)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = f"causal-conv1d 1.7.1: {reason}"
+    try:
+        with force_kernels():
+            assert kernels.probe_kernels()["causal_conv1d"] == reason
+            lines = kernel_fallbacks()
+            assert f"causal_conv1d: {reason}" in kernel_path_field()
+            with pytest.raises(RuntimeError, match="causal_conv1d is unusable: causal-conv1d "
+                               "1.7.1: "):
+                causal_depthwise_conv1d(**_conv_inputs())
+    finally:
+        _forget_causal_conv1d()
+    assert f"kernel package causal_conv1d is not used: {reason}; the torch path runs" in \
+        "\n".join(lines)
+
+
+def test_a_launcher_with_a_new_optional_parameter_is_accepted(monkeypatch, tmp_path):
+    _stand_in_conv_copy(tmp_path, monkeypatch, "1.7.2", _BWD_END,
+                        _BWD_END.replace("):", ", out=None):"))
+    try:
+        with force_kernels():
+            assert kernels.probe_kernels()["causal_conv1d"] is None
+    finally:
+        _forget_causal_conv1d()
+
+
+def test_keyword_parameters_are_checked_by_name_not_place(monkeypatch, tmp_path):
+    (tmp_path / "launcher_under_test.py").write_text(
+        "def moved(x, chunk_size, extra=None, *, D=None, z=None): pass\n"
+        "def renamed(x, chunk_size, D=None, gate=None): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launcher = kernel_packages.Launcher("mamba_ssm", "launcher_under_test", "moved",
+                                        ("x", "chunk_size"), ("z", "D"))
+    try:
+        assert launcher.mismatch() is None
+        assert dataclasses.replace(launcher, name="renamed").mismatch() == (
+            "launcher_under_test.renamed has no parameter `z`, which titan_hybrid's custom ops "
+            "pass")
+    finally:
+        sys.modules.pop("launcher_under_test", None)
+
+
+@pytest.mark.triton_interpreter
+def test_the_tested_releases_pass_the_launcher_check():
+    """The mamba-ssm and fla-core the triton_interpreter tests install (and causal-conv1d's
+    stand-in) are accepted by version and by every launcher's signature: the probe finds all
+    three usable."""
+    with kernels_on():
+        assert kernels.probe_kernels() == dict.fromkeys(kernels.KERNEL_PACKAGES)
+        for package in kernel_packages.ACCEPTED_VERSIONS:
+            launchers = kernel_packages.launchers_of(package)
+            assert launchers and all(launcher.mismatch() is None for launcher in launchers)
+        if INTERPRETED:  # scripts/bootstrap.sh's, not a GPU host's own install
+            assert kernel_packages.installed_version("mamba_ssm") == "2.3.2.post1"
+            assert kernel_packages.installed_version("fla") == "0.6.0"
 
 
 @pytest.mark.parametrize("version, refused", [
-    ("2.3.2.post1", False), ("2.3.2.post1+cu12torch2.6cxx11abiTRUE", False), ("2.3.2", True),
-    ("2.3.3", True), ("2.4.0", True), (None, True)])
+    ("2.3.2.post1", False), ("2.3.2.post1+cu12torch2.6cxx11abiTRUE", False), ("2.3.3", False),
+    ("2.3.10+cu12", False), ("2.3.3rc1", False), ("2.3.2", True), ("2.4.0", True),
+    ("2.4.0rc1", True), ("2.2.4", True), ("not a version", True), (None, True)])
 def test_version_refusal(monkeypatch, version, refused):
     monkeypatch.setattr(kernel_packages, "installed_version", lambda package: version)
     reason = kernel_packages.version_refusal("mamba_ssm")
     assert (reason is not None) == refused, reason
     if refused:
-        assert "titan_hybrid's custom ops were checked on 2.3.2.post1" in reason
-        assert (f"mamba_ssm {version} installed" if version else "version is unknown") in reason
+        assert "titan_hybrid's custom ops accept mamba-ssm>=2.3.2.post1,<2.4" in reason
+        assert (f"mamba-ssm {version} is installed" if version else "version is unknown") \
+            in reason
 
 
-def test_checked_versions_are_the_gpu_extras_pins():
+def test_accepted_versions_are_the_gpu_extras_ranges():
     import tomllib
+    from packaging.requirements import Requirement
 
     from tests.launch import REPO_ROOT
 
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    pins = dict(requirement.split("==") for requirement
-                in pyproject["project"]["optional-dependencies"]["gpu"] if "==" in requirement)
-    assert pins == {checked.distribution: checked.version
-                    for checked in kernel_packages.CHECKED_PACKAGES.values()}
+    requirements = [Requirement(text) for text
+                    in pyproject["project"]["optional-dependencies"]["gpu"]]
+    ranges = {requirement.name: requirement.specifier for requirement in requirements
+              if requirement.specifier}
+    assert ranges == {accepted.distribution: SpecifierSet(accepted.specifiers)
+                      for accepted in kernel_packages.ACCEPTED_VERSIONS.values()}
+
+
+def test_no_metrics_field_when_every_kernel_runs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "probe_kernels", lambda: dict.fromkeys(kernels.KERNEL_PACKAGES))
+    assert kernel_path_field() is None
+    assert step_line(3, {}) is None
+    assert step_line(3, {"dsa/indexer_loss": 1.25}) == "step:  3  dsa/indexer_loss: 1.2500"
 
 
 def test_no_fallback_lines_without_cuda(monkeypatch):
@@ -173,6 +310,7 @@ def test_no_fallback_lines_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(kernels, "probe_kernels", lambda: pytest.fail("probed without CUDA"))
     assert kernel_fallbacks() == []
+    assert kernel_path_field() is None
 
 
 def test_launcher_keeps_autotune_results(monkeypatch):

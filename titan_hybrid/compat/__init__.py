@@ -29,8 +29,9 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
                    private fields; the hook after the first step's shape inference
     kernel_packages.py  the kernel packages' forward / backward launchers (mamba_ssm's are
                    private), imported when called. The kernel packages are optional, so a
-                   version other than the pinned one is not an ImportError here but a package
-                   the start-up probe (titan_hybrid.ops.kernels) reports unusable, by version
+                   version outside the accepted range, or a launcher whose signature changed,
+                   is not an ImportError here but a package the start-up probe
+                   (titan_hybrid.ops.kernels) reports unusable, saying which
 """
 
 from __future__ import annotations

@@ -1,19 +1,36 @@
-"""The GPU kernel packages' launchers that titan_hybrid's custom ops call, under public names.
+"""The GPU kernel packages' launchers that titan_hybrid's custom ops call, under public names,
+and the check that an installed package still has them as the ops call them.
 
 The custom ops (titan_hybrid/ops) call each kernel's forward and backward launcher, not the
 package's autograd Function: the backward then gets exactly the residuals it needs, and
 torch.compile sees one opaque node per direction. Those launchers sit below the packages'
 public APIs: mamba_ssm's are private (`_mamba_chunk_scan_combined_fwd`, `_layer_norm_fwd`,
 ...), and fla's and causal-conv1d's, though public-named, are internals whose arguments and
-results carry no promise between releases. So they are used only on the versions they were
-checked on, the pins of pyproject.toml's gpu extra:
+results carry no promise between releases. So a package is used only when both hold:
 
-    mamba-ssm 2.3.2.post1, fla-core 0.6.0, causal-conv1d 1.7.0
+- Its version is in the accepted range, the same as pyproject.toml's gpu extra:
 
-A kernel package is optional: on another version it is not an import error but a package the
-ops cannot use. `version_refusal` says why; the start-up probe (titan_hybrid.ops.kernels) asks
-it before the ops may call a launcher, so such a run takes the torch paths with one warning
-line. The launchers below assume the probe has passed: they do not check again per call.
+      mamba-ssm >=2.3.2.post1,<2.4   fla-core >=0.6.0,<0.7   causal-conv1d >=1.7.0,<1.8
+
+  The floor is the version the triton_interpreter tests run (scripts/bootstrap.sh; causal-
+  conv1d's stand-in has its signatures): nothing older was checked, and an older one may lack
+  a kernel fix. The ceiling is the next minor release, because a signature cannot show what
+  a launcher returns (the ops unpack six results of the gated-delta forward and nine
+  gradients of the SSD backward) or what its values mean (fla has shipped a variant of the
+  gated-delta forward whose cumulative gate is in base 2); these packages rework their
+  launchers in minor releases and fix kernels in place in patch releases. A patch release
+  outside the tested one is accepted rather than sent to the torch path, which is ~3x slower
+  on a GPU.
+- Every launcher the ops call exists, with the parameters they pass: those passed by position
+  first and in that order, those passed by keyword present, and every other one optional
+  (`Launcher.mismatch`, read with `inspect.signature` once the probe has imported the
+  package). This is what catches a patch release that renames or inserts a parameter.
+
+A kernel package is optional: an unusable one is not an import error but a package the ops
+cannot use. `version_refusal` and `launcher_refusal` say why, naming the package, its version
+and the launcher or parameter; the start-up probe (titan_hybrid.ops.kernels) asks them before
+the ops may call a launcher, so such a run takes the torch paths and says so. The launchers
+below assume the probe has passed: they do not check again per call.
 
 Importing this module imports no kernel package (they are optional, slow to import, and the
 tests make them importable only inside `tests.triton_kernels.kernels_on()`): each launcher
@@ -26,96 +43,176 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import sys
 from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 import titan_hybrid.compat  # noqa: F401  (the torch / torchtitan version check)
 
 
 @dataclass(frozen=True)
-class CheckedPackage:
+class AcceptedVersions:
     distribution: str  # the name pip installs it under (importlib.metadata's key)
-    version: str  # the one version the launchers were checked on
+    specifiers: str  # PEP 440, as in pyproject.toml's gpu extra (see the module docstring)
 
 
-CHECKED_PACKAGES = {
-    "mamba_ssm": CheckedPackage("mamba-ssm", "2.3.2.post1"),
-    "fla": CheckedPackage("fla-core", "0.6.0"),
-    "causal_conv1d": CheckedPackage("causal-conv1d", "1.7.0"),
+ACCEPTED_VERSIONS = {
+    "mamba_ssm": AcceptedVersions("mamba-ssm", ">=2.3.2.post1,<2.4"),
+    "fla": AcceptedVersions("fla-core", ">=0.6.0,<0.7"),
+    "causal_conv1d": AcceptedVersions("causal-conv1d", ">=1.7.0,<1.8"),
 }
 
 
 def installed_version(package: str) -> str | None:
-    """The installed version of a kernel package (an import name of CHECKED_PACKAGES): its
+    """The installed version of a kernel package (an import name of ACCEPTED_VERSIONS): its
     distribution's metadata, which needs no import; failing that (a source tree on sys.path,
     the CPU stand-in of tests/stand_ins) the `__version__` of the package if it is already
     imported. None when neither says."""
     try:
-        return importlib.metadata.version(CHECKED_PACKAGES[package].distribution)
+        return importlib.metadata.version(ACCEPTED_VERSIONS[package].distribution)
     except importlib.metadata.PackageNotFoundError:
         return getattr(sys.modules.get(package), "__version__", None)
 
 
 def version_refusal(package: str) -> str | None:
     """Why titan_hybrid's custom ops may not call `package`'s launchers: its installed version
-    is not the checked one (a local build tag, `+cu12torch2.6`, is ignored) or is unknown. None
-    when they may."""
-    checked = CHECKED_PACKAGES[package].version
+    is outside the accepted range (a local build tag, `+cu12torch2.6`, is ignored; a pre-release
+    inside the range is accepted, the launcher check still applies) or is unknown. None when
+    the version is no obstacle."""
+    accepted = ACCEPTED_VERSIONS[package]
     version = installed_version(package)
     if version is None:
-        return (f"{package}'s version is unknown (no {CHECKED_PACKAGES[package].distribution} "
-                f"distribution metadata, no {package}.__version__), titan_hybrid's custom ops "
-                f"were checked on {checked}")
-    if version.split("+")[0] != checked:
-        return f"{package} {version} installed, titan_hybrid's custom ops were checked on {checked}"
+        return (f"{package}'s version is unknown (no {accepted.distribution} distribution "
+                f"metadata, no {package}.__version__), titan_hybrid's custom ops accept "
+                f"{accepted.distribution}{accepted.specifiers}")
+    try:
+        inside = SpecifierSet(accepted.specifiers).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        return (f"{accepted.distribution} {version} is installed, titan_hybrid's custom ops "
+                f"accept {accepted.distribution}{accepted.specifiers}")
     return None
+
+
+def launcher_refusal(package: str, launchers: tuple[Launcher, ...]) -> str | None:
+    """Why titan_hybrid's custom ops may not call `launchers` (of `package`, whose modules
+    import): the first one missing or whose parameters no longer take the ops' call. None
+    when all of them do."""
+    for launcher in launchers:
+        if mismatch := launcher.mismatch():
+            return (f"{ACCEPTED_VERSIONS[package].distribution} {installed_version(package)}: "
+                    f"{mismatch}")
+    return None
+
+
+_BY_POSITION = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 @dataclass(frozen=True)
 class Launcher:
-    """A kernel package's function, imported when called: `package` is its import name."""
+    """A kernel package's function, imported when called: `package` is its import name.
+    `positional` and `keywords` are the parameters titan_hybrid's ops pass it, by position (in
+    this order) and by keyword: every call passes exactly these, which `mismatch` checks the
+    installed function still takes."""
 
     package: str
     module: str
     name: str
+    positional: tuple[str, ...] = ()
+    keywords: tuple[str, ...] = ()
 
     def __call__(self, *args, **kwargs):
+        assert len(args) == len(self.positional) and kwargs.keys() == set(self.keywords), (
+            f"{self.name}: the call differs from the parameters declared for the launcher check")
         return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+
+    def mismatch(self) -> str | None:
+        """Why the installed function would not take the ops' call (its module must import):
+        it is missing, a parameter passed by position has another name or place, one passed by
+        keyword is gone, or one the ops do not pass has no default. None when it takes it."""
+        function = getattr(importlib.import_module(self.module), self.name, None)
+        if function is None:
+            return f"{self.module} has no {self.name}, which titan_hybrid's custom ops call"
+        where = f"{self.module}.{self.name}"
+        try:
+            parameters = list(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):  # a builtin without a text signature
+            return f"{where} has no signature to check the custom ops' call against"
+        by_position = [p.name for p in parameters if p.kind in _BY_POSITION]
+        for index, name in enumerate(self.positional):
+            found = by_position[index] if index < len(by_position) else None
+            if found != name:
+                now = f"`{found}`" if found else "nothing"
+                return (f"{where} takes {now} as parameter {index + 1}, where titan_hybrid's "
+                        f"custom ops pass `{name}`")
+        by_keyword = {p.name for p in parameters if p.kind in _BY_KEYWORD}
+        for name in self.keywords:
+            if name not in by_keyword:
+                return (f"{where} has no parameter `{name}`, which titan_hybrid's custom ops "
+                        "pass")
+        passed = {*self.positional, *self.keywords}
+        for p in parameters:
+            if p.name not in passed and p.default is p.empty and p.kind not in _VARIADIC:
+                return (f"{where} requires `{p.name}`, which titan_hybrid's custom ops do not "
+                        "pass")
+        return None
 
 
 _SSD = "mamba_ssm.ops.triton.ssd_combined"
 _GATED_NORM = "mamba_ssm.ops.triton.layernorm_gated"
 _GATED_DELTA = "fla.ops.gated_delta_rule.chunk"
 _L2NORM = "fla.modules.norm.l2norm"
+_CONV = "causal_conv1d.cpp_functions"
 
 # mamba_ssm 2.3.2.post1: what its MambaChunkScanCombinedFn and LayerNormFn (the gated RMS norm)
 # call. Forward -> (out, out before the z gate, dt, dA_cumsum, states, final_states); backward
 # -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states).
-ssd_scan_fwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_fwd")
-ssd_scan_bwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_bwd")
+_SSD_OPTIONS = ("D", "z", "dt_bias", "initial_states", "seq_idx", "dt_softplus", "dt_limit")
+ssd_scan_fwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_fwd",
+                        ("x", "dt", "A", "B", "C", "chunk_size"), _SSD_OPTIONS)
+ssd_scan_bwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_bwd",
+                        ("dout", "x", "dt", "A", "B", "C", "out", "chunk_size"),
+                        _SSD_OPTIONS + ("dfinal_states",))
 # Forward -> (out, mean, rstd); backward -> (dx, dweight, dbias, dz).
-gated_rms_norm_fwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_fwd")
-gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd")
+_NORM_OPTIONS = ("z", "group_size", "norm_before_gate", "is_rms_norm")
+gated_rms_norm_fwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_fwd",
+                              ("x", "weight", "bias", "eps"), _NORM_OPTIONS)
+gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd",
+                              ("dy", "x", "weight", "bias", "eps", "mean", "rstd"), _NORM_OPTIONS)
 
-# fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls.
-gated_delta_rule_fwd = Launcher("fla", _GATED_DELTA, "chunk_gated_delta_rule_fwd")
-gated_delta_rule_bwd = Launcher("fla", _GATED_DELTA, "chunk_gated_delta_rule_bwd")
-l2norm_fwd = Launcher("fla", _L2NORM, "l2norm_fwd")
-l2norm_bwd = Launcher("fla", _L2NORM, "l2norm_bwd")
-prepare_chunk_indices = Launcher("fla", "fla.ops.utils.index", "prepare_chunk_indices")
+# fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls. Forward -> (g cumulative, o, A,
+# final_state, initial_state, g_input); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log,
+# ddt_bias).
+_DELTA_OPTIONS = ("scale", "initial_state", "cu_seqlens", "chunk_indices", "chunk_size")
+gated_delta_rule_fwd = Launcher(
+    "fla", _GATED_DELTA, "chunk_gated_delta_rule_fwd",
+    keywords=("q", "k", "v", "g", "beta", "output_final_state") + _DELTA_OPTIONS)
+gated_delta_rule_bwd = Launcher(
+    "fla", _GATED_DELTA, "chunk_gated_delta_rule_bwd",
+    keywords=("q", "k", "v", "g", "beta", "A", "do", "dht") + _DELTA_OPTIONS)
+l2norm_fwd = Launcher("fla", _L2NORM, "l2norm_fwd", ("x",))
+l2norm_bwd = Launcher("fla", _L2NORM, "l2norm_bwd", ("y", "rstd", "dy"))
+prepare_chunk_indices = Launcher("fla", "fla.ops.utils.index", "prepare_chunk_indices",
+                                 ("cu_seqlens", "chunk_size"))
 
-# causal-conv1d 1.7.0: what its CausalConv1dFn calls (causal_conv1d.cpp_functions).
-causal_conv1d_fwd = Launcher("causal_conv1d", "causal_conv1d.cpp_functions",
-                             "causal_conv1d_fwd_function")
-causal_conv1d_bwd = Launcher("causal_conv1d", "causal_conv1d.cpp_functions",
-                             "causal_conv1d_bwd_function")
+# causal-conv1d 1.7.0: what its CausalConv1dFn calls.
+causal_conv1d_fwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_fwd_function", (
+    "x", "weight", "bias", "seq_idx", "initial_states", "final_states_out", "silu_activation"))
+causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function", (
+    "x", "weight", "bias", "dout", "seq_idx", "initial_states", "dfinal_states", "dx",
+    "return_dinitial_states", "silu_activation"))
 
 LAUNCHERS = (ssd_scan_fwd, ssd_scan_bwd, gated_rms_norm_fwd, gated_rms_norm_bwd,
              gated_delta_rule_fwd, gated_delta_rule_bwd, l2norm_fwd, l2norm_bwd,
              prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 
 
-def launcher_modules(package: str) -> tuple[str, ...]:
-    """The modules `package`'s launchers come from, in order: what the probe imports."""
-    return tuple(dict.fromkeys(launcher.module for launcher in LAUNCHERS
-                               if launcher.package == package))
+def launchers_of(package: str) -> tuple[Launcher, ...]:
+    """The launchers of `package` (an import name of ACCEPTED_VERSIONS) the ops call."""
+    return tuple(launcher for launcher in LAUNCHERS if launcher.package == package)

@@ -12,14 +12,19 @@ While forced, an unusable kernel package is an error rather than a silent fall-b
 path, so a kernel test cannot pass by accident. Dtypes the kernels do not take (float64) still use
 the torch path. Nothing here runs at import.
 
-Usable means: the package is the version our custom ops were checked on (they call launchers
-below the packages' public APIs: titan_hybrid.compat.kernel_packages), the modules they import
-do import (a package installed without its compiled extension fails here), and the package
-accepts this runtime (fla 0.6 raises in its backward on Hopper GPUs with triton >= 3.4,
-< 3.7.1). ``probe_kernels()`` decides this once per process, outside any traced code: dynamo
-cannot trace an import, and a failure found mid-step would kill the run. Entry points call it
-at start-up and log ``kernel_fallbacks()``, one line per unusable package; the ops it serves
-then take their torch paths.
+Usable means: the package's version is in the range our custom ops accept (they call
+launchers below the packages' public APIs: titan_hybrid.compat.kernel_packages), the modules
+they import do import (a package installed without its compiled extension fails here), every
+launcher the ops call is there and takes the ops' call (its parameters, read from its
+signature), and the package accepts this runtime (fla 0.6 raises in its backward on Hopper
+GPUs with triton >= 3.4, < 3.7.1). ``probe_kernels()`` decides this once per process, outside
+any traced code: dynamo cannot trace an import, and a failure found mid-step would kill the
+run. The ops an unusable package serves then take their torch paths, ~3x slower on a GPU, so a
+run says so twice: at start-up, ``kernel_fallbacks()``, one warning line per unusable package
+with the whole reason (titan_hybrid.train), and on every logged step, ``kernel_path_field()``
+in titan_hybrid's per-step line (titan_hybrid.training.metrics), for whoever looks at a slow
+step long after start-up. Neither says anything without CUDA, where the torch paths are the
+plan, not a fall-back.
 
 Each kernel call goes through a ``torch.library`` custom op (``titan_hybrid::...``, defined by
 the op modules), so ``torch.compile`` with ``fullgraph=True`` sees one opaque node per kernel
@@ -67,17 +72,22 @@ def _fla_refuses_this_runtime() -> str | None:
 @dataclass(frozen=True)
 class KernelPackage:
     name: str
-    modules: tuple[str, ...]  # what the custom ops' launchers import
+    launchers: tuple[kernel_packages.Launcher, ...]  # what the custom ops call
     serves: str  # the ops that fall back to their torch paths without it
     refuses_runtime: Callable[[], str | None] = lambda: None
 
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules its launchers come from, in order: what the probe imports."""
+        return tuple(dict.fromkeys(launcher.module for launcher in self.launchers))
+
 
 KERNEL_PACKAGES = {package.name: package for package in (
-    KernelPackage("mamba_ssm", kernel_packages.launcher_modules("mamba_ssm"),
+    KernelPackage("mamba_ssm", kernel_packages.launchers_of("mamba_ssm"),
                   "the Mamba2 SSD scan and gated RMS norm"),
-    KernelPackage("fla", kernel_packages.launcher_modules("fla"),
+    KernelPackage("fla", kernel_packages.launchers_of("fla"),
                   "the gated delta rule", refuses_runtime=_fla_refuses_this_runtime),
-    KernelPackage("causal_conv1d", kernel_packages.launcher_modules("causal_conv1d"),
+    KernelPackage("causal_conv1d", kernel_packages.launchers_of("causal_conv1d"),
                   "the Mamba2 / GDN causal convolution"),
 )}
 
@@ -118,6 +128,8 @@ def _why_unusable(package: KernelPackage) -> str | None:
             return f"{module} does not import ({type(error).__name__}: {first_line})"
     if not version_known and (refusal := kernel_packages.version_refusal(package.name)):
         return refusal
+    if refusal := kernel_packages.launcher_refusal(package.name, package.launchers):
+        return refusal
     return package.refuses_runtime()
 
 
@@ -133,13 +145,30 @@ def probe_kernels() -> dict[str, str | None]:
     return {name: _probe(name) for name in KERNEL_PACKAGES}
 
 
-def kernel_fallbacks() -> list[str]:
-    """One line per kernel package the ops cannot use on this CUDA machine (none without CUDA,
-    where the torch paths are the plan, not a fall-back)."""
+def _fallback_reasons() -> dict[str, str]:
+    """Why each kernel package the ops cannot use on this CUDA machine is unusable (nothing
+    without CUDA, where the torch paths are the plan, not a fall-back)."""
     if not torch.cuda.is_available():
-        return []
+        return {}
+    return {name: reason for name, reason in probe_kernels().items() if reason}
+
+
+def kernel_fallbacks() -> list[str]:
+    """One line per kernel package the ops cannot use on this CUDA machine: the start-up
+    warnings."""
     return [f"kernel package {name} is not used: {reason}; the torch path runs "
-            f"{KERNEL_PACKAGES[name].serves}" for name, reason in probe_kernels().items() if reason]
+            f"{KERNEL_PACKAGES[name].serves}" for name, reason in _fallback_reasons().items()]
+
+
+def kernel_path_field() -> str | None:
+    """`kernels: torch path (fla: <reason>; ...)` when some kernel package is unusable on this
+    CUDA machine, for the per-step metrics line; None when every kernel runs (or without CUDA),
+    so a run on the fused kernels keeps its line as it was. Reads the start-up probe's result."""
+    reasons = _fallback_reasons()
+    if not reasons:
+        return None
+    return "kernels: torch path (" + "; ".join(
+        f"{name}: {reason}" for name, reason in reasons.items()) + ")"
 
 
 # A constant of the graph when torch.compile meets it (dynamo calls it instead of tracing it):

@@ -21,6 +21,13 @@ expert received over the mean per expert, worst layer; 1.0 is perfect balance) a
 summed over the data-parallel ranks, so they describe the global batch whatever the layout.
 With DSA layers whose indexer trains, `dsa/indexer_loss` is the indexer's KL divergence before
 its coefficient, averaged over the layers and microbatches since the last log.
+
+torchtitan's own console line per logged step (loss, memory, tps, mfu) cannot take a field, so
+titan_hybrid's follows it (`step_line`): the statistics above, and, only when some GPU kernel
+package is unusable on a CUDA machine, `kernels: torch path (<package>: <reason>; ...)`
+(titan_hybrid.ops.kernels.kernel_path_field), so that a run whose steps are slow because its
+ops take their torch paths says so beside every throughput figure, not only at start-up. A run
+on the fused kernels, and any run without CUDA, logs no such field.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.ops.kernels import kernel_path_field
 from titan_hybrid.training.kind_statistics import StatisticsCollector
 from titan_hybrid.training.run_config import RunConfig
 
@@ -68,6 +76,15 @@ def drop_records_from(path: Path, step: int) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(kept))
     os.replace(partial, path)
+
+
+def step_line(step: int, statistics: dict[str, float]) -> str | None:
+    """titan_hybrid's console line for a logged step (see the module docstring); None when it
+    has nothing to say."""
+    fields = [f"{name}: {value:.4f}" for name, value in statistics.items()]
+    if kernel_path := kernel_path_field():
+        fields.append(kernel_path)
+    return "step: %2d  " % step + "  ".join(fields) if fields else None
 
 
 def perplexity(loss: float) -> float:
@@ -116,9 +133,8 @@ class HybridMetrics:
         statistics = self.statistics.collect(getattr(self, "model_parts", None) or [])
         super().log(step, global_avg_loss, global_max_loss, grad_norm,
                     {**(extra_metrics or {}), **statistics})
-        if statistics:
-            logger.info("step: %2d  " % step + "  ".join(
-                f"{name}: {value:.4f}" for name, value in statistics.items()))
+        if line := step_line(step, statistics):
+            logger.info(line)
         self.write_curve({"step": step, "loss": _as_float(global_avg_loss),
                           "grad_norm": _as_float(grad_norm), **statistics})
 
