@@ -49,6 +49,7 @@ esac
 VENV="$REPO_ROOT/.venv"
 if [ "$TORCH_LINE" != 2.13 ]; then VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
 if [ "$TORCHTITAN_LINE" != 0.2 ]; then VENV="$VENV-torchtitan-$TORCHTITAN_LINE"; fi
+VENV_NAME="${VENV#"$REPO_ROOT"/}"  # for messages
 PY="$VENV/bin/python"
 CONSTRAINTS="$VENV/torch-constraints.txt"
 STAMP="$VENV/.titan_hybrid_installed"
@@ -72,8 +73,11 @@ quiet_pip() {
         | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 }
 
-if [ ! -x "$PY" ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
-    echo "== bootstrap: installing $want into ${VENV#"$REPO_ROOT"/}" >&2
+# The venv is current when its stamp names what this host wants (the stamp is written last).
+venv_current() { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }
+
+install_venv() {
+    echo "== bootstrap: installing $want into $VENV_NAME" >&2
     [ -x "$PY" ] || python3 -m venv "$VENV"
     rm -f "$STAMP"
     # The constraints (quiet_pip) keep the editable install from swapping torch or triton for
@@ -112,5 +116,100 @@ if (".".join(got[0].split(".")[:2]), got[1], got[2]) != (torch_line, triton_vers
              f"torchtitan {torchtitan_version}")
 EOF
     echo "$want" > "$STAMP"
+}
+
+# One install at a time. The nodes of a SLURM job, the tasks of a job array, or a test run beside
+# a training run may all start this bootstrap at once in one shared checkout; without a lock
+# each would pip-install into the same venv over the others. The lock is a directory made with
+# mkdir: creating it is one atomic operation on the file server on NFS (v3 and v4), Lustre, GPFS
+# and local disks alike. flock(2) is not relied on: across nodes it excludes only where the
+# mount honours it (not NFS mounted `nolock` or `local_lock=flock`, not Lustre mounted
+# `localflock`; Lustre `noflock` fails it outright), which a job cannot see.
+# A mkdir lock outlives a holder killed by SIGKILL or a node that dies, so the holder writes
+# who it is (host, pid namespace, pid) and renews a heartbeat every 5 s; a waiter takes the lock
+# over when that pid is gone (holder on this host and in this pid namespace: containers with
+# host networking share the host name, not the pids) or when the heartbeat has not changed for
+# 60 s by the waiter's own clock (nodes' clocks are never compared). Any other exit of the
+# holder (an error, Ctrl-C, SIGTERM) removes the lock through the EXIT trap. Two waiters
+# breaking the same stale lock within microseconds could still both install: that needs a
+# crash first, and ends as every start did without a lock.
+LOCK="$VENV/.install-lock"
+HOST_ID="$HOSTNAME $(readlink /proc/self/ns/pid 2>/dev/null || echo -)"
+HEARTBEAT_S=5
+STALE_S=60
+
+pid_alive() { kill -0 "$1" 2>/dev/null || [ -d "/proc/$1" ]; }  # /proc: another user's pid
+
+acquire_install_lock() {
+    local seen="" seen_since=$SECONDS owner beat host pidns pid holder
+    mkdir -p "$VENV"
+    until mkdir "$LOCK" 2>/dev/null; do
+        owner="$(cat "$LOCK/owner" 2>/dev/null || true)"
+        beat="$(cat "$LOCK/beat" 2>/dev/null || true)"
+        read -r host pidns pid <<< "$owner" || true
+        holder="another process"
+        if [ -n "$pid" ]; then holder="pid $pid on $host"; fi
+        if [ -z "$seen" ]; then
+            echo "== bootstrap: waiting for the install into $VENV_NAME by $holder" >&2
+        fi
+        if [ "$owner $beat" != "$seen" ]; then seen="$owner $beat" seen_since=$SECONDS; fi
+        if { [ -n "$pid" ] && [ "$host $pidns" = "$HOST_ID" ] && ! pid_alive "$pid"; } \
+            || [ $((SECONDS - seen_since)) -ge $STALE_S ]; then
+            echo "== bootstrap: $holder is gone (no such process, or no heartbeat for" \
+                "$STALE_S s): taking over its install lock" >&2
+            # Only if it is still that holder's, and renamed away in one step (rm -rf is many):
+            # another waiter that broke it first and made its own keeps that one.
+            if [ "$(cat "$LOCK/owner" 2>/dev/null || true)" = "$owner" ] \
+                && mv "$LOCK" "$LOCK.stale.$$" 2>/dev/null; then
+                rm -rf "$LOCK.stale.$$"
+            fi
+            seen="" seen_since=$SECONDS
+            continue
+        fi
+        sleep 1
+    done
+    trap release_install_lock EXIT
+    echo "$HOST_ID $$" > "$LOCK/owner"
+    # $$ is this shell, also in the subshell: the heartbeat stops when this shell dies.
+    ( n=0; while kill -0 $$ 2>/dev/null && echo $((n += 1)) > "$LOCK/beat"; do
+          sleep $HEARTBEAT_S
+      done ) </dev/null >/dev/null 2>&1 &
+    HEARTBEAT_PID=$!
+}
+
+release_install_lock() {
+    kill "$HEARTBEAT_PID" 2>/dev/null && { wait "$HEARTBEAT_PID" 2>/dev/null || true; }
+    rm -rf "$LOCK"
+    trap - EXIT
+}
+
+if ! venv_current; then
+    acquire_install_lock
+    # Another process may have installed it while this one waited.
+    if venv_current; then
+        echo "== bootstrap: $VENV_NAME was installed meanwhile by another process;" \
+            "not installing it again" >&2
+    else
+        install_venv
+    fi
+    release_install_lock
+fi
+
+# A GPU host runs mamba-ssm's, fla-core's and causal-conv1d's kernels when they are usable, but
+# this bootstrap does not build them (CUDA builds against this torch, minutes each: README, "GPU
+# path"), so say on every start when they are not installed. Only whether each is installed
+# (find_spec does not import: importing them imports torch, seconds on every start); one that
+# is installed but unusable is named by the run's start-up probe (titan_hybrid/ops/kernels.py).
+if [ "$has_gpu" = 1 ]; then
+    missing="$("$PY" -c 'import importlib.util
+packages = {"mamba_ssm": "mamba-ssm", "fla": "fla-core", "causal_conv1d": "causal-conv1d"}
+print(" / ".join(p for m, p in packages.items() if importlib.util.find_spec(m) is None))')"
+    if [ -n "$missing" ]; then
+        case "$missing" in *" / "*) verb=are ;; *) verb=is ;; esac
+        echo "note: $missing $verb not installed in $VENV_NAME: the run takes the torch paths" \
+            "(about 3x slower); install them (README, \"GPU path\") with: cd $REPO_ROOT &&" \
+            "$VENV_NAME/bin/pip install wheel ninja && $VENV_NAME/bin/pip install" \
+            "--no-build-isolation -e \".[gpu]\" \"$torch_requirement\"" >&2
+    fi
 fi
 export PATH="$VENV/bin:$PATH"
