@@ -99,12 +99,29 @@ def main() -> None:
         loss_of(ref_out, tokens[2 * r:2 * r + 2]).backward()
         if r == dp_rank:
             ref_logits = (ref_out[0] if isinstance(ref_out, tuple) else ref_out).detach()
+    # Tensor parallelism must not write the parameter registry: inside the forward, every
+    # module's registered parameters are the very DTensor Parameters registered before it.
+    registered = {name: param for name, param in model.named_parameters()}
+    rewritten = set()
+
+    def check_registry(module, *_):
+        for name, param in module.named_parameters(prefix=names[module], recurse=False):
+            if registered[name] is not param:
+                rewritten.add(name)
+
+    names = {module: name for name, module in model.named_modules()}
+    hooks = [hook for module in model.modules()
+             for hook in (module.register_forward_pre_hook(check_registry),
+                          module.register_forward_hook(check_registry))]
     out = model(tokens[rows])
     loss_of(out, tokens[rows]).backward()
+    for hook in hooks:
+        hook.remove()
 
     logits = out[0] if isinstance(out, tuple) else out
     result = {"logits": (logits - ref_logits).abs().max().item(),
-              "weights": {}, "grads": {}, "local_shapes": {}}
+              "weights": {}, "grads": {}, "local_shapes": {},
+              "rewritten_parameters": sorted(rewritten)}
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         result["weights"][name] = (logical(model, name, param.detach(), options.tp)

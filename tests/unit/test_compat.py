@@ -314,7 +314,7 @@ def state():
     return (collectives._get_gradient_divide_factors, tt_utils.device_type,
             tt_utils.device_module, tt_utils.get_peak_flops, torch.histc)
 before = state()
-import titan_hybrid.compat.dcp, titan_hybrid.compat.fsdp, titan_hybrid.compat.nn
+import titan_hybrid.compat.dcp, titan_hybrid.compat.fsdp, titan_hybrid.compat.process_groups
 import titan_hybrid.compat.pipelining, titan_hybrid.compat.torchtitan_0_2
 import titan_hybrid.compat.kernel_packages
 assert state() == before, "importing titan_hybrid.compat patched something"

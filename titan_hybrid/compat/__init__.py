@@ -24,7 +24,6 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
                    the background stager that keeps its buffers (a 2.11 / 2.12 path), and
                    the CUDA one that copies on a stream of its own
     fsdp.py        FSDP2's `replicate` (DDP); plain SUM gradient reduction on CPU (patch)
-    nn.py          nn.Module's own parameter registry
     pipelining.py  torch's pipelining runtime, for custom (overlapped) actions; schedules'
                    private fields; the hook after the first step's shape inference
     kernel_packages.py  the kernel packages' forward / backward launchers (mamba_ssm's are

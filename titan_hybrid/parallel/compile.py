@@ -2,8 +2,9 @@
 bracket group (the units that FSDP shards and activation checkpointing wraps), so that layers
 of the same kind reuse compiled code and FSDP's hooks stay between graphs.
 
-Each unit's `forward` is compiled in place: parameter names, checkpoint keys and the module
-tree stay what they are without compile, and the hooks that parallel code registers on the unit
+Each unit's `forward` is compiled in place (the unit's class is extended, as FSDP2 extends it:
+parallel/module_classes.py): parameter names, checkpoint keys and the module tree stay what
+they are without compile, and the hooks that parallel code registers on the unit
 itself (FSDP's all-gathers, EP-overlap's hand-over between threads) run eagerly around the
 graph, as with torchtitan's compiled blocks. Hooks on modules inside the unit (tensor
 parallelism's regions and local parameter views) are traced into it.
@@ -34,11 +35,24 @@ from torch import nn
 from titan_hybrid.compat.dynamo import count_forward_side_effects_once_under_checkpoint
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.ops.kernels import probe_kernels
+from titan_hybrid.parallel.module_classes import extend_class
 from titan_hybrid.training.run_config import CompileSection
 
 
+class _CompiledForward:
+    """The unit's forward runs its compiled graph (`_compiled_forward`, in the instance's
+    dict); the unit's own hooks run eagerly around it, from nn.Module.__call__."""
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__["_compiled_forward"](*args, **kwargs)
+
+
 def _compile(module: nn.Module, config: CompileSection) -> None:
-    module.forward = torch.compile(module.forward, backend=config.backend, fullgraph=True)
+    # Not nn.Module.compile: it compiles __call__, hooks included, and the EP-overlap's
+    # hand-over between threads (hooks on the unit) cannot be traced.
+    module.__dict__["_compiled_forward"] = torch.compile(module.forward, backend=config.backend,
+                                                         fullgraph=True)
+    extend_class(module, _CompiledForward)
 
 
 def _compiled_parts(layer: HybridLayer, split_precision: bool,

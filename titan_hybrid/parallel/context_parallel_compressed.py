@@ -31,43 +31,43 @@ from titan_hybrid.model.deepseek_v4_hca import CompressedRows
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.parallel.collectives import all_gather
 from titan_hybrid.parallel.context_parallel_chunkwise import ZigzagPieces
+from titan_hybrid.parallel.module_classes import extend_class
 
 NOT_KEPT = torch.iinfo(torch.int64).max  # row order of a slot no piece keeps: sorts last
 _OWN_DOCUMENT = -1  # seq_idx of the zeros before a row's first piece
 
 
 class ContextParallelCompressedRows:
-    """Installed as the compressor's `forward` (`install`), so its parameters keep their
-    names (checkpoint keys, FSDP units) and the layer calls it as before."""
-
-    def __init__(self, compressor: nn.Module, group) -> None:
-        self.local_forward, self.args, self.group = compressor.forward, compressor.args, group
+    """Mixed into the compressor's class (`install`, parallel/module_classes.py), so its
+    parameters keep their names (checkpoint keys, FSDP units) and the layer calls it as
+    before; its own forward compresses the pieces (super().forward)."""
 
     @classmethod
     def install(cls, compressor: nn.Module, group) -> None:
-        compressor.forward = cls(compressor, group)
+        compressor.context_parallel_group = group
+        extend_class(compressor, cls)
 
-    def __call__(self, x_BTD: torch.Tensor, layout: TokenLayout | None) -> CompressedRows:
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None) -> CompressedRows:
         if layout is None or layout.positions is None:
             raise ValueError("context parallel needs the positions of the local tokens: call "
                              "the model with positions= (and seq_idx= for packed documents)")
         args = self.args
         ratio, halo = args.compress_ratio, args.compressor_halo
         batch, seq_len, _ = x_BTD.shape
-        pieces = ZigzagPieces(self.group, seq_len, batch)
+        pieces = ZigzagPieces(self.context_parallel_group, seq_len, batch)
         order = pieces.stack(layout.row_order(seq_len).expand(batch, -1))
         x, order, _ = pieces.with_left_context(pieces.stack(x_BTD), order, halo + 1)
         if pieces.piece[0] == 0:  # before the row's first piece: zeros, no document of ours
             order[:batch, :halo] = (_OWN_DOCUMENT << 32) + torch.arange(halo,
                                                                          device=order.device)
         local = TokenLayout(positions=order & 0xFFFFFFFF, seq_idx=order >> 32)
-        rows = self.local_forward(x, local)
+        rows = super().forward(x, local)
         # Kept: complete blocks whose last token lies in the piece (not in its halo).
         kept = rows.complete & (rows.last_order >= order[:, halo:halo + 1])
         last_order = torch.where(kept, rows.last_order, NOT_KEPT)
         fields = [rows.kv] + ([] if rows.index_keys is None else [rows.index_keys])
-        gathered = [self._gather(pieces, field) for field in fields]
-        last_order = self._gather(pieces, last_order)
+        gathered = [self._gather_pieces(pieces, field) for field in fields]
+        last_order = self._gather_pieces(pieces, last_order)
         # Row order, then the slots nobody kept; as many slots as one process has.
         slots = seq_len * pieces.cp // ratio
         by_order = last_order.argsort(dim=1)[:, :slots]
@@ -77,7 +77,7 @@ class ContextParallelCompressedRows:
         return CompressedRows(gathered[0], gathered[1] if len(gathered) > 1 else None,
                               last_order, last_order != NOT_KEPT)
 
-    def _gather(self, pieces: ZigzagPieces, x_PC: torch.Tensor) -> torch.Tensor:
+    def _gather_pieces(self, pieces: ZigzagPieces, x_PC: torch.Tensor) -> torch.Tensor:
         """[2B, C, ...] of every rank -> [B, cp * 2 * C, ...]."""
-        every = all_gather(pieces.by_slot(x_PC), group=self.group)  # [cp, 2, B, C, ...]
+        every = all_gather(pieces.by_slot(x_PC), group=self.context_parallel_group)  # [cp, 2, B, C, ...]
         return every.movedim(2, 0).flatten(1, 3)

@@ -12,7 +12,8 @@ Compute. Each mixer (attention, MLP, Mamba, GDN, MoE) is one TP region, as in Me
 its input is replicated (or, with sequence parallelism, all-gathered from sequence shards) on
 entry, everything inside runs on local tensors (heads, channels, experts' hidden units), and
 its partial output is all-reduced (or reduce-scattered back to sequence shards) on exit. The
-model code stays single-device: hooks swap each parameter for its local view during forward.
+model code stays single-device: inside a region, reading a parameter gives its local view
+(`use_local_views`); the parameters themselves stay DTensors, registered where they are.
 
 Gradients of replicated parameters. Inside a region every path to the output passes through
 rank-local partial results, so a replicated parameter there (GDN's per-head output norm on
@@ -45,9 +46,9 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from titan_hybrid.compat.nn import parameter_slots
 from titan_hybrid.model.common import TensorParallelHeadSum, TPLayout
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.parallel.module_classes import extend_class
 
 
 def placement_of(layout: TPLayout) -> Placement:
@@ -87,34 +88,53 @@ def deinterleave_from_tp(interleaved: torch.Tensor, layout: TPLayout, tp: int) -
 
 
 # --------------------------------------------------------------------------- local views
+class _ReadsLocalViews:
+    """Mixed into the class of a module whose forward (single-device model code) reads its
+    DTensor parameters: while its region runs (`_local_views_depth` > 0), reading such a
+    parameter (`self.weight`, `self.conv1d.weight`: nn.Module.__getattr__, since parameters live
+    in the module's registry) gives the DTensor's local view, `to_local` with the gradient
+    placement the parameter needs: Partial for the names in `_partial_grad_names`, its own
+    placement otherwise. Only reading changes: the parameter registry that FSDP, the optimizer
+    and the state dict use is never written, and outside the region the attribute is the
+    DTensor (parallel/module_classes.py: how the class is extended)."""
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        if isinstance(value, DTensor) and self.__dict__.get("_local_views_depth", 0) > 0:
+            partial = name in self.__dict__["_partial_grad_names"]
+            return value.to_local(grad_placements=[Partial()] if partial else value.placements)
+        return value
+
+
+def _reading_local_views(module: nn.Module, partial: set[str]) -> None:
+    if not isinstance(module, _ReadsLocalViews):
+        extend_class(module, _ReadsLocalViews)
+        module.__dict__["_local_views_depth"] = 0
+        module.__dict__["_partial_grad_names"] = set()
+    module.__dict__["_partial_grad_names"] |= partial
+
+
 def use_local_views(root: nn.Module, owners: list[tuple[nn.Module, set[str]]]) -> None:
     """During root's forward, the DTensor parameters of each owner (root and/or its
-    submodules, which the model code may read directly, e.g. `self.conv1d.weight`) are their
-    local views; the owner's parameters named in its set take Partial gradients.
+    submodules, which the model code may read directly, e.g. `self.conv1d.weight`) read as
+    their local views; the owner's parameters named in its set take Partial gradients.
 
-    Swaps nest: under EP x TP the MoE region swaps its experts, then the experts' own FSDP unit
-    puts its gathered parameters back, and the experts' own swap replaces those."""
-    saved_stack: list[list[dict]] = []  # one entry per forward in flight (re-entrant AC)
+    A depth, not a flag: activation checkpointing's recomputation and nested regions (EP x
+    TP's experts inside the MoE region) enter while a forward is in flight."""
+    for owner, partial in owners:
+        _reading_local_views(owner, partial)
 
-    def swap(module, args):
-        saved_now = []
-        for owner, partial in owners:
-            slots = parameter_slots(owner)  # a plain tensor in a parameter's slot: see compat
-            saved = dict(slots)
-            saved_now.append(saved)
-            for name, param in saved.items():
-                if isinstance(param, DTensor):
-                    grad = [Partial()] if name in partial else param.placements
-                    slots[name] = param.to_local(grad_placements=grad)
-        saved_stack.append(saved_now)
+    def enter(module, args):
+        for owner, _ in owners:
+            owner.__dict__["_local_views_depth"] += 1
 
-    def restore(module, args, output):
-        for (owner, _), saved in zip(owners, saved_stack.pop()):
-            parameter_slots(owner).update(saved)
+    def leave(module, args, output):
+        for owner, _ in owners:
+            owner.__dict__["_local_views_depth"] -= 1
         return output
 
-    root.register_forward_pre_hook(swap)
-    root.register_forward_hook(restore)
+    root.register_forward_pre_hook(enter)
+    root.register_forward_hook(leave)
 
 
 # --------------------------------------------------------------------------- regions
