@@ -30,12 +30,20 @@ ALLOWED = {
     ("data/build_tokenizer.py", "tokenizer.pre_tokenizer"): "building a tokenizer",
     ("data/build_tokenizer.py", "tokenizer.decoder"): "building a tokenizer",
     ("data/build_tokenizer.py", "tokenizer.post_processor"): "building a tokenizer",
-    ("parallel/compile.py", "module.forward"): "compiled code in place, as Module.compile",
+    ("checkpoint/manager.py", "checkpoint_config.async_mode"):
+        "torchtitan's manager, replaced at once, built synchronous (no gloo group), then restored",
+    ("parallel/module_classes.py", "module.__class__"):
+        "behaviour added by extending the module's class, as FSDP2's fully_shard does",
+    ("parallel/compile.py", "module.__dict__"):
+        "the compiled forward that the extended class's forward runs",
+    ("parallel/tensor_parallel.py", "module.__dict__"):
+        "what the extended class reads parameters by: the region depth, the Partial names",
+    ("parallel/tensor_parallel.py", "owner.__dict__"):
+        "the region depth of each owner, counted by the region's hooks",
     ("parallel/context_parallel.py", "setattr(layer.mixer, rule.core, wrapped)"):
         "a submodule replaced by its CP wrapper, as torch's parallelize_module does",
-    ("parallel/context_parallel_compressed.py", "compressor.forward"):
-        "the compressor's forward wrapped in place for CP, as compile does: its parameters "
-        "keep their names",
+    ("parallel/context_parallel_compressed.py", "compressor.context_parallel_group"):
+        "the group the extended compressor class exchanges pieces over",
     ("parallel/ep_overlap.py", "dispatcher.overlap"):
         "the plan's dispatcher (a plain object, not a module) learns its coordinator",
     ("parallel/zero1.py", "param.grad"): "torch's own gradient slot",
