@@ -17,7 +17,12 @@ A worker that stops on a user error found later (e.g. a checkpoint that does not
 or on divergence reports its message through a file (titan_hybrid.training.errors); the
 launcher prints it once in place of torchrun's failure banner and exits with the worker's
 status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
-failed.
+failed first (each worker records its own failure: titan_hybrid.training.errors).
+
+torchrun's agent logs what it does (the rendezvous, worker starts and failures, restarts, and
+why a rendezvous did not close) to `<dump_folder>/launcher/node<N>.log` rather than to the
+terminal, whose failure lines are the launcher's own; the launcher's one-line errors name that
+file.
 
 Options before the job's own arguments: `--nproc N` (processes, default $NGPU or 1) and
 `--log-rank R[,R]` (ranks whose output is shown, default $LOG_RANK or 0). Several nodes, the
@@ -37,7 +42,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -49,40 +53,102 @@ from torch.distributed.launcher.api import elastic_launch
 
 from titan_hybrid import train
 from titan_hybrid.adapters.installed import front_end
-from titan_hybrid.compat.elastic import AgentEvents
+from titan_hybrid.compat.elastic import AgentEvents, agent_logs_to
 from titan_hybrid.runtime import cpu
 from titan_hybrid.runtime.cluster import Cluster, cluster_from_env
-from titan_hybrid.training.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, first_reported_error
+from titan_hybrid.training.errors import (
+    ERROR_DIR_ENV,
+    EXIT_USER_ERROR,
+    failures_recorded,
+    first_failure,
+    first_reported_error,
+)
 from titan_hybrid.training.preflight import check_run
 
-FAILURE_REPORT_DELAY_S = 1.0
+# What ended a launch, in full, beside the agent's records in its log file.
+logger = logging.getLogger("titan_hybrid.launch")  # not __name__: "__main__" under -m
 
 
-def preflight(job_args: list[str], nproc: int) -> tuple[Cluster | None, str | None]:
+def preflight(job_args: list[str], nproc: int) -> tuple[Cluster | None, str, str | None]:
     """Parse and check the job and this launch's place in the cluster, in this process:
-    (the cluster, None) when they are fine, else (None, the message)."""
+    (the cluster, the job's dump folder, None) when they are fine, else (None, "", the
+    message)."""
     try:
         adapter = front_end
         run = adapter.run_config(adapter.parse_job(job_args))
         cluster = cluster_from_env(dict(os.environ), run.dump_folder)
         check_run(run, cluster.nnodes * nproc)
     except ValueError as error:
-        return None, str(error)
-    return cluster, None
+        return None, "", str(error)
+    return cluster, run.dump_folder, None
 
 
-def _report_agent_events(node_rank: int) -> None:
-    def on_failure(local_rank: int, exitcode: int, pid: int) -> None:
-        cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit status {exitcode}"
-        print(f"worker failed: node {node_rank} local rank {local_rank} (pid {pid}), {cause}",
-              file=sys.stderr, flush=True)
+def _exit_of(exitcode: int) -> str:
+    return f"exited, killed by signal {-exitcode}" if exitcode < 0 else (
+        f"exited with status {exitcode}")
 
+
+def _cause(exitcode: int | None, summary: str | None) -> str:
+    if exitcode is None and summary is None:
+        return "ended without an exception (killed, or a crash outside Python)"
+    exitcode = 1 if exitcode is None else exitcode  # an uncaught exception's status
+    cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit status {exitcode}"
+    return cause if summary is None else f"{cause}: {summary}"
+
+
+class FailureReports:
+    """The launcher's lines about failed workers and restarts. torchrun's agent polls its
+    workers every 0.1 s and names whichever failed one it finds first; a worker's peers fail
+    milliseconds after it on their broken connections, so that is often a peer. The workers'
+    own records (titan_hybrid.training.errors, in ERROR_DIR) say which failed first."""
+
+    def __init__(self, node_rank: int, error_dir: Path) -> None:
+        self.node_rank, self.error_dir = node_rank, error_dir
+        self.exit_statuses: dict[int, int] = {}  # pid -> exit status, as reported
+
+    def listen(self) -> None:
+        AgentEvents(self.on_failure, self.on_restart).listen()
+
+    def on_failure(self, local_rank: int, exitcode: int, pid: int) -> None:
+        """The agent found failed worker PID; the records may know an earlier failure."""
+        first = first_failure(self.error_dir)
+        summary = None
+        if first is not None and first.pid:
+            if first.pid != pid:
+                local_rank, pid, exitcode = first.local_rank, first.pid, first.exitcode
+            summary = first.summary
+        if exitcode is not None:
+            self.exit_statuses[pid] = exitcode
+        print(f"worker failed: node {self.node_rank} local rank {local_rank} (pid {pid}), "
+              f"{_cause(exitcode, summary)}", file=sys.stderr, flush=True)
+
+    @staticmethod
     def on_restart(restart: int, max_restarts: int) -> None:
         print(f"restarting the worker group: restart {restart} of MAX_RESTARTS={max_restarts};"
               " the workers resume from the newest intact checkpoint", file=sys.stderr,
               flush=True)
 
-    AgentEvents(on_failure, on_restart).listen()
+    def final_line(self, failure: ChildFailedError, after: str, log: Path) -> str:
+        """The one-line error for workers that failed on something they did not report."""
+        first = first_failure(self.error_dir)
+        if first is None:  # no worker raised (e.g. one was killed): torchrun's account
+            rank, process = failure.get_first_failure()
+            what = _exit_of(process.exitcode)
+            hint = ""
+        else:
+            rank = first.rank
+            exitcode = (failure.failures[rank].exitcode if rank in failure.failures
+                        else self.exit_statuses.get(first.pid, first.exitcode))
+            if first.summary is None:  # it ended without an exception, the others after it
+                how = ("without an exception (killed, or a crash outside Python)"
+                       if exitcode is None else _cause(exitcode, None))
+                what = f"exited first, {how}; the other ranks failed after it"
+                hint = ""
+            else:
+                what = f"{_exit_of(1 if exitcode is None else exitcode)}: {first.summary}"
+                hint = "its traceback is above; with NGPU > 1 set LOG_RANK to see other ranks; "
+        return (f"error: training failed{after}: rank {rank} {what} "
+                f"({hint}the agent's log: {log})")
 
 
 def fork_worker(job_args: list[str]) -> None:
@@ -90,8 +156,8 @@ def fork_worker(job_args: list[str]) -> None:
     interpreter. Returns on success (torchrun collects the return value; the process then
     leaves through `os._exit`, skipping the teardown that can abort in gloo, see
     titan_hybrid.train); a reported error leaves with its status (titan_hybrid.training.errors), and
-    a bug prints its traceback to this rank's stderr and leaves with status 1, as an uncaught
-    exception ends a worker process."""
+    a bug is recorded for the launcher, prints its traceback to this rank's stderr and leaves
+    with status 1, as an uncaught exception ends a worker process."""
     # As a torchrun worker process: a session of its own (a Ctrl-C reaches the launcher, which
     # stops the workers) and default signal handling (not the launcher's handlers, inherited).
     os.setsid()
@@ -103,8 +169,9 @@ def fork_worker(job_args: list[str]) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     code = 1
     try:
-        front_end.activate()
-        train.run(job_args)
+        with failures_recorded():  # the launcher names the first failure from these records
+            front_end.activate()
+            train.run(job_args)
         code = 0
     except SystemExit as error:  # what the interpreter makes of it at the end of a process
         code = error.code if isinstance(error.code, int) else int(error.code is not None)
@@ -112,23 +179,14 @@ def fork_worker(job_args: list[str]) -> None:
             print(error.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
-        # torchrun's agent reports the first failed worker it finds. Workers whose peer died
-        # fail within milliseconds of it (a broken connection); waiting lets the agent, which
-        # polls every 0.1 s, find the worker that failed first.
-        time.sleep(FAILURE_REPORT_DELAY_S)
     sys.stdout.flush()
     sys.stderr.flush()
     if code != 0:
         os._exit(code)
 
 
-def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluster) -> int:
-    # torchrun's agent logs each worker failure at ERROR level before its banner, and the
-    # stopping of the other workers; the launcher says what failed instead (below).
-    for name in ["torch.multiprocessing.spawn", *logging.root.manager.loggerDict]:
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    _report_agent_events(cluster.node_rank)
+def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluster,
+                agent_log: Path) -> int:
     # Forked workers inherit this process's imports (torch, torchtitan, the trainer: imported
     # at the top of this module, once, before the fork).
     fork = not cpu.accelerator_available()
@@ -137,8 +195,16 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluste
     # process-group keys (the dead workers' addresses: "Gloo connectFullMesh failed ...
     # Connection refused").
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    with tempfile.TemporaryDirectory(prefix="titan_hybrid_errors_") as error_dir:
+    # What torchrun's agent logs (the rendezvous, worker starts, each failure at ERROR level,
+    # the stopping of the other workers, restarts) goes to AGENT_LOG, with what ended the
+    # launch in full; the terminal gets the launcher's own lines (_report_agent_events, below),
+    # and each one-line error names the log.
+    with (agent_logs_to(agent_log, logger.name),
+          tempfile.TemporaryDirectory(prefix="titan_hybrid_errors_") as error_dir):
+        logger.info("---- launch: %s (pid %d)", " ".join(sys.argv), os.getpid())
         os.environ[ERROR_DIR_ENV] = error_dir
+        reports = FailureReports(cluster.node_rank, Path(error_dir))
+        reports.listen()
         # One node: `--standalone`, spelled out (torchrun.run() applies it, config_from_args()
         # does not).
         args = torchrun.parse_args([
@@ -153,23 +219,22 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluste
             else:
                 elastic_launch(config=config, entrypoint=command)(*command_args)
         except RendezvousError as error:
+            logger.error("the rendezvous failed", exc_info=error)
             print(f"error: rendezvous at RDZV_ENDPOINT={cluster.endpoint} failed: not all "
                   f"NNODES={cluster.nnodes} nodes joined within RDZV_TIMEOUT={cluster.timeout} s "
-                  f"(every node needs the same RDZV_ENDPOINT and RDZV_ID; {type(error).__name__})",
-                  file=sys.stderr)
+                  f"(every node needs the same RDZV_ENDPOINT and RDZV_ID; {type(error).__name__}; "
+                  f"the agent's log: {agent_log})", file=sys.stderr)
             return 1
         except ChildFailedError as failure:
+            logger.error("the workers failed:\n%s", failure.format_msg())
             reported = first_reported_error(Path(error_dir))
             if reported is not None:
                 code, message = reported
                 print(message, file=sys.stderr)
                 return code
-            rank, first = failure.get_first_failure()
             after = (f" after {cluster.max_restarts} restart(s) (MAX_RESTARTS)"
                      if cluster.max_restarts else "")
-            print(f"error: training failed{after}: rank {rank} exited with status "
-                  f"{first.exitcode} (its traceback is above; with NGPU > 1 set LOG_RANK to see "
-                  "other ranks)", file=sys.stderr)
+            print(reports.final_line(failure, after, agent_log), file=sys.stderr)
             return 1
     return 0
 
@@ -193,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.nproc < 1:
         print(f"error: --nproc (NGPU)={options.nproc} must be >= 1", file=sys.stderr)
         return EXIT_USER_ERROR
-    cluster, message = preflight(job_args, options.nproc)
+    cluster, dump_folder, message = preflight(job_args, options.nproc)
     if message is not None:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -204,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.nproc == 1 and cluster.nnodes == 1 and not cluster.max_restarts:
         run_here(job_args)
         return 0
-    return run_workers(job_args, options.nproc, options.log_rank, cluster)
+    agent_log = Path(dump_folder) / "launcher" / f"node{cluster.node_rank}.log"
+    return run_workers(job_args, options.nproc, options.log_rank, cluster, agent_log)
 
 
 if __name__ == "__main__":

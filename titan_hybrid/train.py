@@ -19,7 +19,12 @@ from torchtitan.tools.logging import init_logger, logger
 from titan_hybrid.adapters.installed import front_end
 from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
-from titan_hybrid.training.errors import DivergedError, JobError, report_and_exit
+from titan_hybrid.training.errors import (
+    DivergedError,
+    JobError,
+    failures_recorded,
+    report_and_exit,
+)
 from titan_hybrid.training.preflight import check_run
 
 
@@ -54,8 +59,11 @@ def run(job_args: list[str]) -> None:
 
 
 def main(job_args: list[str] | None = None) -> None:
-    front_end.activate()
-    run(sys.argv[1:] if job_args is None else job_args)
+    # Under the launcher, a failure is recorded for it to name the first failed rank; the
+    # exception still propagates (its traceback, torchrun's error file where used).
+    with failures_recorded():
+        front_end.activate()
+        run(sys.argv[1:] if job_args is None else job_args)
     if cpu.accelerator_available():
         return
     # gloo's C++ teardown intermittently aborts at interpreter exit ("terminate called without

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,10 +28,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(tmp_path: Path, name: str, *args: str, **env: str) -> subprocess.Popen:
-    """`python -m titan_hybrid.launch` (run_train.sh's command) with ENV, output to NAME.log."""
+def launch(tmp_path: Path, name: str, *args: str,
+           entry: tuple[str, ...] = ("-m", "titan_hybrid.launch"), **env: str) -> subprocess.Popen:
+    """`python -m titan_hybrid.launch` (run_train.sh's command; or another ENTRY) with ENV,
+    output to NAME.log."""
     log = (tmp_path / f"{name}.log").open("w")
-    command = [sys.executable, "-m", "titan_hybrid.launch",
+    command = [sys.executable, *entry,
                "--job.config_file", str(REPO_ROOT / "train_configs" / "hybrid.toml"),
                "--job.dump_folder", str(tmp_path / "outputs"),
                "--metrics.disable_color_printing", "--hybrid.loss_curve_file", "curve.jsonl",
@@ -70,6 +73,10 @@ def test_two_nodes_of_two_give_the_curve_of_one_node_of_four(tmp_path, layout):
     assert curve(tmp_path) == one_node.losses  # bitwise: the same ranks, the same layout
 
 
+def agent_log(tmp_path: Path, node: int = 0) -> Path:
+    return tmp_path / "outputs" / "launcher" / f"node{node}.log"
+
+
 def test_a_node_that_never_arrives_ends_the_rendezvous_with_one_line(tmp_path):
     lonely = launch(tmp_path, "node0", *SMALL_JOB, NNODES="2", NODE_RANK="0", NGPU="2",
                     RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_TIMEOUT="3")
@@ -79,22 +86,32 @@ def test_a_node_that_never_arrives_ends_the_rendezvous_with_one_line(tmp_path):
     assert len(errors) == 1 and "not all NNODES=2 nodes joined within RDZV_TIMEOUT=3 s" \
         in errors[0], output[-3000:]
     assert "Traceback" not in output
-
-
-def _kill_a_worker(launcher: subprocess.Popen) -> int:
-    """kill -9 of one worker process (a child of the launcher), not of the launcher."""
-    workers = [pid for pid in _descendants(launcher.pid)
-               if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-               == str(launcher.pid)]
-    assert workers, "no worker to kill"
-    victim = max(workers)
-    os.kill(victim, signal.SIGKILL)
-    return victim
+    # The agent's own account is kept, in the file the line names: the node joined the
+    # rendezvous, and the rendezvous timed out.
+    assert errors[0].endswith(f"the agent's log: {agent_log(tmp_path)})"), errors
+    log = agent_log(tmp_path).read_text()
+    assert "attempts to join the next round of the rendezvous" in log, log[-3000:]
+    assert "RendezvousTimeoutError" in log, log[-3000:]
 
 
 def _steps_logged(tmp_path: Path) -> int:
     path = tmp_path / "outputs" / "curve.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _kill_a_worker(tmp_path: Path, launcher: subprocess.Popen, steps: int) -> int:
+    """kill -9 of one worker process (a child of the launcher), not of the launcher, while the
+    run provably has steps left: the worker is stopped first (SIGSTOP; its peers then wait for
+    it at their next collective), the run checked, then killed."""
+    workers = [pid for pid in _descendants(launcher.pid)
+               if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+               == str(launcher.pid)]
+    assert workers, "no worker to kill"
+    victim = max(workers)
+    os.kill(victim, signal.SIGSTOP)
+    assert launcher.poll() is None and _steps_logged(tmp_path) < steps
+    os.kill(victim, signal.SIGKILL)
+    return victim
 
 
 def test_a_killed_worker_is_restarted_and_resumes_onto_the_uninterrupted_curve(tmp_path):
@@ -104,7 +121,7 @@ def test_a_killed_worker_is_restarted_and_resumes_onto_the_uninterrupted_curve(t
     launcher = launch(tmp_path, "job", *job, NGPU="2", MAX_RESTARTS="1", LOG_RANK="0,1")
     assert wait_for(lambda: (tmp_path / "outputs" / "ck" / "step-4").is_dir()
                     and _steps_logged(tmp_path) >= 5)
-    victim = _kill_a_worker(launcher)
+    victim = _kill_a_worker(tmp_path, launcher, 8)
     assert finish(launcher) == 0, (tmp_path / "job.log").read_text()[-4000:]
     output = (tmp_path / "job.log").read_text()
     assert f"(pid {victim}), killed by signal 9" in output, output[-4000:]
@@ -119,13 +136,39 @@ def test_after_max_restarts_failures_the_job_stops_with_one_line(tmp_path):
     launcher = launch(tmp_path, "job", *job, NGPU="2", MAX_RESTARTS="1")
     log = tmp_path / "job.log"
     assert wait_for(lambda: _steps_logged(tmp_path) >= 2)
-    _kill_a_worker(launcher)
+    _kill_a_worker(tmp_path, launcher, 40)
     assert wait_for(lambda: "restart 1: resumed from step" in log.read_text()
                     or "restart 1: no checkpoint yet" in log.read_text())
-    _kill_a_worker(launcher)
+    _kill_a_worker(tmp_path, launcher, 40)
     assert finish(launcher) == 1
     errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "after 1 restart(s) (MAX_RESTARTS)" in errors[0], errors
+    # The killed worker is named (not a peer that failed after it), and so is the agent's log.
+    assert "killed" in errors[0] and str(agent_log(tmp_path)) in errors[0], errors
+    assert "restart worker group" in agent_log(tmp_path).read_text()
+
+
+def test_a_bug_in_one_worker_is_named_with_its_rank_and_exception(tmp_path):
+    # Rank 1 raises as step 2 begins; rank 0, waiting for it in step 2's first collective,
+    # fails on the broken connection milliseconds later. The first failure is named.
+    job = ("--training.steps", "4", *SMALL_JOB[2:])
+    launcher = launch(tmp_path, "job", *job, NGPU="2", LOG_RANK="0,1",
+                      entry=("-m", "tests.distributed.failing_launch", "1", "2"))
+    assert finish(launcher) == 1
+    output = (tmp_path / "job.log").read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: training failed: rank 1 exited with status 1: RuntimeError: a bug on rank 1 at "
+        "step 2 (its traceback is above; with NGPU > 1 set LOG_RANK to see other ranks; the "
+        f"agent's log: {agent_log(tmp_path)})"], output[-4000:]
+    traceback = output[:output.index("\nerror: training failed")]
+    assert "RuntimeError: a bug on rank 1 at step 2" in traceback
+    # The line printed as the agent finds a failed worker names the same one.
+    failed = [line for line in output.splitlines() if line.startswith("worker failed:")]
+    assert len(failed) == 1 and re.fullmatch(
+        r"worker failed: node 0 local rank 1 \(pid \d+\), exit status 1: RuntimeError: a bug "
+        r"on rank 1 at step 2", failed[0]), failed
+    assert "failed (exitcode: 1)" in agent_log(tmp_path).read_text()
 
 
 @pytest.mark.parametrize("env, message", [

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -196,21 +194,54 @@ def _curve(tmp_path: Path) -> list[float]:
 ASYNC = ("--checkpoint.async_mode", "async")
 
 
+def _saving(ck: Path) -> bool:
+    """A save is being written: its .partial folder exists."""
+    return ck.is_dir() and any(p.name.endswith(".partial") for p in ck.iterdir())
+
+
+def _losses_logged(tmp_path: Path) -> int:
+    """Steps in the loss curve file so far (whole lines only: the run may be writing one)."""
+    path = tmp_path / "outputs" / "curve.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return sum('"loss":' in line for line in lines)
+
+
+# Where each trial's kill lands: a state of the run (never a guessed time), one that lasts a
+# step or a save, so the watcher below cannot miss it.
+MOMENTS = {
+    # the first steps: a loss is logged, no save has begun (the restart starts over)
+    "early": lambda tmp_path, ck: (_losses_logged(tmp_path) >= 1
+                                   and not (ck.is_dir() and any(ck.iterdir()))),
+    # between saves: step-4 is committed, a later step is logged, no save is being written
+    "after_steps": lambda tmp_path, ck: ((ck / "step-4").is_dir() and not _saving(ck)
+                                         and 5 <= _losses_logged(tmp_path) < STEPS),
+    # while a save is written (in the step, or in the background with async_mode)
+    "mid_save": lambda tmp_path, ck: _saving(ck),
+    "mid_async_save": lambda tmp_path, ck: _saving(ck),
+}
+
+
+def _stop_at(launcher: subprocess.Popen, moment) -> None:
+    """Wait for MOMENT(), then stop the run where it is (SIGSTOP to its process group: with one
+    process the launcher is the worker) and check that MOMENT() still holds, so the kill -9
+    that follows lands at that moment of a run that is still going. A moment that passed
+    before the stop (a save that ended meanwhile) is waited for again."""
+    while True:
+        assert wait_for(lambda: moment() or launcher.poll() is not None)
+        assert launcher.poll() is None, "the run ended before the moment to kill it came"
+        os.killpg(launcher.pid, signal.SIGSTOP)
+        if moment():
+            return
+        os.killpg(launcher.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("trial", ["after_steps", "mid_save", "early", "mid_async_save"])
 def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uninterrupted,
                                                                    trial):
     ck = tmp_path / "outputs" / "ck"
     extra = ASYNC if trial == "mid_async_save" else ()
     launcher = _launch(tmp_path, STEPS, *extra)
-    rng = random.Random(f"kill-{trial}")
-    if trial in ("mid_save", "mid_async_save"):  # while a save is written: its .partial exists
-        assert wait_for(lambda: ck.is_dir() and any(p.name.endswith(".partial")
-                                                      for p in ck.iterdir()))
-    elif trial == "after_steps":  # somewhere between saves, once step-4 exists
-        assert wait_for(lambda: (ck / "step-4").is_dir())
-        time.sleep(rng.uniform(0.0, 1.5))
-    else:  # during start-up or the first steps
-        time.sleep(rng.uniform(2.0, 12.0))
+    _stop_at(launcher, lambda: MOMENTS[trial](tmp_path, ck))
     _kill_everything_of(tmp_path, launcher)
     assert launcher.returncode == -signal.SIGKILL
     # The same command again (through run_training: a fresh process tree, forked rather than

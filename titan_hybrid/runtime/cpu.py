@@ -24,9 +24,24 @@ permute); titan_hybrid's MoE uses neither, so they are not applied.
 - gloo at exit: a gloo worker thread drops its finished collective (and the tensors it holds)
   just after the caller's wait returns. If that falls into the interpreter's finalization, the
   thread cannot take the GIL to release the tensors' Python objects, and the process aborts
-  ("terminate called without an active exception"). `titan_hybrid.train` leaves with
+  ("terminate called without an active exception"; seen in CI, from a core dump:
+  ~AsyncAllreduceWork on a gloo thread during finalization). `titan_hybrid.train` leaves with
   `os._exit` once the process group is gone; for `python -m torchtitan.train` an exit hook of a
   distributed worker sleeps a moment with the GIL released, so the threads finish first.
+  This is the one sleep left standing for a condition, because the condition cannot be
+  observed or brought about from outside gloo (issue 34, item 4):
+  - the condition, "every gloo worker thread has released its last work", is internal to
+    ProcessGroupGloo (its work-in-progress slots); no torch API reports it;
+  - the threads (named `pt_gloo_runloop`) are joined only by ProcessGroupGloo's destructor, not
+    by `destroy_process_group` (it calls `shutdown`, which leaves them running), and after
+    torchtitan's `main` returns every group of the run is still referenced from outside
+    Python's collector (refcount 1 more than its locals, no referrer `gc` can see), so
+    `gc.collect()` at exit destroys none and the threads live into finalization (torch 2.13);
+  - one more collective cannot settle it either: the thread that runs it has released its
+    previous work, but the group's other thread may still be releasing one;
+  - without the hook, 40 two-rank `torchrun -m torchtitan.train` runs here (20 FSDP, 20 PP2,
+    torch 2.13) ended cleanly, so the abort is rare and a loop here cannot show a replacement
+    works: the hook stays.
 """
 
 from __future__ import annotations
@@ -47,7 +62,8 @@ from titan_hybrid.compat.fsdp import force_sum_reduction_on_cpu
 from titan_hybrid.compat.torchtitan import point_device_globals_at_cpu
 
 _applied = False
-# How long a worker's exit waits for gloo's threads (see "gloo at exit" above).
+# How long a worker's exit waits for gloo's threads (see "gloo at exit" above: the only sleep
+# standing in for a condition, which gloo does not expose).
 GLOO_SETTLE_SECONDS = 0.25
 
 
