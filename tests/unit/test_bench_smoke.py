@@ -128,3 +128,46 @@ def test_dsa_vs_mla_bench_runs_small():
 
     result = compare(64, 0.01, batch=1, repeats=1, device="cpu")
     assert result["mla_ms"] > 0 and result["dsa_ms"] > 0 and result["ratio"] > 0
+
+
+H100_SHARED_MEMORY = 232448  # bytes per block: Triton's "Hardware limit" on an H100
+
+
+def _matmul_tile_bytes(config) -> int | None:
+    """A lower bound of the shared memory a pipelined tl.dot kernel's config takes: its A and B
+    tiles in float32, once per stage (296,448 bytes measured on an H100 for mamba_ssm's first
+    SSD chunk-scan config, 128 x 256 x 64 in 3 stages; this gives 294,912)."""
+    blocks = config.kwargs
+    m, n = blocks.get("BLOCK_SIZE_M"), blocks.get("BLOCK_SIZE_N")
+    k = blocks.get("BLOCK_SIZE_K", blocks.get("BLOCK_SIZE_CS"))
+    if None in (m, n, k):
+        return None
+    return config.num_stages * (m * k + k * n) * 4
+
+
+@pytest.mark.triton_interpreter
+def test_kernel_check_runs_the_ssd_scan_on_configs_an_h100_can_hold(monkeypatch):
+    """gpu_check's kernel check ran each autotuner's first config, and mamba_ssm's first SSD
+    configs do not fit an H100's shared memory (OutOfResources there). It now runs the
+    smallest-tiled one: every pick fits, where the first configs did not, and the scan agrees
+    with the torch path (here in Triton's interpreter)."""
+    from bench import kernel_check
+    from tests.triton_kernels import kernels_on
+
+    picks = []
+    choose = kernel_check.smallest_tile
+    monkeypatch.setattr(kernel_check, "smallest_tile",
+                        lambda configs: picks.append((configs, choose(configs))) or picks[-1][1])
+    monkeypatch.setattr(kernel_check, "DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    with kernels_on(), kernel_check.one_config_only():
+        error = kernel_check.check(kernel_check.CASES[0], torch.float32)
+    assert error < kernel_check.CASES[0].tol[torch.float32]
+    matmul_picks = [(configs, picked) for configs, picked in picks
+                    if _matmul_tile_bytes(configs[0]) is not None]
+    assert len(matmul_picks) >= 5, picks  # the SSD scan's chunk and state matmul kernels
+    assert any(_matmul_tile_bytes(configs[0]) > H100_SHARED_MEMORY
+               for configs, _ in matmul_picks)
+    for configs, (picked,) in matmul_picks:
+        assert picked in configs
+        assert _matmul_tile_bytes(picked) <= H100_SHARED_MEMORY, picked
+        assert _matmul_tile_bytes(picked) == min(_matmul_tile_bytes(c) for c in configs)
