@@ -38,3 +38,31 @@ def test_grouped_keys_take_the_groups_logical_index():
                             "state.layers.3.mamba.A_log.exp_avg", "layers.2.mamba.D",
                             "layers.4.layers.0.mamba.D", "layers.4.layers.1.mamba.D"}
     assert originals["layers.0.mlp.fc1.weight_w"] == "layers.0.layers.1.mlp.fc1.weight_w"
+
+
+def test_layers_wrapped_for_activation_checkpointing_save_their_fused_tensors_split():
+    """The plan's layouts are made before activation checkpointing wraps layers; a wrapped
+    layer's fused tensors (Mamba2's in_proj, conv1d) must still be saved as components, or a
+    checkpoint's keys would depend on the AC mode and a TP-interleaved tensor would be saved
+    whole."""
+    import dataclasses
+
+    from titan_hybrid.checkpoint.state import SplitModelWrapper
+    from titan_hybrid.model.args import resolve_model_args
+    from titan_hybrid.model.common import tensor_parallel_layouts
+    from titan_hybrid.model.model import HybridModel
+    from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
+    from titan_hybrid.training.run_config import ActivationCheckpointSection
+
+    args = resolve_model_args("debug", pattern="M-M-G-", seq_len=64)
+    plain = HybridModel(args)
+    wrapped = HybridModel(dataclasses.replace(args))
+    layouts = tensor_parallel_layouts(wrapped)
+    apply_activation_checkpointing(
+        wrapped, ActivationCheckpointSection(mode="selective", selective_ac_option="2"),
+        model_compile_enabled=False, base_folder="")
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_parameters())
+    keys = SplitModelWrapper(wrapped, layouts).state_dict().keys()
+    assert keys == SplitModelWrapper(plain, tensor_parallel_layouts(plain)).state_dict().keys()
+    assert {"layers.0.mamba.in_proj.weight.z", "layers.2.mamba.in_proj.weight.z"} <= set(keys)
+    assert not any(key.endswith(("in_proj.weight", "conv1d.weight")) for key in keys)

@@ -31,10 +31,12 @@ FINAL_NORM_ALIASES = {"norm.weight": "final_layernorm.weight"}
 def fused_parameters(model_parts: list[nn.Module],
                      layouts: dict[str, TPLayout]) -> dict[str, tuple[TPLayout, object]]:
     """fqn -> (layout, parameter) for every fused parameter of `model_parts`, by the plan's
-    `layouts` (ParallelPlan.layouts)."""
+    `layouts` (ParallelPlan.layouts). FQNs are state-dict keys: `named_parameters()` of a layer
+    wrapped for activation checkpointing (after the plan was made) names the wrapper's level
+    too, and such a layer's fused tensors were saved whole."""
     fused = {}
     for part in model_parts:
-        for fqn, param in part.named_parameters():
+        for fqn, param in part.state_dict(keep_vars=True).items():
             layout = layouts.get(fqn)
             if layout is not None and layout.partition_names:
                 fused[fqn] = (layout, param)
