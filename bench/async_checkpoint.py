@@ -133,6 +133,10 @@ def run(mode: str, options, interval: int) -> dict:
             raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
         result = json.loads(lines[-1][len("RESULT "):])
         result["save_bytes"] = folder_bytes(Path(dump) / "ck" / f"step-{options.steps}")
+        # A line per run as it ends: a run cut short by a time limit keeps what was done.
+        print(f"run {mode}, a save every {interval} steps: step seconds "
+              + json.dumps(result["step_seconds"]) + " | checkpointer seconds "
+              + json.dumps(result["blocked"]), flush=True)
         return result
 
 
