@@ -58,8 +58,9 @@ def curve(tmp_path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
-@pytest.mark.parametrize("layout", [(), ("--parallelism.tensor_parallel_degree", "2")],
-                         ids=["fsdp2", "fsdp2_tp2"])
+@pytest.mark.parametrize("layout", [
+    (), pytest.param(("--parallelism.tensor_parallel_degree", "2"), marks=pytest.mark.slow)],
+    ids=["fsdp2", "fsdp2_tp2"])
 def test_two_nodes_of_two_give_the_curve_of_one_node_of_four(tmp_path, layout):
     job = ("--training.steps", "3", *SMALL_JOB[2:], *layout)
     (tmp_path / "one").mkdir()

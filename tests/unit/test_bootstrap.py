@@ -31,9 +31,11 @@ KERNEL_PACKAGES = {"mamba_ssm": "mamba-ssm", "fla": "fla-core", "causal_conv1d":
 
 # The bootstrap needs the venv this suite runs in to be one of its own (exact torch / triton /
 # torchtitan pins): anything else, and pip in the copy would download another torch.
-pytestmark = pytest.mark.skipif(
+# The script is the same under every torch: CI runs these on its first torch leg only.
+pytestmark = [pytest.mark.skipif(
     not (Path(sys.prefix) / ".titan_hybrid_installed").exists(),
-    reason="the tests run outside a venv made by scripts/bootstrap.sh")
+    reason="the tests run outside a venv made by scripts/bootstrap.sh"),
+    pytest.mark.once_per_ci]
 
 
 def _minor(distribution: str) -> str:

@@ -86,3 +86,13 @@ def whole_fused(state_dict: dict, fused_key: str, hf_key: str):
                 "model without TP, or through titan_hybrid's trainer (its checkpoint manager "
                 "splits the components)")
     return value
+
+
+def check_all_used(keys, used: set[str], what: str, rule: str) -> None:
+    """A tensor on one side with no place on the other is an error naming it (never dropped):
+    `keys` not in `used` -> ValueError listing them, `what` naming their side."""
+    unused = sorted(key for key in keys if key not in used)
+    if unused:
+        listing = ", ".join(unused[:8]) + (f" ... ({len(unused)} in all)" if len(unused) > 8
+                                           else "")
+        raise ValueError(f"{len(unused)} {what} with no place in the {rule}: {listing}")

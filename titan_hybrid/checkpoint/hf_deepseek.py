@@ -13,10 +13,13 @@ MoE layers (group-limited sigmoid routing, routed scaling) are not our `E`, so p
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from titan_hybrid.checkpoint.hf_adapter import (
     HFStateDictAdapter,
+    check_all_used,
     check_present,
     held_layers,
     whole_fused,
@@ -105,9 +108,11 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
         hf_state_dict, self._halved = {}, set()
         state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
         layers = held_layers(state_dict)
+        used: set[str] = set()
         for hf_key, ours in _key_map(self.model_args).items():
             if ours in state_dict:
                 hf_state_dict[hf_key] = state_dict[ours]
+                used.add(ours)
                 continue
             half = ours.endswith(("fc1.weight_w", "fc1.weight_v"))
             whole = whole_fused(state_dict, ours[:-2], hf_key) if half else None
@@ -116,11 +121,14 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
                 continue
             hf_state_dict[hf_key] = whole.chunk(2, dim=0)[0 if ours.endswith("_w") else 1]
             self._halved.add(ours[:-2])
+            used.add(ours[:-2])
+        check_all_used(state_dict, used, "model tensor(s)", "HF DeepSeek-V3 / V3.2 format")
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
-        state_dict = {ours: hf_state_dict[hf_key]
-                      for hf_key, ours in _key_map(self.model_args).items()
+        key_map = _key_map(self.model_args)
+        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
+        state_dict = {ours: hf_state_dict[hf_key] for hf_key, ours in key_map.items()
                       if hf_key in hf_state_dict}
         for fused_key in self._halved:
             state_dict[fused_key] = torch.cat((state_dict.pop(fused_key + "_w"),
@@ -188,3 +196,56 @@ def deepseek_config(args: HybridModelArgs) -> dict:
         config.update(index_n_heads=mla.index_n_heads, index_head_dim=mla.index_head_dim,
                       index_topk=mla.index_topk)
     return config
+
+
+def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
+    """HybridModelArgs for a DeepSeek-V3 / V3.2 config.json whose layers are all dense (MLA or
+    DSA attention, SwiGLU MLP); ValueError naming the first setting the format cannot hold."""
+    num_layers = config["num_hidden_layers"]
+    dense = config.get("first_k_dense_replace", num_layers)
+    if dense < num_layers and config.get("n_routed_experts"):
+        raise ValueError(
+            f"first_k_dense_replace={dense} < num_hidden_layers={num_layers}: DeepSeek's MoE "
+            "layers (group-limited sigmoid routing with a bias, routed scaling) are not "
+            "titan_hybrid's E yet; only dense DeepSeek models convert")
+    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
+                            ("attention_bias", False)):
+        if config.get(field, expected) != expected:
+            raise ValueError(f"{field}={config[field]!r} is not supported (expected "
+                             f"{expected!r})")
+    heads = config["num_attention_heads"]
+    if config.get("num_key_value_heads", heads) != heads:
+        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} must equal "
+                         f"num_attention_heads={heads} (MLA shares one latent per head)")
+    rope = config.get("rope_parameters") or {"rope_type": "default",
+                                             "rope_theta": config.get("rope_theta", 10000.0)}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported "
+                         "(default or yarn)")
+    kind = DSA if config["model_type"] == "deepseek_v32" else MLA
+    section = dict(n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
+                   kv_lora_rank=config["kv_lora_rank"],
+                   qk_nope_head_dim=config["qk_nope_head_dim"],
+                   qk_rope_head_dim=config["qk_rope_head_dim"],
+                   v_head_dim=config["v_head_dim"], rope_theta=rope.get("rope_theta", 10000.0),
+                   rope_interleave=config.get("rope_interleave", True))
+    if rope_type == "yarn":
+        section.update(yarn_factor=rope["factor"],
+                       yarn_original_max_position_embeddings=rope[
+                           "original_max_position_embeddings"],
+                       yarn_beta_fast=rope.get("beta_fast", 32.0),
+                       yarn_beta_slow=rope.get("beta_slow", 1.0),
+                       yarn_mscale=rope.get("mscale", 1.0),
+                       yarn_mscale_all_dim=rope.get("mscale_all_dim", 0.0))
+    if kind is DSA:
+        section.update(index_n_heads=config["index_n_heads"],
+                       index_head_dim=config["index_head_dim"], index_topk=config["index_topk"])
+    base = HybridModelArgs()
+    return dataclasses.replace(
+        base, pattern=(kind.symbol + MLP.symbol) * num_layers, dim=config["hidden_size"],
+        vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
+        mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
+                                activation="swiglu"),
+        **{kind.name: dataclasses.replace(base.section(kind), **section)})

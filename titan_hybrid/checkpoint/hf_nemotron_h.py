@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from titan_hybrid.checkpoint.hf_adapter import (
     HFStateDictAdapter,
+    check_all_used,
     check_present,
     held_layers,
     whole_fused,
@@ -159,10 +160,12 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         self._fused_handed_out = {}
         state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
         layers = held_layers(state_dict)
+        used: set[str] = set()
         for hf_key, ours in self._key_map().items():
             if isinstance(ours, str):
                 if ours in state_dict:
                     hf_state_dict[hf_key] = state_dict[ours]
+                    used.add(ours)
                 else:
                     check_present(state_dict, ours, hf_key, layers)
                 continue
@@ -179,6 +182,8 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                 components = {fused_key: fused}
             hf_state_dict[hf_key] = fused
             self._fused_handed_out[hf_key] = (fused, components)
+            used.update(components)
+        check_all_used(state_dict, used, "model tensor(s)", "HF Nemotron-H format")
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
@@ -187,7 +192,9 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                                                                self.model_args.dim).values()
                  for part, rows in parts.items()}
         state_dict = {}
-        for hf_key, ours in self._key_map().items():
+        key_map = self._key_map()
+        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
+        for hf_key, ours in key_map.items():
             if hf_key not in hf_state_dict:
                 continue
             value = hf_state_dict[hf_key]

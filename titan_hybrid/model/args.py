@@ -215,11 +215,13 @@ hybrid_flavors = FlavorRegistry({
 
 
 def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
-                       seed: int | None = None) -> HybridModelArgs:
-    """The model args a run trains: a copy of the flavor's, with the run's pattern (if given),
+                       seed: int | None = None,
+                       base: HybridModelArgs | None = None) -> HybridModelArgs:
+    """The model args a run trains: a copy of the flavor's (or of `base`, the args of
+    `hybrid.model_config`, which replace the flavor), with the run's pattern (if given),
     sequence length and init seed (if given), validated (ValueError for an unknown flavor or
     shapes that cannot work)."""
-    flavor_args = hybrid_flavors[flavor]
+    flavor_args = base if base is not None else hybrid_flavors[flavor]
     # One new object whose sections are copies too: nothing is shared with the flavor table.
     fields = {f.name: copy.deepcopy(getattr(flavor_args, f.name))
               for f in dataclasses.fields(flavor_args) if f.init}

@@ -144,12 +144,21 @@ class HybridModel(nn.Module):
                              theta=args.attention.rope_theta)
 
     @torch.no_grad()
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """The buffers no checkpoint holds, which a model built on the meta device lacks: the
+        rotary table, and the layers' statistics (zero until a step counts into them)."""
+        with torch.device(buffer_device or self.rope.device):
+            self.rope = self._rope_table()
+        for name, buffer in self.named_buffers():
+            if name != "rope":
+                buffer.zero_()
+
+    @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Each unit draws from its own generator seeded by (init_seed, unit name), so the weights
         do not depend on which other units exist (pipeline stages) or how they are sharded."""
         args = self.model_args
-        with torch.device(buffer_device or self.rope.device):
-            self.rope = self._rope_table()
+        self.init_buffers(buffer_device)
         # Output projections of residual branches shrink with depth (GPT-2 / Megatron scaling)
         # so the residual stream's variance does not grow with the number of layers.
         num_layers = args.parsed_pattern.num_physical_layers

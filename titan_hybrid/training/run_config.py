@@ -140,6 +140,7 @@ class HybridSection:
     pattern: str = ""
     loss_curve_file: str = ""
     document_masking: bool = False
+    model_config: str = ""
     load_layers_by_order: bool = False
 
 

@@ -25,6 +25,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 from torchtitan.config import Parallelism as TitanParallelism
 
+from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import resolve_model_args
 from titan_hybrid.training.run_config import (
     ActivationCheckpointSection,
@@ -58,6 +59,13 @@ class Hybrid:
     token: attention stays inside a document, Mamba / GDN states and conv taps restart at each
     document, and rotary positions restart at 0 (Megatron's THD packing, torchtitan's
     block_causal). With context parallelism each row is zigzag-sharded as one sequence."""
+
+    model_config: str = ""
+    """An HF folder (or its config.json) whose model this job trains, in place of
+    model.flavor: the model args come from the config of its family (nemotron_h,
+    deepseek_v3, ...; `python -m titan_hybrid.hf import` writes jobs that name one). With
+    --checkpoint.initial_load_path set to the same folder and --checkpoint.initial_load_in_hf,
+    training starts from its weights."""
 
     load_layers_by_order: bool = False
     """Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
@@ -131,7 +139,9 @@ def run_config(job: TitanJobConfig) -> RunConfig:
     hybrid = section_from(HybridSection, getattr(job, "hybrid", None))
     training = section_from(TrainingSection, job.training, seed=job.debug.seed)
     model = resolve_model_args(job.model.flavor, pattern=hybrid.pattern,
-                               seq_len=training.seq_len, seed=training.seed)
+                               seq_len=training.seq_len, seed=training.seed,
+                               base=model_args_from_hf(hybrid.model_config)
+                               if hybrid.model_config else None)
     return RunConfig(
         model=model,
         flavor=job.model.flavor,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torchtitan.config import ParallelismConfig
 
+from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.training.run_config import (
     ActivationCheckpointSection,
@@ -50,6 +51,9 @@ class HybridOptions:
     document_masking: bool = False
     """Rows are documents packed back to back, each starting with the tokenizer's BOS token:
     attention, Mamba / GDN states, conv taps and positions restart at each document."""
+    model_config: str = ""
+    """An HF folder (or its config.json) whose model this job trains, in place of the flavor
+    (its family's config gives the model args)."""
     load_layers_by_order: bool = False
     """Read a checkpoint of another pattern layer by layer of each kind."""
 
@@ -177,7 +181,9 @@ def run_config(config) -> RunConfig:
     check_torchtitan_0_3_fields(config)
     hybrid = config.hybrid
     model = resolve_model_args(hybrid.flavor, pattern=hybrid.pattern,
-                               seq_len=config.training.seq_len, seed=config.debug.seed)
+                               seq_len=config.training.seq_len, seed=config.debug.seed,
+                               base=model_args_from_hf(hybrid.model_config)
+                               if hybrid.model_config else None)
     return run_from_parts(
         model, flavor=hybrid.flavor, dump_folder=config.dump_folder, training=config.training,
         parallelism=config.parallelism, compile_config=config.compile,

@@ -24,6 +24,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from titan_hybrid.adapters.torchtitan_0_3.config import run_from_parts
 from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.compat.torchtitan_0_3 import pipeline_module_splitter, pipeline_schedule_builder
+from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.init import full_tensor_materializer
@@ -60,9 +61,11 @@ class HybridModelConfig(BaseModel.Config):
             self.args = self.resolve(seq_len=config.training.seq_len, seed=config.debug.seed)
 
     def resolve(self, *, seq_len: int, seed: int | None) -> HybridModelArgs:
+        model_config = self.overrides.get("model_config", "")  # an HF folder's model
         args = resolve_model_args(self.flavor, pattern=self.overrides.get("pattern", ""),
-                                  seq_len=seq_len, seed=seed)
-        others = {k: v for k, v in self.overrides.items() if k != "pattern"}
+                                  seq_len=seq_len, seed=seed,
+                                  base=model_args_from_hf(model_config) if model_config else None)
+        others = {k: v for k, v in self.overrides.items() if k not in ("pattern", "model_config")}
         if others:
             args = dataclasses.replace(args, **others)
             args.validate()

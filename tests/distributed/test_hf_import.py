@@ -1,0 +1,49 @@
+"""The job `python -m titan_hybrid.hf import` writes trains in the real trainer: FSDP2 over 2
+and TP 2 give the one-process loss curve from the imported weights (whose logits equal
+transformers': tests/unit/test_hf_command.py). A job can also name the HF folder itself as its
+model (`hybrid.model_config`) and start from its weights (`initial_load_in_hf`): the same
+curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.launch import run_training
+from tests.unit.test_hf_command import save_tiny
+from titan_hybrid.hf.__main__ import main
+
+# The packaged tokenizer has 2048 tokens: the imported model's vocabulary must hold them.
+STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size",
+         "2", "--training.global_batch_size", "4", "--checkpoint.interval", "1000",
+         "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32")
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """(the imported job, the HF folder, the one-process run)."""
+    tmp = tmp_path_factory.mktemp("hf_import")
+    save_tiny("nemotron_h", tmp / "hf", vocab_size=2048)
+    assert main(["import", str(tmp / "hf"), str(tmp / "ours")]) == 0
+    job = str(tmp / "ours" / "job.toml")
+    single = run_training(tmp / "single", *STEPS, config=job).check()
+    return job, tmp / "hf", single
+
+
+@pytest.mark.parametrize("layout, nproc", [
+    ((), 2),  # FSDP2 over both processes
+    (("--parallelism.tensor_parallel_degree", "2"), 2),
+])
+def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, layout, nproc):
+    job, _, single = imported
+    result = run_training(tmp_path, *STEPS, *layout, config=job, nproc=nproc).check()
+    assert len(result.losses) == len(single.losses) == 3
+    for ours, reference in zip(result.losses, single.losses):
+        assert ours == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path):
+    job, hf_dir, single = imported
+    result = run_training(tmp_path, *STEPS, "--hybrid.model_config", str(hf_dir),
+                          "--checkpoint.initial_load_path", str(hf_dir),
+                          "--checkpoint.initial_load_in_hf", config=job).check()
+    assert result.losses == single.losses

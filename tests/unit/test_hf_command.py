@@ -1,0 +1,221 @@
+"""`python -m titan_hybrid.hf import / export` against transformers, per family: a tiny random
+transformers model (fp32, every parameter perturbed) saved with `save_pretrained`, imported
+(our logits equal theirs, relative error <= 1e-5), exported again (transformers loads the
+folder and its logits equal the original model's bit for bit). Tensors without a place on the
+other side, and families we cannot express, are refused by name before anything is written.
+The imported job's training under FSDP2 and TP2 is in tests/distributed/test_hf_import.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from titan_hybrid.hf.__main__ import main, model_args_of_job
+from titan_hybrid.hf.convert import build_model, load_checkpoint_into
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SEQ = 20
+
+# Each family: its transformers classes and a tiny config in transformers' own words.
+FAMILIES = {
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
+        layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"])),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        max_position_embeddings=64, attn_implementation="eager")),
+    "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, dict(
+        vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        index_n_heads=2, index_head_dim=16, index_topk=6, max_position_embeddings=64,
+        attn_implementation="eager")),
+}
+
+
+def tokens(vocab: int = 96) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def save_tiny(family: str, folder: Path, **changes) -> torch.nn.Module:
+    """A tiny random transformers model of the family, every parameter perturbed (so that
+    a misplaced tensor shows), saved to `folder`; the model is returned."""
+    config_class, model_class, fields = FAMILIES[family]
+    torch.manual_seed(1)
+    model = model_class(config_class(**{**fields, **changes})).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(str(folder))
+    return model
+
+
+def logits_of(model, vocab: int = 96) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(tokens(vocab))
+    out = getattr(out, "logits", out)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours.double() - theirs.double()).norm() / theirs.double().norm()).item()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_gives_transformers_logits_and_export_gives_them_back_bitwise(tmp_path, family):
+    reference = save_tiny(family, tmp_path / "hf")
+    theirs = logits_of(reference)
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    job = tmp_path / "ours" / "job.toml"
+    args, _ = model_args_of_job(job)
+    model = build_model(args)
+    load_checkpoint_into(model, tmp_path / "ours" / "checkpoint" / "step-0")
+    error = relative_error(logits_of(model), theirs)
+    assert error <= 1e-5, error
+
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(job)]) == 0
+    _, model_class, _ = FAMILIES[family]
+    again = model_class.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    assert torch.equal(logits_of(again), theirs)
+    original = reference.state_dict()
+    exported = again.state_dict()
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[key], value) for key, value in original.items())
+
+
+def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
+    """The documented command lines, in a fresh interpreter: an import works; a second import
+    into the same folder, and a refused family, end with one line and exit status 2."""
+    save_tiny("nemotron_h", tmp_path / "hf")
+    command = [sys.executable, "-m", "titan_hybrid.hf", "import", str(tmp_path / "hf"),
+               str(tmp_path / "ours")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "ours" / "checkpoint" / "step-0" / "checksums.json").is_file()
+    again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    assert again.returncode == 2
+    assert again.stderr.strip().splitlines() == [
+        f"titan_hybrid.hf import: output folder '{tmp_path / 'ours'}' exists and is not empty"]
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("jamba", "Mamba1"),
+    ("falcon_h1", "attention and Mamba2 in parallel"),
+    ("zamba2", "shared between positions"),
+    ("llama4", "not a supported family; supported: deepseek_v3, deepseek_v32, nemotron_h"),
+])
+def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1
+    assert f"model_type '{model_type}'" in message and reason in message
+    assert not (tmp_path / "ours").exists() and not (tmp_path / "ours.partial").exists()
+
+
+def test_a_tensor_without_a_place_is_named_before_anything_is_written(tmp_path, capsys):
+    save_tiny("nemotron_h", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["backbone.layers.0.mixer.extra_scale"] = torch.ones(3)
+    del tensors["backbone.layers.3.mixer.D"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    message = capsys.readouterr().err
+    assert "1 tensor(s) with no place in the model: backbone.layers.0.mixer.extra_scale" in message
+    assert "1 model tensor(s) it lacks: backbone.layers.3.mixer.D" in message
+    assert not (tmp_path / "ours").exists() and not (tmp_path / "ours.partial").exists()
+
+
+def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
+    save_tiny("nemotron_h", tmp_path / "hf", mlp_hidden_act="silu")
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    assert "mlp_hidden_act='silu' is not supported" in capsys.readouterr().err
+    save_tiny("deepseek_v3", tmp_path / "moe", first_k_dense_replace=1, n_routed_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=16)
+    assert main(["import", str(tmp_path / "moe"), str(tmp_path / "ours")]) == 2
+    assert "first_k_dense_replace=1 < num_hidden_layers=2" in capsys.readouterr().err
+
+
+def test_export_writes_shards_with_an_index_that_transformers_reads(tmp_path):
+    """A small --max-shard-gb splits the export over several files with an index; the model
+    args come from an HF folder's config (--model-config)."""
+    reference = save_tiny("nemotron_h", tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    assert main(["export", str(tmp_path / "ours" / "checkpoint" / "step-0"),
+                 str(tmp_path / "back"), "--model-config", str(tmp_path / "hf"),
+                 "--max-shard-gb", str(20_000 / 2**30)]) == 0
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    again = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "back"),
+                                                              dtype=torch.float32).eval()
+    assert torch.equal(logits_of(again), logits_of(reference))
+    shutil.rmtree(tmp_path / "back")
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "deepseek_v3"])
+def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
+    """torchtitan's checkpointer hands the adapters plain state dicts, titan_hybrid's split
+    ones: in both, a model tensor the format does not name, and an HF tensor the model has no
+    place for, are errors naming it (nothing is dropped)."""
+    from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
+    from titan_hybrid.checkpoint.state import SplitModelWrapper
+    from titan_hybrid.hf.families import family_of
+    from titan_hybrid.model.common import tensor_parallel_layouts
+
+    config_class, _, fields = FAMILIES[family]
+    config = config_class(**fields).to_dict()
+    args = family_of(config).to_args(config)
+    model = build_model(args)
+    for state_dict in (model.state_dict(),
+                       SplitModelWrapper(model, tensor_parallel_layouts(model)).state_dict()):
+        adapter = hybrid_state_dict_adapter(args, None)
+        hf = adapter.to_hf(state_dict)
+        assert adapter.from_hf(hf).keys() == state_dict.keys()
+        with pytest.raises(ValueError, match=r"1 model tensor\(s\) with no place in the HF .*"
+                                             r": layers.0.extra_scale"):
+            adapter.to_hf({**state_dict, "layers.0.extra_scale": torch.ones(2)})
+        with pytest.raises(ValueError, match=r"1 HF tensor\(s\) with no place in the model: "
+                                             r"model.layers.0.extra"):
+            adapter.from_hf({**hf, "model.layers.0.extra": torch.ones(2)})
+
+
+def test_the_readme_commands_run_as_written(tmp_path):
+    """The README's two command lines, with its placeholders filled in: a transformers folder
+    in, the imported checkpoint out again, loaded by transformers."""
+    import re
+    import shlex
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+             for line in block.splitlines() if "-m titan_hybrid.hf " in line
+             and not line.strip().startswith("#")]
+    assert [shlex.split(line)[3] for line in lines] == ["import", "export"]
+    reference = save_tiny("nemotron_h", tmp_path / "hf")
+    places = {"HF_DIR": tmp_path / "hf", "OUT": tmp_path / "out", "HF_OUT": tmp_path / "back",
+              "CHECKPOINT": tmp_path / "out" / "checkpoint"}
+    for line in lines:
+        words = [sys.executable if word == ".venv/bin/python" else word
+                 for word in shlex.split(line)]
+        words = [re.sub(r"^(HF_DIR|OUT|HF_OUT|CHECKPOINT)\b",
+                        lambda match: str(places[match.group(1)]), word) for word in words]
+        done = subprocess.run(words, cwd=REPO_ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    again = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "back"),
+                                                              dtype=torch.float32).eval()
+    assert torch.equal(logits_of(again), logits_of(reference))

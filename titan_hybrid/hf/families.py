@@ -1,0 +1,95 @@
+"""Hugging Face model families: which `model_type` of a config.json titan_hybrid reads and
+writes, the model args each one gives, and the families it refuses, with the reason.
+
+A family ties three things together: the model args from its config.json (`to_args`), the
+config.json from model args (`to_config`, checkpoint/hf_formats.py's), and the state-dict
+adapter that names its tensors (checkpoint/hf_*.py). `family_of(config)` picks one by
+`model_type`; a type we cannot express exactly is refused by name (REFUSED), and an unknown
+one lists the supported types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan_hybrid.checkpoint.hf_deepseek import model_args_from_deepseek_config
+from titan_hybrid.checkpoint.hf_formats import DEEPSEEK, NEMOTRON_H, HFFormat
+from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
+from titan_hybrid.model.args import HybridModelArgs
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_types: tuple[str, ...]
+    hf_format: HFFormat  # the adapter and the config.json of an export
+    to_args: Callable[[dict], HybridModelArgs]  # ValueError naming a setting it cannot hold
+
+
+FAMILIES = (
+    Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config),
+    Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config),
+)
+
+# model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
+REFUSED = {
+    "jamba": "its SSM layers are Mamba1 (selective scan with a per-channel state), and "
+             "titan_hybrid's SSM layer is Mamba2 (M)",
+    "mamba": "its layers are Mamba1 (selective scan with a per-channel state), and "
+             "titan_hybrid's SSM layer is Mamba2 (M)",
+    "falcon_h1": "each layer runs attention and Mamba2 in parallel on the same input and adds "
+                 "them; titan_hybrid's layers run one mixer each, in sequence",
+    "zamba": "its transformer blocks are shared between positions (one set of weights "
+             "applied at several depths); titan_hybrid's layers each own their weights",
+    "zamba2": "its transformer blocks are shared between positions (one set of weights "
+              "applied at several depths, with per-position LoRA); titan_hybrid's layers each "
+              "own their weights",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for family in FAMILIES for t in family.model_types)
+
+
+def family_of(config: dict, where: str = CONFIG_FILE) -> Family:
+    """The family of an HF config.json; ValueError naming `model_type` and the rule."""
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    if model_type in REFUSED:
+        raise ValueError(f"{where}: model_type '{model_type}' cannot be converted: "
+                         f"{REFUSED[model_type]}")
+    raise ValueError(f"{where}: model_type '{model_type}' is not a supported family; "
+                     f"supported: {', '.join(supported_model_types())}")
+
+
+def read_config(path: str | Path, field: str) -> tuple[dict, Path]:
+    """(config.json's contents, its path) of a folder or a file; ValueError naming `field`."""
+    path = Path(path)
+    file = path / CONFIG_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{field} '{path}' has no {CONFIG_FILE}" if path.is_dir()
+                         else f"{field} '{path}' does not exist")
+    try:
+        return json.loads(file.read_text()), file
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{field} '{file}' is not readable JSON ({error})") from None
+
+
+def model_args_from_hf(path: str | Path, field: str = "hybrid.model_config") -> HybridModelArgs:
+    """The model args of an HF folder's (or file's) config.json, validated; ValueError names
+    the field, the file and the setting we cannot hold."""
+    config, file = read_config(path, field)
+    family = family_of(config, str(file))
+    try:
+        args = family.to_args(config)
+        args.validate()
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+    return args
+
