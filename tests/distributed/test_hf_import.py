@@ -18,11 +18,11 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
          "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32")
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """(the imported job, the HF folder, the one-process run)."""
-    tmp = tmp_path_factory.mktemp("hf_import")
-    save_tiny("nemotron_h", tmp / "hf", vocab_size=2048)
+@pytest.fixture(scope="module", params=["nemotron_h", "bamba"])
+def imported(tmp_path_factory, request):
+    """(the imported job, the HF folder, the one-process run) of a tiny model of the family."""
+    tmp = tmp_path_factory.mktemp(f"hf_import_{request.param}")
+    save_tiny(request.param, tmp / "hf", vocab_size=2048)
     assert main(["import", str(tmp / "hf"), str(tmp / "ours")]) == 0
     job = str(tmp / "ours" / "job.toml")
     single = run_training(tmp / "single", *STEPS, config=job).check()

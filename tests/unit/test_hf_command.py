@@ -24,13 +24,15 @@ from titan_hybrid.hf.convert import build_model, load_checkpoint_into
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 20
 
-# Each family: its transformers classes and a tiny config in transformers' own words.
+# Each family: its transformers classes and a tiny config in transformers' own words (eager
+# attention, which a reloaded model is given too: sdpa rounds differently).
 FAMILIES = {
     "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=8,
         mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
-        layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"])),
+        layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"],
+        attn_implementation="eager")),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
         vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
@@ -42,6 +44,11 @@ FAMILIES = {
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
         index_n_heads=2, index_head_dim=16, index_topk=6, max_position_embeddings=64,
         attn_implementation="eager")),
+    "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+        attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_head=8, mamba_chunk_size=8,
+        max_position_embeddings=64, attn_implementation="eager")),
 }
 
 
@@ -89,7 +96,8 @@ def test_import_gives_transformers_logits_and_export_gives_them_back_bitwise(tmp
     assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
                  "--job", str(job)]) == 0
     _, model_class, _ = FAMILIES[family]
-    again = model_class.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    again = model_class.from_pretrained(str(tmp_path / "back"), dtype=torch.float32,
+                                       attn_implementation="eager").eval()
     assert torch.equal(logits_of(again), theirs)
     original = reference.state_dict()
     exported = again.state_dict()
@@ -116,7 +124,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("jamba", "Mamba1"),
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
-    ("llama4", "not a supported family; supported: deepseek_v3, deepseek_v32, nemotron_h"),
+    ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
+               "nemotron_h"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
     (tmp_path / "hf").mkdir()
@@ -150,6 +159,10 @@ def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
               num_experts_per_tok=2, moe_intermediate_size=16)
     assert main(["import", str(tmp_path / "moe"), str(tmp_path / "ours")]) == 2
     assert "first_k_dense_replace=1 < num_hidden_layers=2" in capsys.readouterr().err
+    save_tiny("bamba", tmp_path / "bias", mlp_bias=True)
+    assert main(["import", str(tmp_path / "bias"), str(tmp_path / "ours")]) == 2
+    assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err
+    assert not (tmp_path / "ours").exists()
 
 
 def test_export_writes_shards_with_an_index_that_transformers_reads(tmp_path):
@@ -162,8 +175,8 @@ def test_export_writes_shards_with_an_index_that_transformers_reads(tmp_path):
                  "--max-shard-gb", str(20_000 / 2**30)]) == 0
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    again = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "back"),
-                                                              dtype=torch.float32).eval()
+    again = transformers.NemotronHForCausalLM.from_pretrained(
+        str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager").eval()
     assert torch.equal(logits_of(again), logits_of(reference))
     shutil.rmtree(tmp_path / "back")
 
@@ -216,6 +229,6 @@ def test_the_readme_commands_run_as_written(tmp_path):
                         lambda match: str(places[match.group(1)]), word) for word in words]
         done = subprocess.run(words, cwd=REPO_ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
-    again = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "back"),
-                                                              dtype=torch.float32).eval()
+    again = transformers.NemotronHForCausalLM.from_pretrained(
+        str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager").eval()
     assert torch.equal(logits_of(again), logits_of(reference))

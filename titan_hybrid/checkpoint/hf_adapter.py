@@ -4,6 +4,7 @@ layout of an HF export and the reader of an HF checkpoint. hf_formats.py picks t
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -96,3 +97,17 @@ def check_all_used(keys, used: set[str], what: str, rule: str) -> None:
         listing = ", ".join(unused[:8]) + (f" ... ({len(unused)} in all)" if len(unused) > 8
                                            else "")
         raise ValueError(f"{len(unused)} {what} with no place in the {rule}: {listing}")
+
+
+# transformers writes a float JSON has no literal for (inf, nan) as {"__float__": "Infinity"}.
+FLOAT_TAG = "__float__"
+
+
+def json_float(value) -> float:
+    """A config.json number, tagged (transformers' {"__float__": "Infinity"}) or not."""
+    return float(value[FLOAT_TAG] if isinstance(value, dict) else value)
+
+
+def tagged_float(value: float):
+    """A float as transformers writes it into a config.json."""
+    return value if math.isfinite(value) else {FLOAT_TAG: str(value).replace("inf", "Infinity")}

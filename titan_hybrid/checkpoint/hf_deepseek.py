@@ -243,7 +243,8 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
                        index_head_dim=config["index_head_dim"], index_topk=config["index_topk"])
     base = HybridModelArgs()
     return dataclasses.replace(
-        base, pattern=(kind.symbol + MLP.symbol) * num_layers, dim=config["hidden_size"],
+        base, hf_format="deepseek", pattern=(kind.symbol + MLP.symbol) * num_layers,
+        dim=config["hidden_size"],
         vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],

@@ -1,8 +1,11 @@
 """Which Hugging Face format a model's HF checkpoints take (`--checkpoint.initial_load_in_hf`,
-`--checkpoint.last_save_in_hf`): the one its layer kinds belong to.
+`--checkpoint.last_save_in_hf`, `python -m titan_hybrid.hf export`): the model args' `hf_format`
+when a conversion from one set it (a model imported from Bamba exports as Bamba), else the one
+its layer kinds belong to.
 
     DeepSeek-V3 / V3.2   models with MLA (`+`) or DSA (`D`) layers: hf_deepseek.py
     Nemotron-H           all others: hf_nemotron_h.py
+    Bamba                by hf_format only: hf_bamba.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
@@ -14,6 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from titan_hybrid.checkpoint.hf_adapter import HFStateDictAdapter
+from titan_hybrid.checkpoint.hf_bamba import (
+    BambaStateDictAdapter,
+    bamba_config,
+    check_bamba_compatible,
+)
 from titan_hybrid.checkpoint.hf_deepseek import (
     ARCHITECTURES,
     ATTENTION_KINDS,
@@ -42,10 +50,16 @@ class HFFormat:
 
 NEMOTRON_H = HFFormat(NemotronHStateDictAdapter, check_nemotron_h_compatible, nemotron_h_config)
 DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config)
+BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
+FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:
-    """The format of the model's layer kinds (RULE), whether or not it can hold the model."""
+    """The model's format (its hf_format, else RULE), whether or not it can hold the model."""
+    if args.hf_format:
+        if args.hf_format not in FORMATS:
+            raise ValueError(f"hf_format '{args.hf_format}' is not one of {sorted(FORMATS)}")
+        return FORMATS[args.hf_format]
     kinds = {kind.name for kind in args.kinds()}
     return DEEPSEEK if kinds & set(ARCHITECTURES) else NEMOTRON_H
 

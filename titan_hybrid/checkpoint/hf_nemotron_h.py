@@ -280,6 +280,7 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
     base = base or HybridModelArgs()
     return dataclasses.replace(
         base,
+        hf_format=FORMAT,
         pattern=pattern,
         dim=dim,
         vocab_size=config["vocab_size"],

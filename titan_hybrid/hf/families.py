@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_hybrid.checkpoint.hf_bamba import model_args_from_bamba_config
 from titan_hybrid.checkpoint.hf_deepseek import model_args_from_deepseek_config
-from titan_hybrid.checkpoint.hf_formats import DEEPSEEK, NEMOTRON_H, HFFormat
+from titan_hybrid.checkpoint.hf_formats import BAMBA, DEEPSEEK, NEMOTRON_H, HFFormat
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
 from titan_hybrid.model.args import HybridModelArgs
 
@@ -33,6 +34,7 @@ class Family:
 FAMILIES = (
     Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config),
     Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config),
+    Family(("bamba",), BAMBA, model_args_from_bamba_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.

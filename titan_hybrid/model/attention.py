@@ -25,6 +25,16 @@ class AttentionArgs:
     head_dim: int = 64
     rope_theta: float = 10000.0
     use_rope: bool = True  # Nemotron-H's attention layers have no position embedding
+    # True: rotate channel pairs (2i, 2i+1) (torchtitan's llama); False: (i, i + R/2), the
+    # "rotate half" of transformers' checkpoints (Bamba, Qwen, ...).
+    rope_interleave: bool = True
+    # The share of each head's channels that rotates, the first ones (transformers'
+    # partial_rotary_factor: 0.5 in Bamba); the others pass through unrotated.
+    rotary_fraction: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rotary_fraction)
 
 
 def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -32,12 +42,6 @@ def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def apply_rotary(x_BTHD: torch.Tensor, table_BTD2: torch.Tensor) -> torch.Tensor:
-    """`table_BTD2`: the table rows of each token's position (batch dim 1 broadcasts)."""
-    # Interleaved channel pairs (2i, 2i+1): the llama convention torchtitan uses.
-    return apply_rotary_pairs(x_BTHD, table_BTD2[..., 0], table_BTD2[..., 1], interleaved=True)
 
 
 def apply_rotary_pairs(x_BTHR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
@@ -82,7 +86,8 @@ class Attention(nn.Module):
     def __init__(self, *, dim: int, args: AttentionArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.use_rope = args.use_rope
+        self.use_rope, self.rope_interleave = args.use_rope, args.rope_interleave
+        self.rotary_dim = args.rotary_dim
         self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -101,10 +106,18 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
         if self.use_rope:
-            rope = layout.rope(seq_len)
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q, k = (self._rotate(t, layout.rope(seq_len)) for t in (q, k))
         out = self.core(q, k, v, layout, layout)
         return self.wo(out.reshape(batch, seq_len, -1))
+
+    def _rotate(self, x_BTHD: torch.Tensor, table_BTR2: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of the first `rotary_dim` channels of each head (the table's)."""
+        rotary = x_BTHD[..., :self.rotary_dim]
+        rotated = apply_rotary_pairs(rotary, table_BTR2[..., 0], table_BTR2[..., 1],
+                                     interleaved=self.rope_interleave)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x_BTHD[..., self.rotary_dim:]), dim=-1)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -113,9 +126,10 @@ class Attention(nn.Module):
 
 
 def _validate(args: AttentionArgs, dim: int) -> None:
-    if args.use_rope and args.head_dim % 2:
-        raise ValueError(f"attention: head_dim={args.head_dim} must be even (rotary embeddings "
-                         "rotate channel pairs)")
+    if args.use_rope and (args.rotary_dim % 2 or not 0 < args.rotary_fraction <= 1):
+        raise ValueError(f"attention: head_dim={args.head_dim} x rotary_fraction="
+                         f"{args.rotary_fraction} = {args.rotary_dim} rotated channels must be "
+                         "even and at most head_dim (rotary embeddings rotate channel pairs)")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"attention: n_heads={args.n_heads} is not divisible by "
                          f"n_kv_heads={args.n_kv_heads}")

@@ -140,7 +140,7 @@ class HybridModel(nn.Module):
 
     def _rope_table(self) -> torch.Tensor:
         args = self.model_args
-        return rotary_tables(head_dim=args.attention.head_dim, max_seq_len=args.max_seq_len,
+        return rotary_tables(head_dim=args.attention.rotary_dim, max_seq_len=args.max_seq_len,
                              theta=args.attention.rope_theta)
 
     @torch.no_grad()
