@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 
@@ -50,7 +51,16 @@ def build_parallel(args, *, strategy: str, activation_checkpoint: bool, overlap:
     coordinator = install_overlap_hooks([model], dispatchers.values()) if overlap else None
     model.to_empty(device="cpu")
     model.init_weights()
+    set_choice_biases(model)
     return model, coordinator
+
+
+@torch.no_grad()
+def set_choice_biases(model) -> None:
+    """Each MoE layer's choice bias, if it has one, distinct per expert (init gives zeros)."""
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.linspace(-0.05, 0.05, buffer.numel()))
 
 
 def main() -> None:
@@ -58,11 +68,18 @@ def main() -> None:
     parser.add_argument("--pattern", default="")
     parser.add_argument("--strategy", default="optim_grads_params")
     parser.add_argument("--activation-checkpoint", type=int, default=0)
+    # Nemotron 3's experts and router: squared ReLU, sigmoid scores with a choice bias (set
+    # to distinct values), group-limited, scaled.
+    parser.add_argument("--nemotron-3-moe", action="store_true")
     options = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     args = copy.deepcopy(hybrid_flavors["debug_moe"])
     args.pattern = options.pattern or args.pattern
+    if options.nemotron_3_moe:
+        args.moe = dataclasses.replace(
+            args.moe, activation="relu2", score_func="sigmoid", score_correction_bias=True,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5)
     args.max_seq_len = SEQ
 
     # Rank r's microbatch m is row block 2r + m of one global batch.
@@ -72,6 +89,7 @@ def main() -> None:
 
     reference = HybridModel(args)
     reference.init_weights()
+    set_choice_biases(reference)
     for block in blocks:
         loss_of(reference(block), block).backward()
     ref_logits = reference(blocks[MICROBATCHES * rank])[0].detach()

@@ -149,8 +149,9 @@ class HybridModel(nn.Module):
         rotary table, and the layers' statistics (zero until a step counts into them)."""
         with torch.device(buffer_device or self.rope.device):
             self.rope = self._rope_table()
+        held = self.state_dict().keys()
         for name, buffer in self.named_buffers():
-            if name != "rope":
+            if name != "rope" and name not in held:
                 buffer.zero_()
 
     @torch.no_grad()

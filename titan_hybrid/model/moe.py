@@ -23,7 +23,7 @@ from torch import nn
 
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
-from titan_hybrid.model.mlp import SwiGLU
+from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -36,6 +36,26 @@ class MoEArgs:
     score_func: str = "softmax"  # or "sigmoid"
     shared_expert_hidden_dim: int = 0  # 0: no shared expert
     aux_loss_coeff: float = 1e-2
+    # The experts' and the shared expert's MLP: "swiglu", or "relu2" (Nemotron 3's non-gated
+    # squared ReLU).
+    activation: str = "swiglu"
+    # Divide the chosen experts' weights by their sum (transformers' norm_topk_prob); None:
+    # the score function's default (softmax: no, sigmoid: yes).
+    norm_topk_prob: bool | None = None
+    # Multiply the chosen experts' weights (DeepSeek-V3 / Nemotron 3's routed_scaling_factor).
+    routed_scaling_factor: float = 1.0
+    # A per-expert bias added to the scores to choose the experts, not to weigh them
+    # (DeepSeek-V3 / Nemotron 3's e_score_correction_bias, a buffer the checkpoint holds).
+    score_correction_bias: bool = False
+    # Group-limited routing: experts in n_group groups, each token choosing among the
+    # topk_group groups whose two best scores sum highest (DeepSeek-V3's n_group / topk_group).
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def normalizes_top_k(self) -> bool:
+        return (self.score_func == "sigmoid" if self.norm_topk_prob is None
+                else self.norm_topk_prob)
 
 
 class TopKRouter(nn.Module):
@@ -43,6 +63,21 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.num_experts)
+                             if args.score_correction_bias else None)
+
+    def _choice(self, scores_XE: torch.Tensor) -> torch.Tensor:
+        """The scores the experts are chosen by: biased, and outside each token's best groups
+        -inf."""
+        if self.e_score_correction_bias is not None:
+            scores_XE = scores_XE + self.e_score_correction_bias
+        groups = self.args.n_group
+        if groups == 1:
+            return scores_XE
+        grouped = scores_XE.view(scores_XE.shape[0], groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.args.topk_group, dim=-1).indices
+        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~kept[..., None], float("-inf")).view_as(scores_XE)
 
     def forward(self, x_XD: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,14 +85,15 @@ class TopKRouter(nn.Module):
         load-balancing loss)."""
         # Routing in fp32: near-ties between experts flip under bf16 logits.
         logits = upcast(self.gate(x_XD))
-        if self.args.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-            weights, experts = scores.topk(self.args.top_k, dim=-1)
-        else:
-            scores = logits.sigmoid()
-            weights, experts = scores.topk(self.args.top_k, dim=-1)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-            scores = scores / scores.sum(dim=-1, keepdim=True)
+        scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        experts = self._choice(scores).topk(self.args.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.args.normalizes_top_k:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.args.routed_scaling_factor != 1.0:
+            weights = weights * self.args.routed_scaling_factor
+        if self.args.score_func == "sigmoid":
+            scores = scores / scores.sum(dim=-1, keepdim=True)  # the balance loss's shares
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
         num_experts = self.args.num_experts
         slots_E = count_slots(experts, num_experts)
@@ -112,16 +148,23 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
     return _GatherRows.apply(x, index, inverse, repeats)
 
 
+def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """fc1's output -> fc2's input: SwiGLU (h is [gate | up]) or squared ReLU."""
+    if activation == "relu2":
+        return F.relu(h).square()
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def experts_loop(x_sorted_XD: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
-                 tokens_per_expert: list[int]) -> torch.Tensor:
+                 tokens_per_expert: list[int], activation: str = "swiglu") -> torch.Tensor:
     """The experts one at a time: two matmuls per expert and a host sync for the split. Only
     the float64 / odd-size path (grouped_mm refuses float64, which the tests' references use,
     and widths that are not a multiple of 16 bytes), and the reference the tests and
     bench/moe_layer.py compare the grouped path with."""
     outputs = []
     for expert, x in enumerate(x_sorted_XD.split(tokens_per_expert)):
-        gate, up = (x @ fc1[expert].t()).chunk(2, dim=-1)
-        outputs.append((F.silu(gate) * up) @ fc2[expert].t())
+        outputs.append(expert_activation(x @ fc1[expert].t(), activation) @ fc2[expert].t())
     return torch.cat(outputs)
 
 
@@ -135,16 +178,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts; fc1[e] holds [W_e ; V_e] like the dense MLP."""
+    """E experts: SwiGLU (fc1[e] holds [W_e ; V_e] like the dense MLP) or squared ReLU."""
 
-    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int) -> None:
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int,
+                 activation: str = "swiglu") -> None:
         super().__init__()
-        self.fc1 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        gated = activation == "swiglu"
+        self.fc1 = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * hidden_dim, dim))
         self.fc2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.hidden_dim = hidden_dim
+        self.hidden_dim, self.activation = hidden_dim, activation
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
-        # Each expert split like the dense SwiGLU: hidden units, [W_local ; V_local] per rank.
+        # Each expert split like the dense MLP: hidden units ([W_local ; V_local] per rank).
+        if self.activation == "relu2":
+            return {"fc1": sharded(1), "fc2": sharded(2)}
         return {"fc1": sharded(1, {"_w": self.hidden_dim, "_v": self.hidden_dim}),
                 "fc2": sharded(2)}
 
@@ -158,12 +205,14 @@ class GroupedExperts(nn.Module):
                 or (hidden * dtype.itemsize) % 16:
             # The float64 / odd-size path only: grouped_mm takes neither float64 nor rows
             # that are not a multiple of 16 bytes (its operands' and gradients' strides).
-            return experts_loop(x_sorted_XD, self.fc1, self.fc2, tokens_per_expert.tolist())
+            return experts_loop(x_sorted_XD, self.fc1, self.fc2, tokens_per_expert.tolist(),
+                                self.activation)
         x, fc1, fc2 = (t.to(dtype) for t in (x_sorted_XD.contiguous(), self.fc1, self.fc2))
         offs_E = tokens_per_expert.cumsum(0, dtype=torch.int32)
-        # x @ fc1[e].t() for every expert's block: mat_b is fc1 seen as [E, dim, 2 * hidden].
-        gate, up = F.grouped_mm(x, fc1.transpose(-2, -1), offs=offs_E).chunk(2, dim=-1)
-        return F.grouped_mm(F.silu(gate) * up, fc2.transpose(-2, -1), offs=offs_E)
+        # x @ fc1[e].t() for every expert's block: mat_b is fc1 seen as [E, dim, fc1 rows].
+        hidden = F.grouped_mm(x, fc1.transpose(-2, -1), offs=offs_E)
+        return F.grouped_mm(expert_activation(hidden, self.activation), fc2.transpose(-2, -1),
+                            offs=offs_E)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.fc1, std=init_std, a=-3 * init_std, b=3 * init_std)
@@ -176,8 +225,9 @@ class MoE(nn.Module):
         self.args = args
         self.router = TopKRouter(dim=dim, args=args)
         self.experts = GroupedExperts(dim=dim, hidden_dim=args.hidden_dim,
-                                      num_experts=args.num_experts)
-        self.shared_expert = (SwiGLU(dim=dim, hidden_dim=args.shared_expert_hidden_dim)
+                                      num_experts=args.num_experts, activation=args.activation)
+        self.shared_expert = (build_mlp(MLPArgs(hidden_dim=args.shared_expert_hidden_dim,
+                                                activation=args.activation), dim)
                               if args.shared_expert_hidden_dim > 0 else None)
         # Router statistics since the metrics last read them (KIND.statistics): slots
         # routed to each expert, and the summed load-balancing loss with its forward count.
@@ -213,6 +263,8 @@ class MoE(nn.Module):
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         self.reset_router_statistics()
         init_linear(self.router.gate, std=init_std)
+        if self.router.e_score_correction_bias is not None:
+            self.router.e_score_correction_bias.zero_()
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std=init_std, out_std=out_std)
@@ -226,6 +278,13 @@ def _validate(args: MoEArgs, dim: int) -> None:
                          f"{args.num_experts}]")
     if args.score_func not in SCORE_FUNCTIONS:
         raise ValueError(f"moe: score_func '{args.score_func}' is not 'softmax' or 'sigmoid'")
+    if args.activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation '{args.activation}' is not 'swiglu' or 'relu2'")
+    if args.num_experts % args.n_group or not 1 <= args.topk_group <= args.n_group \
+            or (args.n_group > 1 and args.num_experts // args.n_group < 2):
+        raise ValueError(f"moe: n_group={args.n_group} must divide num_experts="
+                         f"{args.num_experts} into groups of at least 2, and topk_group="
+                         f"{args.topk_group} must be in [1, n_group]")
 
 
 def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
@@ -237,8 +296,9 @@ def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
 
 def _inactive_params(args: MoEArgs, dim: int) -> int:
     """The routed experts a token does not visit: num_experts - top_k of them, each
-    fc1 [2 * hidden, dim] and fc2 [dim, hidden]."""
-    return (args.num_experts - args.top_k) * 3 * args.hidden_dim * dim
+    fc1 [2 * hidden, dim] (squared ReLU: [hidden, dim]) and fc2 [dim, hidden]."""
+    matrices = 2 if args.activation == "relu2" else 3
+    return (args.num_experts - args.top_k) * matrices * args.hidden_dim * dim
 
 
 def _router_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
