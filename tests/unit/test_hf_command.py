@@ -33,6 +33,15 @@ FAMILIES = {
         mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
         layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"],
         attn_implementation="eager")),
+    # Nemotron 3: MoE layers (squared-ReLU experts, biased group-limited sigmoid routing).
+    "nemotron_h_moe": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
+        layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "mlp"],
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, attn_implementation="eager")),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
         vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
@@ -65,6 +74,9 @@ def save_tiny(family: str, folder: Path, **changes) -> torch.nn.Module:
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # the routers' choice biases (init: 0)
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     model.save_pretrained(str(folder))
     return model
 
@@ -181,7 +193,7 @@ def test_export_writes_shards_with_an_index_that_transformers_reads(tmp_path):
     shutil.rmtree(tmp_path / "back")
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
     """torchtitan's checkpointer hands the adapters plain state dicts, titan_hybrid's split
     ones: in both, a model tensor the format does not name, and an HF tensor the model has no

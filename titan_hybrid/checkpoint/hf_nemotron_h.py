@@ -9,13 +9,16 @@ are already components in global coordinates, so a fused HF tensor (Mamba in_pro
 or reads only the pieces it holds, nothing is gathered.
 
 Nemotron-H has Mamba2, attention without position embeddings and a non-gated squared-ReLU MLP:
-patterns of `M`, `*`, `-` with `mlp.activation = "relu2"` and `attention.use_rope = False`.
-Other models get a ValueError naming the field when the adapter is used.
+patterns of `M`, `*`, `-` with `mlp.activation = "relu2"` and `attention.use_rope = False`;
+Nemotron 3 adds MoE layers (`E`: squared-ReLU experts, one HF tensor per expert, a shared
+expert, the sigmoid router with its choice bias). Other models get a ValueError naming the
+field when the adapter is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +36,10 @@ from titan_hybrid.checkpoint.hf_adapter import (
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.checkpoint.split import ComponentChunks, concat_components, local_placement
 from titan_hybrid.checkpoint.state import logical_keys, physical_keys
-from titan_hybrid.model import attention, mamba, mlp
-from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
+from titan_hybrid.model import attention, mamba, mlp, moe
+from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mamba import fused_component_sizes
@@ -70,8 +73,21 @@ def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
         problems.append("attention.use_rope=True: Nemotron-H attention has no position embedding")
     if mamba.KIND.name in kinds and args.mamba.dt_limit[1] != float("inf"):
         problems.append(f"mamba.dt_limit={args.mamba.dt_limit} must have no upper bound")
+    experts = args.moe
+    if moe.KIND.name in kinds and (experts.activation, experts.score_func,
+                                   experts.score_correction_bias,
+                                   experts.shared_expert_hidden_dim > 0) != NEMOTRON_3_MOE:
+        problems.append(
+            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
+            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
+            f"{experts.shared_expert_hidden_dim}; Nemotron 3's MoE layers have squared-ReLU "
+            "experts, a sigmoid router with a choice bias and a shared expert")
     if problems:
         raise ValueError("model cannot use the HF Nemotron-H format: " + "; ".join(problems))
+
+
+# (moe.activation, score_func, score_correction_bias, a shared expert) of Nemotron 3's MoE.
+NEMOTRON_3_MOE = ("relu2", "sigmoid", True, True)
 
 
 def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, LayerKind]]:
@@ -124,6 +140,24 @@ class HFFusedChunks(ComponentChunks):
         return super().__get_tensor_shard__(index)
 
 
+class ExpertSlice(NamedTuple):
+    """An HF tensor that is one expert's slice of our [experts, ...] parameter."""
+    key: str
+    expert: int
+
+
+def expert_slice(value: torch.Tensor, expert: int, hf_key: str) -> torch.Tensor | None:
+    """The view of `value` (a plain tensor, or a DTensor sharded over whole experts by FSDP /
+    EP) holding `expert`, or None if this rank holds another expert. Experts split inside by
+    tensor parallelism are refused, naming the HF tensor."""
+    local, shape, offsets = local_placement(value, None)
+    if tuple(local.shape[1:]) != tuple(shape[1:]):
+        raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor parallelism; "
+                         "read or write HF checkpoints of this model without expert TP")
+    first = offsets[0]
+    return local[expert - first] if first <= expert < first + local.shape[0] else None
+
+
 class NemotronHStateDictAdapter(HFStateDictAdapter):
     FORMAT_NAME = "Nemotron-H"
 
@@ -133,8 +167,9 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         # returns the very components a load wrote into.
         self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
 
-    def _key_map(self) -> dict[str, str | tuple[str, ...]]:
-        """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
+    def _key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+        """HF key -> our key, the tuple of our component keys of a fused HF tensor, or one
+        expert's slice of our parameter."""
         check_nemotron_h_compatible(self.model_args)
         mapping: dict[str, str | tuple[str, ...]] = {
             "backbone.embeddings.weight": "tok_embeddings.weight",
@@ -150,6 +185,10 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             for name, parts in names.fused.items():
                 mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
                                                      for part in parts)
+            for ours, theirs in names.per_expert.items():
+                for expert in range(self.model_args.section(kind).num_experts):
+                    mapping[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
+                        f"{prefix}{kind.name}.{ours}", expert)
         return mapping
 
     def to_hf(self, state_dict: dict) -> dict:
@@ -162,6 +201,16 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         layers = held_layers(state_dict)
         used: set[str] = set()
         for hf_key, ours in self._key_map().items():
+            if isinstance(ours, ExpertSlice):
+                if ours.key not in state_dict:
+                    check_present(state_dict, ours.key, hf_key, layers)
+                    continue
+                view = expert_slice(state_dict[ours.key], ours.expert, hf_key)
+                if view is not None:
+                    hf_state_dict[hf_key] = view
+                    self._fused_handed_out[hf_key] = (view, {ours.key: state_dict[ours.key]})
+                used.add(ours.key)
+                continue
             if isinstance(ours, str):
                 if ours in state_dict:
                     hf_state_dict[hf_key] = state_dict[ours]
@@ -191,7 +240,7 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         sizes = {part: rows for parts in fused_component_sizes(self.model_args.mamba,
                                                                self.model_args.dim).values()
                  for part, rows in parts.items()}
-        state_dict = {}
+        state_dict, experts = {}, {}
         key_map = self._key_map()
         check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
         for hf_key, ours in key_map.items():
@@ -202,6 +251,12 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                 state_dict[ours] = value
                 continue
             handed_out = self._fused_handed_out.get(hf_key)
+            if isinstance(ours, ExpertSlice):
+                if handed_out is not None and handed_out[0] is value:
+                    state_dict.update(handed_out[1])  # loaded in place, through the views
+                else:
+                    experts.setdefault(ours.key, {})[ours.expert] = value
+                continue
             if handed_out is not None and handed_out[0] is value:
                 # loaded in place (through the components' views, or into the fused parameter)
                 state_dict.update(handed_out[1])
@@ -209,6 +264,8 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             parts = [key.rsplit(".", 1)[1] for key in ours]
             pieces = value.split([sizes["." + part] for part in parts], dim=0)
             state_dict.update(zip(ours, pieces))
+        for key, slices in experts.items():  # an HF state dict of its own: stacked
+            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
         return physical_keys(state_dict, self._physical)
 
 
@@ -250,7 +307,21 @@ def nemotron_h_config(args: HybridModelArgs) -> dict:
         "time_step_max": mamba.dt_max,
         "time_step_floor": mamba.dt_init_floor,
         "residual_in_fp32": False,
+        **_moe_config(args),
     }
+
+
+def _moe_config(args: HybridModelArgs) -> dict:
+    if moe.KIND.symbol not in args.symbols():
+        return {}
+    experts = args.moe
+    return {"n_routed_experts": experts.num_experts, "num_experts_per_tok": experts.top_k,
+            "moe_intermediate_size": experts.hidden_dim,
+            "moe_shared_expert_intermediate_size": experts.shared_expert_hidden_dim,
+            "moe_latent_size": None, "n_group": experts.n_group,
+            "topk_group": experts.topk_group,
+            "routed_scaling_factor": experts.routed_scaling_factor,
+            "norm_topk_prob": experts.normalizes_top_k}
 
 
 def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None = None
@@ -262,8 +333,8 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
         types = config.get("layers_block_type", [])
         unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
         if unknown:
-            raise ValueError(f"layers_block_type has {unknown}: only mamba, attention and mlp "
-                             "layers are supported")
+            raise ValueError(f"layers_block_type has {unknown}: the supported layer types "
+                             f"are {', '.join(sorted(HF_LAYER_TYPES))}")
         pattern = "".join(HF_LAYER_TYPES[t] for t in types)
     for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
                             ("tie_word_embeddings", False), ("use_bias", False),
@@ -277,10 +348,24 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
     if d_inner % dim:
         raise ValueError(f"Nemotron-H config: mamba_num_heads*mamba_head_dim={d_inner} is not a "
                          f"multiple of hidden_size={dim}")
+    if config.get("moe_latent_size"):
+        raise ValueError(f"moe_latent_size={config['moe_latent_size']}: latent MoE layers "
+                         "(experts on a projected width) are not supported yet")
     base = base or HybridModelArgs()
+    experts = base.moe
+    if moe.KIND.symbol in pattern:
+        experts = MoEArgs(
+            num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
+            hidden_dim=config["moe_intermediate_size"],
+            shared_expert_hidden_dim=config["moe_shared_expert_intermediate_size"],
+            activation="relu2", score_func="sigmoid", score_correction_bias=True,
+            n_group=config.get("n_group", 1), topk_group=config.get("topk_group", 1),
+            routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+            norm_topk_prob=config.get("norm_topk_prob", True))
     return dataclasses.replace(
         base,
         hf_format=FORMAT,
+        moe=experts,
         pattern=pattern,
         dim=dim,
         vocab_size=config["vocab_size"],

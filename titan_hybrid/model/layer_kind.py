@@ -43,6 +43,9 @@ class HFNames:
     block_type: str  # the format's layer-type word (Nemotron-H: hybrid_override_pattern)
     renames: dict[str, str]  # our parameter -> the format's parameter under `mixer.`
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF tensor -> components
+    # our [experts, ...] parameter -> the format's name of one expert's slice, with "{}" for
+    # the expert's number (one HF tensor per expert)
+    per_expert: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

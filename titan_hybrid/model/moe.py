@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
-from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
+from titan_hybrid.model.layer_kind import DATA, HFNames, KindStatistics, LayerKind
 from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -321,6 +321,16 @@ KIND = LayerKind(
     # in fp32 (grouped_mm's tracing kernel takes bf16 only); otherwise the layer is one graph.
     compiled_parts=("router", "shared_expert"), one_graph_in_bf16=True,
     routed_experts="experts", inactive_params=_inactive_params,
+    # Nemotron 3's MoE layers (squared-ReLU experts, the biased sigmoid router): checked by
+    # checkpoint/hf_nemotron_h.py.
+    hf_names={"nemotron_h": HFNames(
+        block_type="moe",
+        renames={"router.gate.weight": "gate.weight",
+                 "router.e_score_correction_bias": "gate.e_score_correction_bias",
+                 "shared_expert.fc1.weight": "shared_experts.up_proj.weight",
+                 "shared_expert.fc2.weight": "shared_experts.down_proj.weight"},
+        per_expert={"experts.fc1": "experts.{}.up_proj.weight",
+                    "experts.fc2": "experts.{}.down_proj.weight"})},
     # Counts describe the global batch of each layer: summed over the data-parallel ranks.
     statistics=KindStatistics(counters=("routed_tokens", "aux_loss_sum"), summed_over=(DATA,),
                               per_layer=True, log=_router_log),
