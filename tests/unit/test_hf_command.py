@@ -33,10 +33,11 @@ FAMILIES = {
         mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
         layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"],
         attn_implementation="eager")),
-    # Nemotron 3: MoE layers (squared-ReLU experts, biased group-limited sigmoid routing).
+    # Nemotron 3: MoE layers (squared-ReLU experts, biased group-limited sigmoid routing), and
+    # as in Nano a Mamba2 width (12 heads of 8) that is not expand * hidden_size.
     "nemotron_h_moe": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=8,
+        head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=12,
         mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
         layers_block_type=["mamba", "moe", "attention", "moe", "mamba", "mlp"],
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,

@@ -345,9 +345,6 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
                              f"(expected {expected!r})")
     dim = config["hidden_size"]
     d_inner = config["mamba_num_heads"] * config["mamba_head_dim"]
-    if d_inner % dim:
-        raise ValueError(f"Nemotron-H config: mamba_num_heads*mamba_head_dim={d_inner} is not a "
-                         f"multiple of hidden_size={dim}")
     if config.get("moe_latent_size"):
         raise ValueError(f"moe_latent_size={config['moe_latent_size']}: latent MoE layers "
                          "(experts on a projected width) are not supported yet")
@@ -376,7 +373,10 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
                                 use_rope=False),
         mlp=MLPArgs(hidden_dim=config["intermediate_size"], activation="relu2"),
         mamba=MambaArgs(d_state=config["ssm_state_size"], head_dim=config["mamba_head_dim"],
-                        n_groups=config["n_groups"], expand=d_inner // dim,
+                        n_groups=config["n_groups"], expand=config.get("expand", 2),
+                        # mamba_num_heads alone sets the width (Nano's is not expand * dim)
+                        num_heads=0 if d_inner == config.get("expand", 2) * dim
+                        else config["mamba_num_heads"],
                         conv_width=config.get("conv_kernel", 4),
                         chunk_size=config.get("chunk_size", 128),
                         dt_max=config.get("time_step_max", 0.1),

@@ -40,9 +40,12 @@ class MambaArgs:
     dt_init_floor: float = 1e-4
     a_init_range: tuple[float, float] = (1.0, 16.0)
     dt_limit: tuple[float, float] = (0.0, float("inf"))  # clamp of softplus(dt + dt_bias)
+    # The SSM heads, when the inner width is not expand * dim (Nemotron 3 Nano: 64 heads of
+    # 64 on a 2688-wide model); 0: expand * dim / head_dim.
+    num_heads: int = 0
 
     def d_inner(self, dim: int) -> int:
-        return self.expand * dim
+        return self.num_heads * self.head_dim if self.num_heads else self.expand * dim
 
     def n_heads(self, dim: int) -> int:
         return self.d_inner(dim) // self.head_dim
@@ -117,8 +120,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, *, dim: int, args: MambaArgs, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.args = args
-        self.d_inner = args.expand * dim
-        self.n_heads = self.d_inner // args.head_dim
+        self.d_inner, self.n_heads = args.d_inner(dim), args.n_heads(dim)
         self.fused_parts = fused_component_sizes(args, dim)
         in_size, conv_size = (sum(self.fused_parts[name].values())
                               for name in ("in_proj.weight", "conv1d.weight"))
@@ -167,6 +169,9 @@ def _validate(args: MambaArgs, dim: int) -> None:
     if args.d_inner(dim) % args.head_dim:
         raise ValueError(f"mamba: d_inner = expand*dim = {args.d_inner(dim)} is not divisible by "
                          f"mamba.head_dim={args.head_dim}")
+    if args.num_heads < 0:
+        raise ValueError(f"mamba: num_heads={args.num_heads} must be >= 0 (0: expand * dim / "
+                         "head_dim)")
     if args.n_heads(dim) % args.n_groups:
         raise ValueError(f"mamba: nheads={args.n_heads(dim)} is not divisible by "
                          f"mamba.n_groups={args.n_groups} (each group must own whole heads)")
