@@ -48,6 +48,15 @@ FAMILIES = {
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
         max_position_embeddings=64, attn_implementation="eager")),
+    # DeepSeek-V3 with MoE layers after its first dense one (biased group-limited routing,
+    # shared experts).
+    "deepseek_v3_moe": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        max_position_embeddings=64, attn_implementation="eager")),
     "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, dict(
         vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
@@ -168,10 +177,9 @@ def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
     save_tiny("nemotron_h", tmp_path / "hf", mlp_hidden_act="silu")
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
     assert "mlp_hidden_act='silu' is not supported" in capsys.readouterr().err
-    save_tiny("deepseek_v3", tmp_path / "moe", first_k_dense_replace=1, n_routed_experts=4,
-              num_experts_per_tok=2, moe_intermediate_size=16)
-    assert main(["import", str(tmp_path / "moe"), str(tmp_path / "ours")]) == 2
-    assert "first_k_dense_replace=1 < num_hidden_layers=2" in capsys.readouterr().err
+    save_tiny("nemotron_h_moe", tmp_path / "latent", moe_latent_size=16)
+    assert main(["import", str(tmp_path / "latent"), str(tmp_path / "ours")]) == 2
+    assert "moe_latent_size=16: latent MoE layers" in capsys.readouterr().err
     save_tiny("bamba", tmp_path / "bias", mlp_bias=True)
     assert main(["import", str(tmp_path / "bias"), str(tmp_path / "ours")]) == 2
     assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err

@@ -70,7 +70,8 @@ def test_logits_match_transformers_deepseek_on_converted_weights(pattern, mla_ch
     ("+-D-", "must be '+-' or 'D-' repeated"),
     ("[+-]", "has bracket groups"),
     ("+-/+-", "has MTP depths"),
-    ("+E", "must be '+-' or 'D-' repeated"),
+    ("+E", "DeepSeek's MoE layers have SwiGLU experts, a sigmoid router with a choice bias"),
+    ("+E+-", "must be '+-' or 'D-' repeated, then the same attention with MoE"),
 ])
 def test_models_the_format_cannot_hold_are_named(pattern, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):

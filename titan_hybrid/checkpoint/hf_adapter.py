@@ -7,11 +7,14 @@ import json
 import math
 import os
 import re
+from typing import NamedTuple
 
+import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
+from titan_hybrid.checkpoint.split import ComponentChunks, local_placement
 from titan_hybrid.model.args import HybridModelArgs
 
 
@@ -111,3 +114,36 @@ def json_float(value) -> float:
 def tagged_float(value: float):
     """A float as transformers writes it into a config.json."""
     return value if math.isfinite(value) else {FLOAT_TAG: str(value).replace("inf", "Infinity")}
+
+
+class ExpertSlice(NamedTuple):
+    """An HF tensor that is one expert's slice of our [experts, ...] parameter (or of one of
+    its components: the split state dict's `experts.fc1_w` / `_v`)."""
+    key: str
+    expert: int
+
+
+def expert_slice(value: torch.Tensor, expert: int, hf_key: str) -> torch.Tensor | None:
+    """The view of `value` (a plain tensor, a DTensor sharded over whole experts by FSDP / EP,
+    or the split state dict's component of one) holding `expert`, or None if this rank holds
+    other experts. Experts split inside by tensor parallelism are refused, naming the HF
+    tensor."""
+    if isinstance(value, ComponentChunks):
+        pieces = value.chunks
+        whole = len(pieces) <= 1 and all(
+            tuple(view.shape[1:]) == tuple(value.shape[1:]) for _, view in pieces)
+        if not whole:
+            raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor "
+                             "parallelism; read or write HF checkpoints of this model without "
+                             "expert TP")
+        if not pieces:
+            return None
+        offsets, local = pieces[0]
+        shape = value.shape
+    else:
+        local, shape, offsets = local_placement(value, None)
+    if tuple(local.shape[1:]) != tuple(shape[1:]):
+        raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor parallelism; "
+                         "read or write HF checkpoints of this model without expert TP")
+    first = offsets[0]
+    return local[expert - first] if first <= expert < first + local.shape[0] else None

@@ -18,19 +18,23 @@ import dataclasses
 import torch
 
 from titan_hybrid.checkpoint.hf_adapter import (
+    ExpertSlice,
     HFStateDictAdapter,
     check_all_used,
     check_present,
+    expert_slice,
     held_layers,
     whole_fused,
 )
 from titan_hybrid.checkpoint.state import logical_keys, physical_keys
-from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.dsa import KIND as DSA
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mla import KIND as MLA
 from titan_hybrid.model.mlp import KIND as MLP
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.model.moe import KIND as MOE
 
 # (architecture, model_type) of the decoder layer's attention kind: MLA or DSA, by kind name.
 ARCHITECTURES = {MLA.name: ("DeepseekV3ForCausalLM", "deepseek_v3"),
@@ -45,17 +49,31 @@ def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
     symbols = pattern.physical_layer_symbols()
     attention = LAYER_KINDS[symbols[0]] if symbols else None
     problems = []
+    ffns = symbols[1::2]
+    dense = ffns.count(MLP.symbol)
     if (attention is None or attention.name not in ARCHITECTURES or len(symbols) % 2
-            or symbols != [attention.symbol, MLP.symbol] * (len(symbols) // 2)):
+            or symbols[0::2] != [attention.symbol] * len(ffns)
+            or ffns != [MLP.symbol] * dense + [MOE.symbol] * (len(ffns) - dense)):
         decoder_layers = " or ".join(f"'{kind.symbol}{MLP.symbol}'" for kind in ATTENTION_KINDS)
-        problems.append(f"hybrid.pattern '{args.pattern}' must be {decoder_layers} repeated "
-                        "(DeepSeek's dense decoder layers)")
+        problems.append(f"hybrid.pattern '{args.pattern}' must be {decoder_layers} repeated, "
+                        f"then the same attention with MoE ('{MOE.symbol}') layers (DeepSeek's "
+                        "dense decoder layers, then its MoE ones)")
     if any(isinstance(item, tuple) for item in pattern.main):
         problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups")
     if pattern.mtp_depths:
         problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths")
     if args.mlp.activation != "swiglu":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
+    experts = args.moe
+    if MOE.symbol in ffns and (
+            (experts.activation, experts.score_func, experts.score_correction_bias)
+            != ("swiglu", "sigmoid", True) or not experts.shared_expert_hidden_dim
+            or experts.shared_expert_hidden_dim % experts.hidden_dim):
+        problems.append(
+            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
+            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
+            f"{experts.shared_expert_hidden_dim}; DeepSeek's MoE layers have SwiGLU experts, a "
+            "sigmoid router with a choice bias and shared experts of the experts' width")
     if problems:
         raise ValueError("model cannot use the HF DeepSeek-V3 / V3.2 format: " + "; ".join(problems))
     return attention
@@ -67,23 +85,58 @@ def _attention_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[s
     return list(layer.state_dict())
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str]:
-    """HF key -> our key; the MLP's gate / up halves map to our fc1 with a suffix _w / _v."""
+def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice]:
+    """HF key -> our key, or one expert's slice of our experts' parameter; the gate / up
+    halves of an MLP or expert map to our fc1 with a suffix _w / _v (the split state dict's
+    components)."""
     kind = check_deepseek_compatible(args)
     name = kind.name
-    mapping = {"model.embed_tokens.weight": "tok_embeddings.weight",
-               "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    mapping: dict[str, str | ExpertSlice] = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     attention_names = _attention_parameter_names(args, kind)
-    for j in range(args.parsed_pattern.num_physical_layers // 2):
-        hf, mixer, mlp = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    for j in range(len(symbols) // 2):
+        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
         mapping[hf + "input_layernorm.weight"] = f"{mixer}{name}_norm.weight"
         for parameter in attention_names:
             mapping[f"{hf}self_attn.{parameter}"] = f"{mixer}{name}.{parameter}"
-        mapping[hf + "post_attention_layernorm.weight"] = f"{mlp}mlp_norm.weight"
-        mapping[hf + "mlp.gate_proj.weight"] = f"{mlp}mlp.fc1.weight_w"
-        mapping[hf + "mlp.up_proj.weight"] = f"{mlp}mlp.fc1.weight_v"
-        mapping[hf + "mlp.down_proj.weight"] = f"{mlp}mlp.fc2.weight"
+        ffn_kind = LAYER_KINDS[symbols[2 * j + 1]].name
+        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind}_norm.weight"
+        if symbols[2 * j + 1] == MLP.symbol:
+            mapping[hf + "mlp.gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
+            mapping[hf + "mlp.up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
+            mapping[hf + "mlp.down_proj.weight"] = f"{ffn}mlp.fc2.weight"
+            continue
+        moe = f"{ffn}moe."
+        mapping[hf + "mlp.gate.weight"] = moe + "router.gate.weight"
+        mapping[hf + "mlp.gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
+        mapping[hf + "mlp.shared_experts.gate_proj.weight"] = moe + "shared_expert.fc1.weight_w"
+        mapping[hf + "mlp.shared_experts.up_proj.weight"] = moe + "shared_expert.fc1.weight_v"
+        mapping[hf + "mlp.shared_experts.down_proj.weight"] = moe + "shared_expert.fc2.weight"
+        for expert in range(args.moe.num_experts):
+            experts = f"{hf}mlp.experts.{expert}."
+            mapping[experts + "gate_proj.weight"] = ExpertSlice(moe + "experts.fc1_w", expert)
+            mapping[experts + "up_proj.weight"] = ExpertSlice(moe + "experts.fc1_v", expert)
+            mapping[experts + "down_proj.weight"] = ExpertSlice(moe + "experts.fc2", expert)
     return mapping
+
+
+def _halves(state_dict: dict) -> tuple[dict, dict[str, int]]:
+    """A plain state dict's fused SwiGLU fc1 (MLPs' [gate; up] rows, experts' [E, gate; up])
+    as the split state dict's halves `<fc1>_w` / `_v` (views; whole without TP); and
+    {fused key: the dimension halved}, for from_hf to join them again."""
+    out, halved = dict(state_dict), {}
+    for key in list(out):
+        dim = (0 if key.endswith("fc1.weight") else 1 if key.endswith("experts.fc1")
+               else None)
+        if dim is None or key + "_w" in out:
+            continue
+        gate, up = whole_fused(out, key, key).chunk(2, dim=dim)
+        del out[key]
+        out[key + "_w"], out[key + "_v"] = gate, up
+        halved[key] = dim
+    return out, halved
 
 
 class DeepSeekStateDictAdapter(HFStateDictAdapter):
@@ -98,70 +151,79 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
         super().__init__(model_args, hf_assets_path)
         # In a plain state dict (torchtitan's own checkpointer) fc1 is whole: the fused keys
-        # whose gate / up halves to_hf handed out, for from_hf to join them again.
-        self._halved: set[str] = set()
+        # whose gate / up halves to_hf handed out (and their dimension), for from_hf to join.
+        self._halved: dict[str, int] = {}
+        # HF key -> (the expert's view handed out, {our key: the parameter it is a view of})
+        self._experts_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
 
     def to_hf(self, state_dict: dict) -> dict:
         """Split state dicts (titan_hybrid's manager: fc1's halves `fc1.weight_w` / `_v`) and
-        plain ones (fc1 whole, halved here; without TP its rows are gate then up); ValueError
-        names an HF tensor of a held layer with no source."""
-        hf_state_dict, self._halved = {}, set()
+        plain ones (fc1 whole, halved here; without TP its rows are gate then up); each
+        expert's tensors are views of the rank's own experts. ValueError names an HF tensor
+        of a held layer with no source."""
+        hf_state_dict, self._experts_handed_out = {}, {}
         state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
+        state_dict, self._halved = _halves(state_dict)
         layers = held_layers(state_dict)
         used: set[str] = set()
         for hf_key, ours in _key_map(self.model_args).items():
-            if ours in state_dict:
-                hf_state_dict[hf_key] = state_dict[ours]
-                used.add(ours)
+            key = ours.key if isinstance(ours, ExpertSlice) else ours
+            if key not in state_dict:
+                check_present(state_dict, key, hf_key, layers)
                 continue
-            half = ours.endswith(("fc1.weight_w", "fc1.weight_v"))
-            whole = whole_fused(state_dict, ours[:-2], hf_key) if half else None
-            if whole is None:
-                check_present(state_dict, ours, hf_key, layers)
+            used.add(key)
+            if not isinstance(ours, ExpertSlice):
+                hf_state_dict[hf_key] = state_dict[key]
                 continue
-            hf_state_dict[hf_key] = whole.chunk(2, dim=0)[0 if ours.endswith("_w") else 1]
-            self._halved.add(ours[:-2])
-            used.add(ours[:-2])
+            view = expert_slice(state_dict[key], ours.expert, hf_key)
+            if view is not None:
+                hf_state_dict[hf_key] = view
+                self._experts_handed_out[hf_key] = (view, {key: state_dict[key]})
         check_all_used(state_dict, used, "model tensor(s)", "HF DeepSeek-V3 / V3.2 format")
         return hf_state_dict
 
     def from_hf(self, hf_state_dict: dict) -> dict:
         key_map = _key_map(self.model_args)
         check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
-        state_dict = {ours: hf_state_dict[hf_key] for hf_key, ours in key_map.items()
-                      if hf_key in hf_state_dict}
-        for fused_key in self._halved:
-            state_dict[fused_key] = torch.cat((state_dict.pop(fused_key + "_w"),
-                                               state_dict.pop(fused_key + "_v")))
+        state_dict, experts = {}, {}
+        for hf_key, ours in key_map.items():
+            if hf_key not in hf_state_dict:
+                continue
+            value = hf_state_dict[hf_key]
+            if not isinstance(ours, ExpertSlice):
+                state_dict[ours] = value
+                continue
+            handed_out = self._experts_handed_out.get(hf_key)
+            if handed_out is not None and handed_out[0] is value:
+                state_dict.update(handed_out[1])  # loaded in place, through the views
+            else:
+                experts.setdefault(ours.key, {})[ours.expert] = value
+        for key, slices in experts.items():  # an HF state dict of its own: stacked
+            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
+        for fused_key, dim in self._halved.items():
+            if fused_key + "_w" in state_dict:
+                state_dict[fused_key] = torch.cat((state_dict.pop(fused_key + "_w"),
+                                                   state_dict.pop(fused_key + "_v")), dim=dim)
         return physical_keys(state_dict, self._physical)
 
 
 def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
-    """Our model's state dict (fused fc1) -> DeepSeek's keys."""
-    out = {}
-    for hf_key, ours in _key_map(args).items():
-        if ours.endswith(("fc1.weight_w", "fc1.weight_v")):
-            gate, up = state_dict[ours[:-2]].chunk(2, dim=0)
-            out[hf_key] = gate if ours.endswith("_w") else up
-        else:
-            out[hf_key] = state_dict[ours]
-    return out
+    """Our model's plain state dict -> DeepSeek's keys (views of its tensors)."""
+    return DeepSeekStateDictAdapter(args, None).to_hf(state_dict)
 
 
 def from_deepseek(hf_state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
-    """DeepSeek's keys -> our model's state dict; a missing key is a ValueError naming it."""
-    mapping = _key_map(args)
-    missing = [key for key in mapping if key not in hf_state_dict]
+    """DeepSeek's keys -> our model's plain state dict; a missing key is a ValueError naming
+    it."""
+    adapter = DeepSeekStateDictAdapter(args, None)
+    missing = [key for key in _key_map(args) if key not in hf_state_dict]
     if missing:
         raise ValueError(f"DeepSeek checkpoint lacks {len(missing)} tensors of this model, "
                          f"e.g. {missing[0]!r}")
-    out = {ours: hf_state_dict[hf_key] for hf_key, ours in mapping.items()
-           if not ours.endswith(("fc1.weight_w", "fc1.weight_v"))}
-    for hf_key, ours in mapping.items():
-        if ours.endswith("fc1.weight_w"):
-            up_key = hf_key.replace("gate_proj", "up_proj")
-            out[ours[:-2]] = torch.cat((hf_state_dict[hf_key], hf_state_dict[up_key]))
-    return out
+    # A plain state dict's fused keys: to_hf of such a dict records which halves to join.
+    with torch.device("meta"):
+        adapter.to_hf(HybridModel(args).state_dict())
+    return adapter.from_hf(hf_state_dict)
 
 
 def deepseek_config(args: HybridModelArgs) -> dict:
@@ -175,12 +237,13 @@ def deepseek_config(args: HybridModelArgs) -> dict:
                     original_max_position_embeddings=mla.yarn_original_max_position_embeddings,
                     beta_fast=mla.yarn_beta_fast, beta_slow=mla.yarn_beta_slow,
                     mscale=mla.yarn_mscale, mscale_all_dim=mla.yarn_mscale_all_dim)
-    num_layers = args.parsed_pattern.num_physical_layers // 2
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    num_layers = len(symbols) // 2
     config = {
         "architectures": [architecture], "model_type": model_type,
         "vocab_size": args.vocab_size, "hidden_size": args.dim,
         "intermediate_size": args.mlp.hidden_dim, "num_hidden_layers": num_layers,
-        "first_k_dense_replace": num_layers,  # every MLP dense
+        "first_k_dense_replace": symbols[1::2].count(MLP.symbol),  # the dense layers first
         "num_attention_heads": mla.n_heads, "num_key_value_heads": mla.n_heads,
         "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
         "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
@@ -188,6 +251,15 @@ def deepseek_config(args: HybridModelArgs) -> dict:
         "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
     }
+    if MOE.symbol in symbols:
+        experts = args.moe
+        config.update(
+            n_routed_experts=experts.num_experts, num_experts_per_tok=experts.top_k,
+            moe_intermediate_size=experts.hidden_dim,
+            n_shared_experts=experts.shared_expert_hidden_dim // experts.hidden_dim,
+            n_group=experts.n_group, topk_group=experts.topk_group,
+            routed_scaling_factor=experts.routed_scaling_factor,
+            norm_topk_prob=experts.normalizes_top_k)
     if kind is MLA:
         config["rope_interleave"] = mla.rope_interleave
     else:
@@ -199,17 +271,17 @@ def deepseek_config(args: HybridModelArgs) -> dict:
 
 
 def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
-    """HybridModelArgs for a DeepSeek-V3 / V3.2 config.json whose layers are all dense (MLA or
-    DSA attention, SwiGLU MLP); ValueError naming the first setting the format cannot hold."""
+    """HybridModelArgs for a DeepSeek-V3 / V3.2 config.json (MLA or DSA attention, SwiGLU
+    MLPs in the first `first_k_dense_replace` layers, MoE layers after them); ValueError naming
+    the first setting the format cannot hold."""
     num_layers = config["num_hidden_layers"]
-    dense = config.get("first_k_dense_replace", num_layers)
-    if dense < num_layers and config.get("n_routed_experts"):
-        raise ValueError(
-            f"first_k_dense_replace={dense} < num_hidden_layers={num_layers}: DeepSeek's MoE "
-            "layers (group-limited sigmoid routing with a bias, routed scaling) are not "
-            "titan_hybrid's E yet; only dense DeepSeek models convert")
+    dense = min(config.get("first_k_dense_replace", num_layers), num_layers)
+    if dense < num_layers and not config.get("n_routed_experts"):
+        raise ValueError(f"first_k_dense_replace={dense} < num_hidden_layers={num_layers} "
+                         "but n_routed_experts is not set")
     for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False)):
+                            ("attention_bias", False), ("scoring_func", "sigmoid"),
+                            ("topk_method", "noaux_tc")):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "
                              f"{expected!r})")
@@ -242,8 +314,21 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
         section.update(index_n_heads=config["index_n_heads"],
                        index_head_dim=config["index_head_dim"], index_topk=config["index_topk"])
     base = HybridModelArgs()
+    experts = base.moe
+    if dense < num_layers:
+        experts = MoEArgs(
+            num_experts=config["n_routed_experts"], top_k=config["num_experts_per_tok"],
+            hidden_dim=config["moe_intermediate_size"],
+            shared_expert_hidden_dim=config.get("n_shared_experts", 1)
+            * config["moe_intermediate_size"],
+            score_func="sigmoid", score_correction_bias=True,
+            n_group=config.get("n_group", 1), topk_group=config.get("topk_group", 1),
+            routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
+            norm_topk_prob=config.get("norm_topk_prob", True))
     return dataclasses.replace(
-        base, hf_format="deepseek", pattern=(kind.symbol + MLP.symbol) * num_layers,
+        base, hf_format="deepseek", moe=experts,
+        pattern=(kind.symbol + MLP.symbol) * dense + (kind.symbol + MOE.symbol) * (
+            num_layers - dense),
         dim=config["hidden_size"],
         vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=config.get("max_position_embeddings", base.max_seq_len),

@@ -18,7 +18,6 @@ field when the adapter is used.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,13 +29,15 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from titan_hybrid.checkpoint.hf_adapter import (
+    ExpertSlice,
     HFStateDictAdapter,
     check_all_used,
     check_present,
+    expert_slice,
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.split import ComponentChunks, concat_components, local_placement
+from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
 from titan_hybrid.checkpoint.state import logical_keys, physical_keys
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
@@ -138,24 +139,6 @@ class HFFusedChunks(ComponentChunks):
         if piece is not None and piece[0] == index.offset:
             return piece[1]
         return super().__get_tensor_shard__(index)
-
-
-class ExpertSlice(NamedTuple):
-    """An HF tensor that is one expert's slice of our [experts, ...] parameter."""
-    key: str
-    expert: int
-
-
-def expert_slice(value: torch.Tensor, expert: int, hf_key: str) -> torch.Tensor | None:
-    """The view of `value` (a plain tensor, or a DTensor sharded over whole experts by FSDP /
-    EP) holding `expert`, or None if this rank holds another expert. Experts split inside by
-    tensor parallelism are refused, naming the HF tensor."""
-    local, shape, offsets = local_placement(value, None)
-    if tuple(local.shape[1:]) != tuple(shape[1:]):
-        raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor parallelism; "
-                         "read or write HF checkpoints of this model without expert TP")
-    first = offsets[0]
-    return local[expert - first] if first <= expert < first + local.shape[0] else None
 
 
 class NemotronHStateDictAdapter(HFStateDictAdapter):
