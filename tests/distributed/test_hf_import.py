@@ -18,7 +18,10 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
          "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32")
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "nemotron_h_moe", "bamba", "deepseek_v3_moe"])
+FAMILIES = ["nemotron_h", "nemotron_h_moe", "bamba", "deepseek_v3_moe", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def imported(tmp_path_factory, request):
     """(the imported job, the HF folder, the one-process run) of a tiny model of the family."""
     tmp = tmp_path_factory.mktemp(f"hf_import_{request.param}")

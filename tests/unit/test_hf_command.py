@@ -17,6 +17,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from titan_hybrid.hf.__main__ import main, model_args_of_job
 from titan_hybrid.hf.convert import build_model, load_checkpoint_into
@@ -63,6 +65,17 @@ FAMILIES = {
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
         index_n_heads=2, index_head_dim=16, index_topk=6, max_position_embeddings=64,
         attn_implementation="eager")),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=40, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+        max_position_embeddings=64, attn_implementation="eager")),
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        max_position_embeddings=64, attn_implementation="eager")),
     "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, dict(
         vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
         attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
@@ -147,7 +160,7 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "nemotron_h"),
+               "nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
     (tmp_path / "hf").mkdir()

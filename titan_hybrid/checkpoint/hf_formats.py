@@ -6,6 +6,7 @@ its layer kinds belong to.
     DeepSeek-V3 / V3.2   models with MLA (`+`) or DSA (`D`) layers: hf_deepseek.py
     Nemotron-H           all others: hf_nemotron_h.py
     Bamba                by hf_format only: hf_bamba.py
+    Qwen3.5 (and MoE)    by hf_format only: hf_qwen3_5.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
@@ -34,6 +35,11 @@ from titan_hybrid.checkpoint.hf_nemotron_h import (
     check_nemotron_h_compatible,
     nemotron_h_config,
 )
+from titan_hybrid.checkpoint.hf_qwen3_5 import (
+    Qwen35StateDictAdapter,
+    check_qwen3_5_compatible,
+    qwen3_5_config,
+)
 from titan_hybrid.model.args import HybridModelArgs
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -51,7 +57,8 @@ class HFFormat:
 NEMOTRON_H = HFFormat(NemotronHStateDictAdapter, check_nemotron_h_compatible, nemotron_h_config)
 DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config)
 BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
-FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA}
+QWEN3_5 = HFFormat(Qwen35StateDictAdapter, check_qwen3_5_compatible, qwen3_5_config)
+FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:

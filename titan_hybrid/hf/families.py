@@ -17,8 +17,9 @@ from pathlib import Path
 
 from titan_hybrid.checkpoint.hf_bamba import model_args_from_bamba_config
 from titan_hybrid.checkpoint.hf_deepseek import model_args_from_deepseek_config
-from titan_hybrid.checkpoint.hf_formats import BAMBA, DEEPSEEK, NEMOTRON_H, HFFormat
+from titan_hybrid.checkpoint.hf_formats import BAMBA, DEEPSEEK, NEMOTRON_H, QWEN3_5, HFFormat
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
+from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
@@ -35,6 +36,8 @@ FAMILIES = (
     Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config),
     Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config),
     Family(("bamba",), BAMBA, model_args_from_bamba_config),
+    Family(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), QWEN3_5,
+           model_args_from_qwen3_5_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.

@@ -40,6 +40,9 @@ class HybridModelArgs:
     dim: int = 256
     vocab_size: int = 2048
     norm_eps: float = 1e-5
+    # The layers' input norms, the final norm and MTP's norms scale by 1 + weight (Qwen3-Next,
+    # Qwen3.5): model.norms.RMSNorm's zero_centered.
+    norm_zero_centered: bool = False
     max_seq_len: int = 2048
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone

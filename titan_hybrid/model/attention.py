@@ -13,9 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
+from titan_hybrid.model.common import (
+    REPLICATED_ON_LOCAL_SHARDS,
+    TPLayout,
+    init_linear,
+    sharded,
+    upcast,
+)
 from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
 
 
 @dataclass
@@ -31,6 +38,13 @@ class AttentionArgs:
     # The share of each head's channels that rotates, the first ones (transformers'
     # partial_rotary_factor: 0.5 in Bamba); the others pass through unrotated.
     rotary_fraction: float = 1.0
+    # Per-head RMS norms of queries and keys before the rotary embedding (Qwen3), scaling by
+    # 1 + weight when zero-centred (Qwen3-Next / Qwen3.5).
+    qk_norm: bool = False
+    qk_norm_zero_centered: bool = False
+    # A sigmoid gate on each head's output, computed with the queries: wq's rows are each
+    # head's [query | gate] (Qwen3-Next / Qwen3.5's q_proj).
+    output_gate: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -83,31 +97,49 @@ class CausalAttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, *, dim: int, args: AttentionArgs) -> None:
+    def __init__(self, *, dim: int, args: AttentionArgs, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.use_rope, self.rope_interleave = args.use_rope, args.rope_interleave
-        self.rotary_dim = args.rotary_dim
-        self.wq = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.rotary_dim, self.output_gate = args.rotary_dim, args.output_gate
+        self.wq = nn.Linear(dim, self.n_heads * self.head_dim * (2 if self.output_gate else 1),
+                            bias=False)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm, self.k_norm = (
+                RMSNorm(self.head_dim, eps=norm_eps, zero_centered=args.qk_norm_zero_centered)
+                for _ in range(2))
         self.core = CausalAttentionCore()
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
-        # Query / key / value projections split by (kv) heads, the output projection by rows.
-        return {"wq.weight": sharded(0), "wk.weight": sharded(0), "wv.weight": sharded(0),
-                "wo.weight": sharded(1)}
+        # Query / key / value projections split by (kv) heads (wq's rows by [query | gate]
+        # head), the output projection by rows; the q / k norms, one weight for every head,
+        # apply to each rank's own heads.
+        layouts = {"wq.weight": sharded(0), "wk.weight": sharded(0), "wv.weight": sharded(0),
+                   "wo.weight": sharded(1)}
+        if self.q_norm is not None:
+            layouts.update({"q_norm.weight": REPLICATED_ON_LOCAL_SHARDS,
+                            "k_norm.weight": REPLICATED_ON_LOCAL_SHARDS})
+        return layouts
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         batch, seq_len, _ = x_BTD.shape
         # -1 instead of the head count: under tensor parallelism each rank holds fewer heads.
-        q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim * (1 + self.output_gate))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = (self._rotate(t, layout.rope(seq_len)) for t in (q, k))
         out = self.core(q, k, v, layout, layout)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return self.wo(out.reshape(batch, seq_len, -1))
 
     def _rotate(self, x_BTHD: torch.Tensor, table_BTR2: torch.Tensor) -> torch.Tensor:
@@ -123,6 +155,9 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             init_linear(linear, std=init_std)
         init_linear(self.wo, std=out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()
 
 
 def _validate(args: AttentionArgs, dim: int) -> None:
@@ -143,7 +178,7 @@ def _core_flops(args: AttentionArgs, dim: int, seq_len: int) -> int:
 
 KIND = LayerKind(
     symbol="*", args_type=AttentionArgs,
-    build=lambda args, dim, norm_eps: Attention(dim=dim, args=args),
+    build=lambda args, dim, norm_eps: Attention(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     tensor_parallel_sizes=lambda args, dim: [("attention.n_heads", args.n_heads),
                                              ("attention.n_kv_heads", args.n_kv_heads)],

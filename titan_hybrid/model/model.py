@@ -29,6 +29,11 @@ from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.model.pattern import Item
 
 
+def model_norm(args: HybridModelArgs) -> RMSNorm:
+    """A norm over the model's width: a layer's input norm, the final norm, MTP's norms."""
+    return RMSNorm(args.dim, eps=args.norm_eps, zero_centered=args.norm_zero_centered)
+
+
 class HybridLayer(nn.Module):
     """One physical layer of a kind from the table (model/layer_kinds.py). Submodules are named
     by kind (`attention_norm`, `attention`, ...) so that checkpoint keys say what a layer is,
@@ -38,7 +43,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.symbol = symbol
         self.kind = LAYER_KINDS[symbol]
-        self.add_module(f"{self.kind.name}_norm", RMSNorm(args.dim, eps=args.norm_eps))
+        self.add_module(f"{self.kind.name}_norm", model_norm(args))
         self.add_module(self.kind.name,
                         self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
 
@@ -90,11 +95,11 @@ class MTPDepth(nn.Module):
 
     def __init__(self, items: list[Item], args: HybridModelArgs) -> None:
         super().__init__()
-        self.hidden_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.embedding_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.hidden_norm = model_norm(args)
+        self.embedding_norm = model_norm(args)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = HybridStack(items, args)
-        self.final_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.final_norm = model_norm(args)
 
     def forward(self, h, future_embedding, aux_loss, layout):
         """Returns (hidden state for the next depth, aux loss, normed input of the LM head)."""
@@ -130,7 +135,7 @@ class HybridModel(nn.Module):
         pattern = model_args.parsed_pattern
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = HybridStack(pattern.main, model_args).layers
-        self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.norm = model_norm(model_args)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPDepth(pattern.mtp, model_args)
                                  for _ in range(pattern.mtp_depths))

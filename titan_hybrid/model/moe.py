@@ -51,6 +51,9 @@ class MoEArgs:
     # topk_group groups whose two best scores sum highest (DeepSeek-V3's n_group / topk_group).
     n_group: int = 1
     topk_group: int = 1
+    # The shared expert's output times sigmoid(a learned projection of the token) (Qwen2-MoE,
+    # Qwen3-Next, Qwen3.5's shared_expert_gate).
+    shared_expert_gate: bool = False
 
     @property
     def normalizes_top_k(self) -> bool:
@@ -229,6 +232,8 @@ class MoE(nn.Module):
         self.shared_expert = (build_mlp(MLPArgs(hidden_dim=args.shared_expert_hidden_dim,
                                                 activation=args.activation), dim)
                               if args.shared_expert_hidden_dim > 0 else None)
+        self.shared_expert_gate = (nn.Linear(dim, 1, bias=False)
+                                   if args.shared_expert_gate else None)
         # Router statistics since the metrics last read them (KIND.statistics): slots
         # routed to each expert, and the summed load-balancing loss with its forward count.
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts), persistent=False)
@@ -253,7 +258,10 @@ class MoE(nn.Module):
         # Weighted sum over the A choices in fp32 (the router's weights), rounded once.
         out_XD = (upcast(out_XAD) * weights_XA.unsqueeze(-1)).sum(1).type_as(x_XD)
         if self.shared_expert is not None:
-            out_XD = out_XD + self.shared_expert(x_XD)
+            shared_XD = self.shared_expert(x_XD)
+            if self.shared_expert_gate is not None:
+                shared_XD = shared_XD * torch.sigmoid(self.shared_expert_gate(x_XD))
+            out_XD = out_XD + shared_XD
         return out_XD.view_as(x_BTD), aux_loss * self.args.aux_loss_coeff
 
     def reset_router_statistics(self) -> None:
@@ -268,6 +276,8 @@ class MoE(nn.Module):
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std=init_std, out_std=out_std)
+        if self.shared_expert_gate is not None:
+            init_linear(self.shared_expert_gate, std=init_std)
 
 
 def _validate(args: MoEArgs, dim: int) -> None:
@@ -319,7 +329,7 @@ KIND = LayerKind(
     tensor_parallel_sizes=_tensor_parallel_sizes,
     # The experts run eagerly under EP (their dispatch reads the token counts on the host) and
     # in fp32 (grouped_mm's tracing kernel takes bf16 only); otherwise the layer is one graph.
-    compiled_parts=("router", "shared_expert"), one_graph_in_bf16=True,
+    compiled_parts=("router", "shared_expert", "shared_expert_gate"), one_graph_in_bf16=True,
     routed_experts="experts", inactive_params=_inactive_params,
     # Nemotron 3's MoE layers (squared-ReLU experts, the biased sigmoid router): checked by
     # checkpoint/hf_nemotron_h.py.

@@ -11,18 +11,22 @@ from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float = 1e-5) -> None:
+    """`zero_centered`: the scale is 1 + weight, the weight starting at 0 (Qwen3-Next /
+    Qwen3.5's norms), so weight decay pulls the scale towards 1, not 0."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, zero_centered: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.zero_centered = eps, zero_centered
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: the mean of squares loses precision in bf16.
         normed = F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps)
-        return (normed * upcast(self.weight)).type_as(x)
+        scale = upcast(self.weight) + 1 if self.zero_centered else upcast(self.weight)
+        return (normed * scale).type_as(x)
 
     def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
 
 
 class GatedGroupRMSNorm(nn.Module):

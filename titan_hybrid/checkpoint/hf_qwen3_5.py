@@ -1,0 +1,344 @@
+"""Hugging Face Qwen3.5 interop (`transformers`' `qwen3_5_text` / `qwen3_5_moe_text`, the text
+models of Qwen3.5 and Qwen3.5-MoE): gated DeltaNet and gated attention layers, each followed
+by a SwiGLU MLP or a MoE layer. Patterns of `G-` / `*-` (or `GE` / `*E`) decoder layers.
+
+HF decoder layer j is our layers 2j (`input_layernorm`, then `linear_attn.*` or
+`self_attn.*`) and 2j + 1 (`post_attention_layernorm`, `mlp.*`). Every norm but the gated
+DeltaNet's output norm scales by 1 + weight (`norm_zero_centered`,
+`attention.qk_norm_zero_centered`). The attention's q_proj rows are each head's
+[query | gate] (`attention.output_gate`), its q / k norms are per head, and its rotary
+embedding turns the first quarter of each head's channels with rotate-half pairs. The gated
+DeltaNet's fused in_proj [query | key | value | z | beta | alpha] is four HF tensors
+(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); its conv is [query | key | value] as ours. The
+MoE layers route by a softmax renormalised over the chosen experts, with a shared expert
+behind a sigmoid gate; each expert is one HF tensor per projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_hybrid.checkpoint.hf_adapter import (
+    ExpertSlice,
+    HFStateDictAdapter,
+    check_all_used,
+    check_present,
+    expert_slice,
+    held_layers,
+    whole_fused,
+)
+from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.model import attention, gdn, mlp, moe
+from titan_hybrid.model.args import (
+    AttentionArgs,
+    GDNArgs,
+    HybridModelArgs,
+    MLPArgs,
+    MoEArgs,
+)
+from titan_hybrid.model.common import tensor_parallel_layouts
+from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.parallel.tensor_parallel import tp_degree
+
+FORMAT = "qwen3_5"
+MIXERS = {gdn.KIND.symbol: "linear_attn", attention.KIND.symbol: "self_attn"}
+FFNS = (mlp.KIND.symbol, moe.KIND.symbol)
+MODEL_TYPES = {False: ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+               True: ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}  # by MoE layers
+# Our attention options that Qwen3.5's attention has (its rotary_fraction is the config's
+# partial_rotary_factor, 0.25 in released models).
+GATED_ATTENTION = dict(use_rope=True, rope_interleave=False, qk_norm=True,
+                       qk_norm_zero_centered=True, output_gate=True)
+
+
+def check_qwen3_5_compatible(args: HybridModelArgs) -> None:
+    """ValueError naming the first field the HF Qwen3.5 format cannot represent."""
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
+    problems = []
+    ffns = symbols[1::2]
+    if (not symbols or len(symbols) % 2 or any(s not in MIXERS for s in symbols[0::2])
+            or any(s not in FFNS for s in ffns) or len(set(ffns)) > 1):
+        problems.append(f"hybrid.pattern '{args.pattern}' must be 'G' / '*' layers each "
+                        "followed by an MLP ('-') or, in every layer, by MoE ('E')")
+    if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
+        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
+    if not args.norm_zero_centered:
+        problems.append("norm_zero_centered=False: Qwen3.5's norms scale by 1 + weight")
+    if args.mlp.activation != "swiglu":
+        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
+    if attention.KIND.symbol in symbols:
+        wrong = {k: getattr(args.attention, k) for k, v in GATED_ATTENTION.items()
+                 if getattr(args.attention, k) != v}
+        if wrong:
+            problems.append(f"attention: {wrong}; Qwen3.5's attention has {GATED_ATTENTION}")
+    experts = args.moe
+    if moe.KIND.symbol in ffns and (
+            (experts.activation, experts.score_func, experts.normalizes_top_k,
+             experts.score_correction_bias, experts.n_group, experts.routed_scaling_factor,
+             experts.shared_expert_gate) != ("swiglu", "softmax", True, False, 1, 1.0, True)
+            or not experts.shared_expert_hidden_dim):
+        problems.append("moe: Qwen3.5's MoE layers have SwiGLU experts, a softmax router "
+                        "renormalised over the chosen experts (no bias, groups or scaling) "
+                        "and a shared expert behind a sigmoid gate")
+    if problems:
+        raise ValueError("model cannot use the HF Qwen3.5 format: " + "; ".join(problems))
+
+
+def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+    """HF key -> our key (a component of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`),
+    the tuple of our components of a fused HF tensor, or one expert's slice."""
+    check_qwen3_5_compatible(args)
+    mapping: dict[str, str | tuple[str, ...] | ExpertSlice] = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    for j in range(len(symbols) // 2):
+        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+        kind, ffn_kind = LAYER_KINDS[symbols[2 * j]], LAYER_KINDS[symbols[2 * j + 1]]
+        module = f"{hf}{MIXERS[kind.symbol]}."
+        mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
+        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
+        if kind is attention.KIND:
+            ours = f"{mixer}attention."
+            for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
+                                 ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+                mapping[f"{module}{theirs}.weight"] = f"{ours}{name}.weight"
+        else:
+            ours = f"{mixer}gdn."
+            in_proj, conv = f"{ours}in_proj.weight", f"{ours}conv1d.weight"
+            mapping[module + "in_proj_qkv.weight"] = tuple(
+                f"{in_proj}.{part}" for part in ("query", "key", "value"))
+            mapping[module + "in_proj_z.weight"] = f"{in_proj}.z"
+            mapping[module + "in_proj_b.weight"] = f"{in_proj}.beta"
+            mapping[module + "in_proj_a.weight"] = f"{in_proj}.alpha"
+            mapping[module + "conv1d.weight"] = tuple(
+                f"{conv}.{part}" for part in ("query", "key", "value"))
+            for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+                mapping[module + name] = ours + name
+        if ffn_kind is mlp.KIND:
+            for theirs, name in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
+                                 ("down_proj", "fc2.weight")):
+                mapping[f"{hf}mlp.{theirs}.weight"] = f"{ffn}mlp.{name}"
+            continue
+        ours = f"{ffn}moe."
+        mapping[hf + "mlp.gate.weight"] = ours + "router.gate.weight"
+        mapping[hf + "mlp.shared_expert_gate.weight"] = ours + "shared_expert_gate.weight"
+        for theirs, name in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
+                             ("down_proj", "fc2.weight")):
+            mapping[f"{hf}mlp.shared_expert.{theirs}.weight"] = f"{ours}shared_expert.{name}"
+        for expert in range(args.moe.num_experts):
+            for theirs, name in (("gate_proj", "fc1_w"), ("up_proj", "fc1_v"),
+                                 ("down_proj", "fc2")):
+                mapping[f"{hf}mlp.experts.{expert}.{theirs}.weight"] = ExpertSlice(
+                    f"{ours}experts.{name}", expert)
+    return mapping
+
+
+def _fused_layouts(args: HybridModelArgs) -> dict:
+    """{fqn: TPLayout} of the model's fused parameters (their components' names and sizes)."""
+    with torch.device("meta"):
+        from titan_hybrid.model.model import HybridModel
+        model = HybridModel(args)
+    return {fqn: layout for fqn, layout in tensor_parallel_layouts(model).items()
+            if layout.partition_names}
+
+
+class Qwen35StateDictAdapter(HFStateDictAdapter):
+    FORMAT_NAME = "Qwen3.5"
+
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
+        super().__init__(model_args, hf_assets_path)
+        # HF key -> (the value handed out, {our key: what a load through it fills})
+        self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
+        self._plain_fused: list[str] = []  # a plain state dict's fused keys, split by to_hf
+        self._layouts: dict | None = None
+
+    @property
+    def fused_layouts(self) -> dict:
+        if self._layouts is None:
+            self._layouts = _fused_layouts(self.model_args)
+        return self._layouts
+
+    def _components(self, state_dict: dict) -> dict:
+        """A plain state dict's fused parameters as their components (views: without TP the
+        rows are the components end to end); the split state dict as it is."""
+        out, self._plain_fused = dict(state_dict), []
+        for fqn, layout in self.fused_layouts.items():
+            if fqn not in out:
+                continue
+            value = whole_fused(out, fqn, fqn)
+            if isinstance(value, DTensor):
+                raise ValueError(f"'{fqn}' is a sharded parameter of a plain state dict; read "
+                                 "or write HF checkpoints of this model through titan_hybrid's "
+                                 "trainer or `python -m titan_hybrid.hf`")
+            del out[fqn]
+            pieces = value.split(list(layout.partition_sizes), dim=layout.shard_dim)
+            out.update({fqn + name: piece
+                        for name, piece in zip(layout.partition_names, pieces)})
+            self._plain_fused.append(fqn)
+        return out
+
+    def to_hf(self, state_dict: dict) -> dict:
+        state_dict = self._components(state_dict)
+        layers, used = held_layers(state_dict), set()
+        hf_state_dict, self._handed_out = {}, {}
+        for hf_key, ours in _key_map(self.model_args).items():
+            keys = (ours.key,) if isinstance(ours, ExpertSlice) else (
+                ours if isinstance(ours, tuple) else (ours,))
+            if not all(key in state_dict for key in keys):
+                check_present(state_dict, keys[0], hf_key, layers)
+                continue
+            used.update(keys)
+            parts = [state_dict[key] for key in keys]
+            if isinstance(ours, ExpertSlice):
+                value = expert_slice(parts[0], ours.expert, hf_key)
+                if value is None:
+                    continue
+            elif isinstance(ours, tuple):
+                value = self._joined(parts, hf_key)
+            else:
+                value = parts[0]
+            hf_state_dict[hf_key] = value
+            self._handed_out[hf_key] = (value, dict(zip(keys, parts)))
+        check_all_used(state_dict, used, "model tensor(s)", "HF Qwen3.5 format")
+        return hf_state_dict
+
+    @staticmethod
+    def _joined(parts: list[torch.Tensor], hf_key: str) -> torch.Tensor:
+        """An HF tensor made of consecutive components, as one view (a load lands in place)."""
+        if all(isinstance(part, ComponentChunks) for part in parts):
+            if tp_degree(parts[0].source) > 1:
+                raise ValueError(f"HF tensor '{hf_key}' is split by tensor parallelism into "
+                                 "pieces of several components; read or write HF checkpoints "
+                                 "of this model without TP")
+            return concat_components(parts, dim=0)
+        first = parts[0]
+        rows = sum(part.shape[0] for part in parts)
+        return first.as_strided((rows, *first.shape[1:]), first.stride(),
+                                first.storage_offset())
+
+    def from_hf(self, hf_state_dict: dict) -> dict:
+        key_map = _key_map(self.model_args)
+        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
+        state_dict, experts = {}, {}
+        for hf_key, ours in key_map.items():
+            if hf_key not in hf_state_dict:
+                continue
+            value = hf_state_dict[hf_key]
+            handed_out = self._handed_out.get(hf_key)
+            if handed_out is not None and handed_out[0] is value:
+                state_dict.update(handed_out[1])  # loaded in place, through the views
+            elif isinstance(ours, ExpertSlice):
+                experts.setdefault(ours.key, {})[ours.expert] = value
+            elif isinstance(ours, tuple):
+                sizes = [self._component_rows(key) for key in ours]
+                state_dict.update(zip(ours, value.split(sizes, dim=0)))
+            else:
+                state_dict[ours] = value
+        for key, slices in experts.items():  # an HF state dict of its own: stacked
+            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
+        for fqn in self._plain_fused:  # a plain state dict's fused parameters again
+            layout = self.fused_layouts[fqn]
+            names = [fqn + name for name in layout.partition_names]
+            if all(name in state_dict for name in names):
+                state_dict[fqn] = torch.cat([state_dict.pop(name) for name in names],
+                                            dim=layout.shard_dim)
+        return state_dict
+
+    def _component_rows(self, key: str) -> int:
+        fqn, _, part = key.rpartition(".")
+        layout = self.fused_layouts[fqn]
+        return dict(zip(layout.partition_names, layout.partition_sizes))["." + part]
+
+
+def qwen3_5_config(args: HybridModelArgs) -> dict:
+    """The config.json a `transformers` Qwen3_5ForCausalLM (or its MoE sibling) needs."""
+    check_qwen3_5_compatible(args)
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    with_experts = moe.KIND.symbol in symbols
+    architecture, model_type = MODEL_TYPES[with_experts]
+    heads, delta = args.attention, args.gdn
+    config = {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "num_hidden_layers": len(symbols) // 2,
+        "layer_types": ["full_attention" if s == attention.KIND.symbol else "linear_attention"
+                        for s in symbols[0::2]],
+        "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
+        "head_dim": heads.head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
+        "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": heads.rope_theta,
+                            "partial_rotary_factor": heads.rotary_fraction},
+        "linear_conv_kernel_dim": delta.conv_width, "linear_key_head_dim": delta.key_head_dim,
+        "linear_value_head_dim": delta.value_head_dim,
+        "linear_num_key_heads": delta.n_key_heads, "linear_num_value_heads": delta.n_value_heads,
+    }
+    if with_experts:
+        experts = args.moe
+        config.update(num_experts=experts.num_experts, num_experts_per_tok=experts.top_k,
+                      moe_intermediate_size=experts.hidden_dim,
+                      shared_expert_intermediate_size=experts.shared_expert_hidden_dim)
+    else:
+        config["intermediate_size"] = args.mlp.hidden_dim
+    return config
+
+
+def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
+    """HybridModelArgs for an HF Qwen3.5 config.json (its text model: a multimodal config's
+    `text_config`); ValueError naming the first setting the format cannot hold."""
+    if "text_config" in config:
+        config = {**config["text_config"], "model_type": config["model_type"]}
+    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
+                            ("attention_bias", False)):
+        if config.get(field, expected) != expected:
+            raise ValueError(f"{field}={config[field]!r} is not supported (expected "
+                             f"{expected!r})")
+    layers = config["num_hidden_layers"]
+    interval = config.get("full_attention_interval", 4)
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(layers)]
+    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"layer_types has {unknown}: the supported layer types are "
+                         "full_attention, linear_attention")
+    with_experts = "moe" in config["model_type"]
+    ffn = moe.KIND.symbol if with_experts else mlp.KIND.symbol
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported "
+                         "(default)")
+    heads = config["num_attention_heads"]
+    base = HybridModelArgs()
+    experts = base.moe
+    if with_experts:
+        experts = MoEArgs(num_experts=config["num_experts"],
+                          top_k=config["num_experts_per_tok"],
+                          hidden_dim=config["moe_intermediate_size"],
+                          shared_expert_hidden_dim=config["shared_expert_intermediate_size"],
+                          score_func="softmax", norm_topk_prob=True, shared_expert_gate=True)
+    return dataclasses.replace(
+        base, hf_format=FORMAT, norm_zero_centered=True,
+        pattern="".join((attention.KIND.symbol if kind == "full_attention"
+                         else gdn.KIND.symbol) + ffn for kind in layer_types),
+        dim=config["hidden_size"], vocab_size=config["vocab_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
+        attention=AttentionArgs(
+            n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rope_theta=rope.get("rope_theta", 10000.0),
+            rotary_fraction=rope.get("partial_rotary_factor", 0.25), **GATED_ATTENTION),
+        gdn=GDNArgs(key_head_dim=config["linear_key_head_dim"],
+                    value_head_dim=config["linear_value_head_dim"],
+                    n_key_heads=config["linear_num_key_heads"],
+                    n_value_heads=config["linear_num_value_heads"],
+                    conv_width=config.get("linear_conv_kernel_dim", 4)),
+        mlp=MLPArgs(hidden_dim=config.get("intermediate_size", base.mlp.hidden_dim),
+                    activation="swiglu"),
+        moe=experts)
