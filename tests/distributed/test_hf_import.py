@@ -18,7 +18,8 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
          "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32")
 
 
-FAMILIES = ["nemotron_h", "nemotron_h_moe", "bamba", "deepseek_v3_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["nemotron_h", "nemotron_h_moe", "bamba", "deepseek_v3_moe", "qwen3_5", "qwen3_5_moe",
+            "granitemoehybrid", "granitemoehybrid_dense"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

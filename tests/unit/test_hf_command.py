@@ -76,6 +76,27 @@ FAMILIES = {
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         max_position_embeddings=64, attn_implementation="eager")),
+    # Granite 4.0-H: its scalars (embedding, residual, attention, logits), MoE with a shared
+    # MLP, attention without RoPE; and without experts, with RoPE.
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig,
+                         transformers.GraniteMoeHybridForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=8,
+        num_experts_per_tok=2, shared_intermediate_size=24, mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_head=8, mamba_chunk_size=8, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0,
+        position_embedding_type=None, max_position_embeddings=64,
+        attn_implementation="eager")),
+    "granitemoehybrid_dense": (transformers.GraniteMoeHybridConfig,
+                               transformers.GraniteMoeHybridForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=0, shared_intermediate_size=24, mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_d_head=8, mamba_chunk_size=8, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0,
+        position_embedding_type="rope", max_position_embeddings=64,
+        attn_implementation="eager")),
     "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, dict(
         vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
         attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
@@ -160,7 +181,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text"),
+               "granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, "
+               "qwen3_5_text"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
     (tmp_path / "hf").mkdir()

@@ -7,6 +7,7 @@ its layer kinds belong to.
     Nemotron-H           all others: hf_nemotron_h.py
     Bamba                by hf_format only: hf_bamba.py
     Qwen3.5 (and MoE)    by hf_format only: hf_qwen3_5.py
+    Granite 4.0-H        by hf_format only: hf_granite.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
@@ -29,6 +30,11 @@ from titan_hybrid.checkpoint.hf_deepseek import (
     DeepSeekStateDictAdapter,
     check_deepseek_compatible,
     deepseek_config,
+)
+from titan_hybrid.checkpoint.hf_granite import (
+    GraniteStateDictAdapter,
+    check_granite_compatible,
+    granite_config,
 )
 from titan_hybrid.checkpoint.hf_nemotron_h import (
     NemotronHStateDictAdapter,
@@ -58,7 +64,9 @@ NEMOTRON_H = HFFormat(NemotronHStateDictAdapter, check_nemotron_h_compatible, ne
 DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config)
 BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
 QWEN3_5 = HFFormat(Qwen35StateDictAdapter, check_qwen3_5_compatible, qwen3_5_config)
-FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5}
+GRANITE = HFFormat(GraniteStateDictAdapter, check_granite_compatible, granite_config)
+FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5,
+           "granite": GRANITE}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:

@@ -18,19 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-from torch.distributed.tensor import DTensor
-
-from titan_hybrid.checkpoint.hf_adapter import (
-    ExpertSlice,
-    HFStateDictAdapter,
-    check_all_used,
-    check_present,
-    expert_slice,
-    held_layers,
-    whole_fused,
-)
-from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
+from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
     AttentionArgs,
@@ -39,9 +28,7 @@ from titan_hybrid.model.args import (
     MLPArgs,
     MoEArgs,
 )
-from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.parallel.tensor_parallel import tp_degree
 
 FORMAT = "qwen3_5"
 MIXERS = {gdn.KIND.symbol: "linear_attn", attention.KIND.symbol: "self_attn"}
@@ -138,121 +125,11 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...] | ExpertS
     return mapping
 
 
-def _fused_layouts(args: HybridModelArgs) -> dict:
-    """{fqn: TPLayout} of the model's fused parameters (their components' names and sizes)."""
-    with torch.device("meta"):
-        from titan_hybrid.model.model import HybridModel
-        model = HybridModel(args)
-    return {fqn: layout for fqn, layout in tensor_parallel_layouts(model).items()
-            if layout.partition_names}
-
-
-class Qwen35StateDictAdapter(HFStateDictAdapter):
+class Qwen35StateDictAdapter(ComponentsStateDictAdapter):
     FORMAT_NAME = "Qwen3.5"
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        super().__init__(model_args, hf_assets_path)
-        # HF key -> (the value handed out, {our key: what a load through it fills})
-        self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
-        self._plain_fused: list[str] = []  # a plain state dict's fused keys, split by to_hf
-        self._layouts: dict | None = None
-
-    @property
-    def fused_layouts(self) -> dict:
-        if self._layouts is None:
-            self._layouts = _fused_layouts(self.model_args)
-        return self._layouts
-
-    def _components(self, state_dict: dict) -> dict:
-        """A plain state dict's fused parameters as their components (views: without TP the
-        rows are the components end to end); the split state dict as it is."""
-        out, self._plain_fused = dict(state_dict), []
-        for fqn, layout in self.fused_layouts.items():
-            if fqn not in out:
-                continue
-            value = whole_fused(out, fqn, fqn)
-            if isinstance(value, DTensor):
-                raise ValueError(f"'{fqn}' is a sharded parameter of a plain state dict; read "
-                                 "or write HF checkpoints of this model through titan_hybrid's "
-                                 "trainer or `python -m titan_hybrid.hf`")
-            del out[fqn]
-            pieces = value.split(list(layout.partition_sizes), dim=layout.shard_dim)
-            out.update({fqn + name: piece
-                        for name, piece in zip(layout.partition_names, pieces)})
-            self._plain_fused.append(fqn)
-        return out
-
-    def to_hf(self, state_dict: dict) -> dict:
-        state_dict = self._components(state_dict)
-        layers, used = held_layers(state_dict), set()
-        hf_state_dict, self._handed_out = {}, {}
-        for hf_key, ours in _key_map(self.model_args).items():
-            keys = (ours.key,) if isinstance(ours, ExpertSlice) else (
-                ours if isinstance(ours, tuple) else (ours,))
-            if not all(key in state_dict for key in keys):
-                check_present(state_dict, keys[0], hf_key, layers)
-                continue
-            used.update(keys)
-            parts = [state_dict[key] for key in keys]
-            if isinstance(ours, ExpertSlice):
-                value = expert_slice(parts[0], ours.expert, hf_key)
-                if value is None:
-                    continue
-            elif isinstance(ours, tuple):
-                value = self._joined(parts, hf_key)
-            else:
-                value = parts[0]
-            hf_state_dict[hf_key] = value
-            self._handed_out[hf_key] = (value, dict(zip(keys, parts)))
-        check_all_used(state_dict, used, "model tensor(s)", "HF Qwen3.5 format")
-        return hf_state_dict
-
-    @staticmethod
-    def _joined(parts: list[torch.Tensor], hf_key: str) -> torch.Tensor:
-        """An HF tensor made of consecutive components, as one view (a load lands in place)."""
-        if all(isinstance(part, ComponentChunks) for part in parts):
-            if tp_degree(parts[0].source) > 1:
-                raise ValueError(f"HF tensor '{hf_key}' is split by tensor parallelism into "
-                                 "pieces of several components; read or write HF checkpoints "
-                                 "of this model without TP")
-            return concat_components(parts, dim=0)
-        first = parts[0]
-        rows = sum(part.shape[0] for part in parts)
-        return first.as_strided((rows, *first.shape[1:]), first.stride(),
-                                first.storage_offset())
-
-    def from_hf(self, hf_state_dict: dict) -> dict:
-        key_map = _key_map(self.model_args)
-        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
-        state_dict, experts = {}, {}
-        for hf_key, ours in key_map.items():
-            if hf_key not in hf_state_dict:
-                continue
-            value = hf_state_dict[hf_key]
-            handed_out = self._handed_out.get(hf_key)
-            if handed_out is not None and handed_out[0] is value:
-                state_dict.update(handed_out[1])  # loaded in place, through the views
-            elif isinstance(ours, ExpertSlice):
-                experts.setdefault(ours.key, {})[ours.expert] = value
-            elif isinstance(ours, tuple):
-                sizes = [self._component_rows(key) for key in ours]
-                state_dict.update(zip(ours, value.split(sizes, dim=0)))
-            else:
-                state_dict[ours] = value
-        for key, slices in experts.items():  # an HF state dict of its own: stacked
-            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
-        for fqn in self._plain_fused:  # a plain state dict's fused parameters again
-            layout = self.fused_layouts[fqn]
-            names = [fqn + name for name in layout.partition_names]
-            if all(name in state_dict for name in names):
-                state_dict[fqn] = torch.cat([state_dict.pop(name) for name in names],
-                                            dim=layout.shard_dim)
-        return state_dict
-
-    def _component_rows(self, key: str) -> int:
-        fqn, _, part = key.rpartition(".")
-        layout = self.fused_layouts[fqn]
-        return dict(zip(layout.partition_names, layout.partition_sizes))["." + part]
+    def key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+        return _key_map(self.model_args)
 
 
 def qwen3_5_config(args: HybridModelArgs) -> dict:

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from titan_hybrid.checkpoint.hf_bamba import model_args_from_bamba_config
 from titan_hybrid.checkpoint.hf_deepseek import model_args_from_deepseek_config
-from titan_hybrid.checkpoint.hf_formats import BAMBA, DEEPSEEK, NEMOTRON_H, QWEN3_5, HFFormat
+from titan_hybrid.checkpoint.hf_formats import (
+    BAMBA,
+    DEEPSEEK,
+    GRANITE,
+    NEMOTRON_H,
+    QWEN3_5,
+    HFFormat,
+)
+from titan_hybrid.checkpoint.hf_granite import model_args_from_granite_config
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
 from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
 from titan_hybrid.model.args import HybridModelArgs
@@ -38,6 +46,7 @@ FAMILIES = (
     Family(("bamba",), BAMBA, model_args_from_bamba_config),
     Family(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), QWEN3_5,
            model_args_from_qwen3_5_config),
+    Family(("granitemoehybrid",), GRANITE, model_args_from_granite_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.

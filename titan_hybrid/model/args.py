@@ -43,6 +43,12 @@ class HybridModelArgs:
     # The layers' input norms, the final norm and MTP's norms scale by 1 + weight (Qwen3-Next,
     # Qwen3.5): model.norms.RMSNorm's zero_centered.
     norm_zero_centered: bool = False
+    # Granite 4.0's scalars: the embeddings times embedding_multiplier, every layer's output
+    # times residual_multiplier before it joins the residual stream, the logits divided by
+    # logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     max_seq_len: int = 2048
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone

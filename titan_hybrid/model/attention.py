@@ -45,6 +45,9 @@ class AttentionArgs:
     # A sigmoid gate on each head's output, computed with the queries: wq's rows are each
     # head's [query | gate] (Qwen3-Next / Qwen3.5's q_proj).
     output_gate: bool = False
+    # The softmax's scale of q . k; None: 1 / sqrt(head_dim) (Granite 4.0 sets its own,
+    # attention_multiplier).
+    softmax_scale: float | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -84,15 +87,21 @@ def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int, k_len
 
 
 class CausalAttentionCore(nn.Module):
+    def __init__(self, scale: float | None = None) -> None:
+        super().__init__()
+        self.scale = scale  # None: SDPA's 1 / sqrt(head_dim)
+
     def forward(self, q_BTHD: torch.Tensor, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor,
                 query: TokenLayout, key: TokenLayout) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BSHD, v_BSHD))
         gqa = q.shape[1] != k.shape[1]
         if query is key and query.is_plain_causal():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
+                                                 scale=self.scale)
         else:
             mask = causal_document_mask(query, key, q.shape[2], k.shape[2], q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa,
+                                                 scale=self.scale)
         return out.transpose(1, 2)
 
 
@@ -112,7 +121,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = (
                 RMSNorm(self.head_dim, eps=norm_eps, zero_centered=args.qk_norm_zero_centered)
                 for _ in range(2))
-        self.core = CausalAttentionCore()
+        self.core = CausalAttentionCore(args.softmax_scale)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Query / key / value projections split by (kv) heads (wq's rows by [query | gate]

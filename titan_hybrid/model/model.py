@@ -46,6 +46,7 @@ class HybridLayer(nn.Module):
         self.add_module(f"{self.kind.name}_norm", model_norm(args))
         self.add_module(self.kind.name,
                         self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
+        self.residual_multiplier = args.residual_multiplier
 
     @property
     def mixer(self) -> nn.Module:
@@ -61,6 +62,8 @@ class HybridLayer(nn.Module):
         if self.kind.has_aux_loss:
             out, layer_aux_loss = out
             aux_loss = aux_loss + layer_aux_loss
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
         return h + out, aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
@@ -201,6 +204,8 @@ class HybridModel(nn.Module):
         if self.tok_embeddings is not None:
             tokens = tokens_or_hidden
             h = self.tok_embeddings(tokens)
+            if self.model_args.embedding_multiplier != 1.0:
+                h = h * self.model_args.embedding_multiplier
             # Depth k sees the embedding of token t+k; the last k positions have no such token
             # (their targets are ignored by the loss), so they read a padding token 0.
             futures = [self.tok_embeddings(F.pad(tokens[:, depth:], (0, depth)))
@@ -224,11 +229,16 @@ class HybridModel(nn.Module):
         if self.output is None:  # a pipeline stage before the last
             carry = ([aux_loss] if self.has_aux_loss else []) + futures
             return (h, *carry) if carry else h
-        logits = self.output(self.norm(h))
+        logits = self._logits(self.norm(h))
         if not self.mtp_depths and not self.has_aux_loss:
             return logits
         mtp_logits = []
         for mtp_depth, future in zip(self.mtp, futures, strict=True):
             h, aux_loss, normed = mtp_depth(h, future, aux_loss, layout)
-            mtp_logits.append(self.output(normed))
+            mtp_logits.append(self._logits(normed))
         return (logits, aux_loss, *mtp_logits)
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.output(normed)
+        scaling = self.model_args.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling
