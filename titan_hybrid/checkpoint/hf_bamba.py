@@ -6,18 +6,16 @@ HF decoder layer j is our layers 2j (`input_layernorm`, then `mamba.*` or `self_
 Nemotron-H's names for the same tensors: the Mamba2 mixer's fused in_proj [z|x|B|C|dt] and
 conv [x|B|C] are our components end to end) and 2j + 1 (`pre_ff_layernorm`,
 `feed_forward.gate_proj` / `up_proj` = the halves of our fused fc1, `down_proj` = fc2). The
-state-dict adapter is Nemotron-H's with these names; a plain state dict's fc1 is halved first.
+state-dict adapter is checkpoint/hf_components.py's with these names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from titan_hybrid.checkpoint.hf_adapter import json_float, tagged_float, whole_fused
+from titan_hybrid.checkpoint.hf_adapter import json_float, tagged_float
+from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
 from titan_hybrid.checkpoint.hf_nemotron_h import FORMAT as NEMOTRON_H
-from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
 from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
@@ -76,33 +74,11 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
     return mapping
 
 
-class BambaStateDictAdapter(NemotronHStateDictAdapter):
+class BambaStateDictAdapter(ComponentsStateDictAdapter):
     FORMAT_NAME = "Bamba"
 
-    def _key_map(self) -> dict[str, str | tuple[str, ...]]:
+    def key_map(self) -> dict[str, str | tuple[str, ...]]:
         return _key_map(self.model_args)
-
-    def to_hf(self, state_dict: dict) -> dict:
-        """A plain state dict's fused fc1 [gate; up] (whole without TP) is handed out as its two
-        halves, which from_hf joins again."""
-        state_dict, self._halved = dict(state_dict), []
-        for key in [k for k in state_dict if k.endswith("mlp.fc1.weight")]:
-            whole = whole_fused(state_dict, key, key)
-            gate, up = whole.chunk(2, dim=0)
-            del state_dict[key]
-            state_dict[key[:-len("fc1.weight")] + GATE] = gate
-            state_dict[key[:-len("fc1.weight")] + UP] = up
-            self._halved.append(key)
-        return super().to_hf(state_dict)
-
-    def from_hf(self, hf_state_dict: dict) -> dict:
-        state_dict = super().from_hf(hf_state_dict)
-        for key in getattr(self, "_halved", []):
-            base = key[:-len("fc1.weight")]
-            if base + GATE in state_dict:
-                state_dict[key] = torch.cat((state_dict.pop(base + GATE),
-                                             state_dict.pop(base + UP)))
-        return state_dict
 
 
 def bamba_config(args: HybridModelArgs) -> dict:
