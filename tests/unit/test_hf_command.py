@@ -161,6 +161,7 @@ def test_import_gives_transformers_logits_and_export_gives_them_back_bitwise(tmp
     assert all(torch.equal(exported[key], value) for key, value in original.items())
 
 
+@pytest.mark.once_per_ci  # the command line's own behaviour: the same under every torch
 def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     """The documented command lines, in a fresh interpreter: an import works; a second import
     into the same folder, and a refused family, end with one line and exit status 2."""
@@ -264,6 +265,7 @@ def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
             adapter.from_hf({**hf, "model.layers.0.extra": torch.ones(2)})
 
 
+@pytest.mark.once_per_ci  # the README's text: the same under every torch
 def test_the_readme_commands_run_as_written(tmp_path):
     """The README's two command lines, with its placeholders filled in: a transformers folder
     in, the imported checkpoint out again, loaded by transformers."""
