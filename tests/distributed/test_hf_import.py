@@ -13,9 +13,15 @@ from tests.unit.test_hf_command import save_tiny
 from titan_hybrid.hf.__main__ import main
 
 # The packaged tokenizer has 2048 tokens: the imported model's vocabulary must hold them.
+# No gradient clipping (max_norm 1e6): the clipping coefficient max_norm / |g| rounds with the
+# layout, and MoE's top-k routing can turn such a 1e-7 weight difference into another expert
+# for a token near a tie (measured: deepseek_v3_moe under TP2 on torch 2.11, step 3 1.2e-4
+# apart with clipping, bitwise equal without; tests/launch.py's TOP_K_CURVE_REL says the same
+# of DSA's indexer). Without it the layouts' own arithmetic is what is compared.
 STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size",
          "2", "--training.global_batch_size", "4", "--checkpoint.interval", "1000",
-         "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32")
+         "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
+         "--training.max_norm", "1e6")
 
 
 # nemotron_h_moe (Mamba2, attention, MoE) on every torch CI runs; the other families, whose
