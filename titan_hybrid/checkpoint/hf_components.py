@@ -12,6 +12,8 @@ components per rank, which DCP's HF writer cannot hold, so it is refused by name
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -42,10 +44,10 @@ def _fused_layouts(args: HybridModelArgs) -> dict[str, TPLayout]:
 class ComponentsStateDictAdapter(HFStateDictAdapter):
     FORMAT_NAME: str
 
+    @abstractmethod
     def key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
         """HF key -> our key (a fused parameter's component: `<fqn><part>`), the tuple of
         consecutive components an HF tensor is made of, or one expert's slice."""
-        raise NotImplementedError
 
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
         super().__init__(model_args, hf_assets_path)
@@ -55,7 +57,8 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
         self._layouts: dict | None = None
 
     @property
-    def fused_layouts(self) -> dict:
+    def fused_layouts(self) -> dict[str, TPLayout]:
+        """The model's fused parameters' layouts (built once, from a model on the meta device)."""
         if self._layouts is None:
             self._layouts = _fused_layouts(self.model_args)
         return self._layouts
