@@ -6,6 +6,8 @@ curve."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.launch import run_training
@@ -34,13 +36,14 @@ FAMILIES = ["nemotron_h_moe"] + [
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def imported(tmp_path_factory, request):
-    """(the imported job, the HF folder, the one-process run) of a tiny model of the family."""
+    """(the imported job, the HF folder, the one-process run, its folder) of a tiny model of
+    the family."""
     tmp = tmp_path_factory.mktemp(f"hf_import_{request.param}")
     save_tiny(request.param, tmp / "hf", vocab_size=2048)
     assert main(["import", str(tmp / "hf"), str(tmp / "ours")]) == 0
     job = str(tmp / "ours" / "job.toml")
     single = run_training(tmp / "single", *STEPS, config=job).check()
-    return job, tmp / "hf", single
+    return job, tmp / "hf", single, tmp / "single"
 
 
 @pytest.mark.parametrize("layout, nproc", [
@@ -48,7 +51,7 @@ def imported(tmp_path_factory, request):
     (("--parallelism.tensor_parallel_degree", "2"), 2),
 ])
 def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, layout, nproc):
-    job, _, single = imported
+    job, _, single, _ = imported
     result = run_training(tmp_path, *STEPS, *layout, config=job, nproc=nproc).check()
     assert len(result.losses) == len(single.losses) == 3
     for ours, reference in zip(result.losses, single.losses):
@@ -57,7 +60,7 @@ def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, 
 
 @pytest.mark.parametrize("nproc", [1, 2])  # 2: FSDP2, each rank reading its shards
 def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path, nproc):
-    job, hf_dir, single = imported
+    job, hf_dir, single, _ = imported
     result = run_training(tmp_path, *STEPS, "--hybrid.model_config", str(hf_dir),
                           "--checkpoint.initial_load_path", str(hf_dir),
                           "--checkpoint.initial_load_in_hf", config=job, nproc=nproc).check()
@@ -65,3 +68,25 @@ def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path, nproc):
         assert result.losses == single.losses
     for ours, reference in zip(result.losses, single.losses, strict=True):
         assert ours == pytest.approx(reference, rel=1e-5)
+
+
+def test_the_trained_checkpoint_exports_to_a_folder_transformers_runs(imported, tmp_path):
+    """Import, train, export: the one-process run's last checkpoint (optimizer state and all)
+    becomes a folder transformers loads, whose logits equal our model's on those weights."""
+    import torch
+    import transformers
+
+    from tests.unit.test_hf_command import logits_of, relative_error
+    from titan_hybrid.hf.__main__ import model_args_of_job
+    from titan_hybrid.hf.convert import build_model, load_checkpoint_into
+
+    job, _, _, run = imported
+    checkpoint = run / "outputs" / "checkpoint"
+    assert main(["export", str(checkpoint), str(tmp_path / "back"), "--job", job]) == 0
+    args, _ = model_args_of_job(Path(job))
+    ours = build_model(args)
+    load_checkpoint_into(ours, checkpoint / "step-3")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager").eval()
+    error = relative_error(logits_of(ours, vocab=2048), logits_of(theirs, vocab=2048))
+    assert error <= 1e-5, error
