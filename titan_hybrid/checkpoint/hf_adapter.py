@@ -147,3 +147,14 @@ def expert_slice(value: torch.Tensor, expert: int, hf_key: str) -> torch.Tensor 
                          "read or write HF checkpoints of this model without expert TP")
     first = offsets[0]
     return local[expert - first] if first <= expert < first + local.shape[0] else None
+
+
+def softmax_routed(experts, *, shared_expert_gate: bool) -> bool:
+    """Whether MoE args (MoEArgs) route as Qwen's and Granite's MoE layers do: SwiGLU experts, a
+    softmax renormalised over the chosen experts (no bias, groups or scaling), and a shared
+    expert, behind a sigmoid gate or not."""
+    return ((experts.activation, experts.score_func, experts.normalizes_top_k,
+             experts.score_correction_bias, experts.n_group, experts.routed_scaling_factor,
+             experts.shared_expert_gate)
+            == ("swiglu", "softmax", True, False, 1, 1.0, shared_expert_gate)
+            and experts.shared_expert_hidden_dim > 0)

@@ -81,11 +81,40 @@ class BambaStateDictAdapter(ComponentsStateDictAdapter):
         return _key_map(self.model_args)
 
 
+def mamba_config(args: HybridModelArgs) -> dict:
+    """The Mamba2 fields of a Bamba-style config.json (Bamba's, Granite 4.0-H's)."""
+    ssm = args.mamba
+    return {"mamba_n_heads": args.mamba_n_heads, "mamba_d_head": ssm.head_dim,
+            "mamba_n_groups": ssm.n_groups, "mamba_d_state": ssm.d_state,
+            "mamba_d_conv": ssm.conv_width, "mamba_expand": ssm.expand,
+            "mamba_chunk_size": ssm.chunk_size, "mamba_conv_bias": True,
+            "mamba_proj_bias": False,
+            "time_step_limit": [tagged_float(bound) for bound in ssm.dt_limit]}
+
+
+def mamba_args_from_config(config: dict) -> MambaArgs:
+    """MambaArgs of a Bamba-style config.json; ValueError when its heads do not make up
+    mamba_expand * hidden_size."""
+    dim, ssm_heads = config["hidden_size"], config["mamba_n_heads"]
+    expand = config.get("mamba_expand", 2)
+    d_head = config.get("mamba_d_head", "auto")
+    d_head = expand * dim // ssm_heads if d_head == "auto" else d_head
+    if d_head * ssm_heads != expand * dim:
+        raise ValueError(f"mamba_n_heads * mamba_d_head = {ssm_heads * d_head} must equal "
+                         f"mamba_expand * hidden_size = {expand * dim}")
+    limit = [json_float(bound) for bound in config.get("time_step_limit") or (0.0, "inf")]
+    return MambaArgs(d_state=config.get("mamba_d_state", 256), head_dim=d_head,
+                     n_groups=config.get("mamba_n_groups", 1), expand=expand,
+                     conv_width=config.get("mamba_d_conv", 4),
+                     chunk_size=config.get("mamba_chunk_size", 256),
+                     dt_limit=(limit[0], limit[1]))
+
+
 def bamba_config(args: HybridModelArgs) -> dict:
     """The config.json a `transformers` BambaForCausalLM needs for these weights."""
     check_bamba_compatible(args)
     symbols = args.parsed_pattern.physical_layer_symbols()
-    heads, ssm = args.attention, args.mamba
+    heads = args.attention
     return {
         "architectures": ["BambaForCausalLM"], "model_type": "bamba",
         "vocab_size": args.vocab_size, "hidden_size": args.dim,
@@ -97,11 +126,7 @@ def bamba_config(args: HybridModelArgs) -> dict:
         "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": heads.rope_theta,
                             "partial_rotary_factor": heads.rotary_fraction},
-        "mamba_n_heads": args.mamba_n_heads, "mamba_d_head": ssm.head_dim,
-        "mamba_n_groups": ssm.n_groups, "mamba_d_state": ssm.d_state,
-        "mamba_d_conv": ssm.conv_width, "mamba_expand": ssm.expand,
-        "mamba_chunk_size": ssm.chunk_size, "mamba_conv_bias": True, "mamba_proj_bias": False,
-        "time_step_limit": [tagged_float(bound) for bound in ssm.dt_limit],
+        **mamba_config(args),
         "attention_bias": False, "mlp_bias": False,
     }
 
@@ -118,17 +143,10 @@ def model_args_from_bamba_config(config: dict) -> HybridModelArgs:
     dim, layers = config["hidden_size"], config["num_hidden_layers"]
     attention_layers = set(config.get("attn_layer_indices") or [])
     heads = config["num_attention_heads"]
-    ssm_heads, expand = config["mamba_n_heads"], config.get("mamba_expand", 2)
-    d_head = config.get("mamba_d_head", "auto")
-    d_head = expand * dim // ssm_heads if d_head == "auto" else d_head
-    if d_head * ssm_heads != expand * dim:
-        raise ValueError(f"mamba_n_heads * mamba_d_head = {ssm_heads * d_head} must equal "
-                         f"mamba_expand * hidden_size = {expand * dim}")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported "
                          "(default)")
-    limit = [json_float(bound) for bound in config.get("time_step_limit") or (0.0, "inf")]
     base = HybridModelArgs()
     return dataclasses.replace(
         base,
@@ -143,9 +161,5 @@ def model_args_from_bamba_config(config: dict) -> HybridModelArgs:
             # transformers' BambaConfig sets 0.5 whatever a config.json says
             rotary_fraction=0.5),
         mlp=MLPArgs(hidden_dim=config["intermediate_size"], activation="swiglu"),
-        mamba=MambaArgs(d_state=config.get("mamba_d_state", 256), head_dim=d_head,
-                        n_groups=config.get("mamba_n_groups", 1), expand=expand,
-                        conv_width=config.get("mamba_d_conv", 4),
-                        chunk_size=config.get("mamba_chunk_size", 256),
-                        dt_limit=(limit[0], limit[1])),
+        mamba=mamba_args_from_config(config),
         hf_format="bamba")

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import json_float, tagged_float
+from titan_hybrid.checkpoint.hf_adapter import softmax_routed
+from titan_hybrid.checkpoint.hf_bamba import mamba_args_from_config, mamba_config
 from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
 from titan_hybrid.checkpoint.hf_nemotron_h import FORMAT as NEMOTRON_H
 from titan_hybrid.model import attention, mamba, mlp, moe
-from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
+from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
 FORMAT = "granite"
@@ -53,11 +54,7 @@ def check_granite_compatible(args: HybridModelArgs) -> None:
                         "norms or output gate, and no RoPE or rotate-half RoPE on every channel "
                         "(rope_interleave=False, rotary_fraction=1.0)")
     experts = args.moe
-    if moe.KIND.symbol in ffns and (
-            (experts.activation, experts.score_func, experts.normalizes_top_k,
-             experts.score_correction_bias, experts.n_group, experts.routed_scaling_factor,
-             experts.shared_expert_gate) != ("swiglu", "softmax", True, False, 1, 1.0, False)
-            or not experts.shared_expert_hidden_dim):
+    if moe.KIND.symbol in ffns and not softmax_routed(experts, shared_expert_gate=False):
         problems.append("moe: Granite's MoE layers have SwiGLU experts, a softmax router "
                         "renormalised over the chosen experts (no bias, groups or scaling) "
                         "and an ungated shared MLP")
@@ -107,7 +104,7 @@ def granite_config(args: HybridModelArgs) -> dict:
     check_granite_compatible(args)
     symbols = args.parsed_pattern.physical_layer_symbols()
     with_experts = moe.KIND.symbol in symbols
-    heads, ssm, experts = args.attention, args.mamba, args.moe
+    heads, experts = args.attention, args.moe
     return {
         "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
         "vocab_size": args.vocab_size, "hidden_size": args.dim,
@@ -128,11 +125,7 @@ def granite_config(args: HybridModelArgs) -> dict:
         "intermediate_size": experts.hidden_dim if with_experts else args.mlp.hidden_dim,
         "shared_intermediate_size": (experts.shared_expert_hidden_dim if with_experts
                                      else args.mlp.hidden_dim),
-        "mamba_n_heads": args.mamba_n_heads, "mamba_n_groups": ssm.n_groups,
-        "mamba_d_state": ssm.d_state, "mamba_d_head": ssm.head_dim,
-        "mamba_d_conv": ssm.conv_width, "mamba_expand": ssm.expand,
-        "mamba_chunk_size": ssm.chunk_size, "mamba_conv_bias": True, "mamba_proj_bias": False,
-        "time_step_limit": [tagged_float(bound) for bound in ssm.dt_limit],
+        **mamba_config(args),
     }
 
 
@@ -159,14 +152,7 @@ def model_args_from_granite_config(config: dict) -> HybridModelArgs:
                          "'rope')")
     with_experts = config.get("num_local_experts", 8) > 0
     heads = config["num_attention_heads"]
-    ssm_heads, expand = config["mamba_n_heads"], config.get("mamba_expand", 2)
-    d_head = config.get("mamba_d_head", "auto")
-    d_head = expand * dim // ssm_heads if d_head == "auto" else d_head
-    if d_head * ssm_heads != expand * dim:
-        raise ValueError(f"mamba_n_heads * mamba_d_head = {ssm_heads * d_head} must equal "
-                         f"mamba_expand * hidden_size = {expand * dim}")
     rope = config.get("rope_parameters") or {}
-    limit = [json_float(bound) for bound in config.get("time_step_limit") or (0.0, "inf")]
     symbol = {"linear_attention": mamba.KIND.symbol, "full_attention": attention.KIND.symbol}
     ffn = moe.KIND.symbol if with_experts else mlp.KIND.symbol
     base = HybridModelArgs()
@@ -183,11 +169,7 @@ def model_args_from_granite_config(config: dict) -> HybridModelArgs:
             head_dim=dim // heads, rope_theta=rope.get("rope_theta", 10000.0),
             use_rope=position == "rope", rope_interleave=False,
             softmax_scale=config.get("attention_multiplier", 1.0)),
-        mamba=MambaArgs(d_state=config.get("mamba_d_state", 256), head_dim=d_head,
-                        n_groups=config.get("mamba_n_groups", 1), expand=expand,
-                        conv_width=config.get("mamba_d_conv", 4),
-                        chunk_size=config.get("mamba_chunk_size", 256),
-                        dt_limit=(limit[0], limit[1])),
+        mamba=mamba_args_from_config(config),
         mlp=MLPArgs(hidden_dim=shared, activation="swiglu"),
         moe=MoEArgs(num_experts=config.get("num_local_experts", 8),
                     top_k=config.get("num_experts_per_tok", 2),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
+from titan_hybrid.checkpoint.hf_adapter import ExpertSlice, softmax_routed
 from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
@@ -63,11 +63,7 @@ def check_qwen3_5_compatible(args: HybridModelArgs) -> None:
         if wrong:
             problems.append(f"attention: {wrong}; Qwen3.5's attention has {GATED_ATTENTION}")
     experts = args.moe
-    if moe.KIND.symbol in ffns and (
-            (experts.activation, experts.score_func, experts.normalizes_top_k,
-             experts.score_correction_bias, experts.n_group, experts.routed_scaling_factor,
-             experts.shared_expert_gate) != ("swiglu", "softmax", True, False, 1, 1.0, True)
-            or not experts.shared_expert_hidden_dim):
+    if moe.KIND.symbol in ffns and not softmax_routed(experts, shared_expert_gate=True):
         problems.append("moe: Qwen3.5's MoE layers have SwiGLU experts, a softmax router "
                         "renormalised over the chosen experts (no bias, groups or scaling) "
                         "and a shared expert behind a sigmoid gate")
