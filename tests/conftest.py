@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,29 @@ DISTRIBUTED = REPO_ROOT / "tests" / "distributed"
 # The torchtitan 0.3 adapter's tests run in the 0.3 venv (CI's 0.3 leg names the folder); under
 # 0.2 they are not collected, so the default suite neither runs nor skips them.
 collect_ignore = [] if INSTALLED == (0, 3) else ["torchtitan_0_3"]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--ci-shard", metavar="K/N",
+        help="run only the test modules whose path hashes to K of N shards (crc32 of the "
+             "path from the repository root, mod N): .ci/run splits the newer torches' legs so")
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--ci-shard")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"--ci-shard {shard}: K must be in [0, N)")
+    keep, drop = [], []
+    for item in items:
+        module = Path(item.path).resolve().relative_to(REPO_ROOT).as_posix()
+        (keep if zlib.crc32(module.encode()) % count == index else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_sessionstart(session):

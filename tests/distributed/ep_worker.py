@@ -69,8 +69,9 @@ def main() -> None:
     parser.add_argument("--strategy", default="optim_grads_params")
     parser.add_argument("--activation-checkpoint", type=int, default=0)
     # Nemotron 3's experts and router: squared ReLU, sigmoid scores with a choice bias (set
-    # to distinct values), group-limited, scaled.
+    # to distinct values), group-limited, scaled; and Nemotron 3 Super's latent experts.
     parser.add_argument("--nemotron-3-moe", action="store_true")
+    parser.add_argument("--latent-dim", type=int, default=0)
     options = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -80,6 +81,7 @@ def main() -> None:
         args.moe = dataclasses.replace(
             args.moe, activation="relu2", score_func="sigmoid", score_correction_bias=True,
             n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    args.moe = dataclasses.replace(args.moe, latent_dim=options.latent_dim)
     args.max_seq_len = SEQ
 
     # Rank r's microbatch m is row block 2r + m of one global batch.

@@ -41,8 +41,9 @@ def worst(errors: dict) -> tuple[str, float]:
     # other microbatch's MLA), and a DSA MTP depth.
     ("--pattern", "+E+E/D-"),
     pytest.param(("--strategy", "optim_grads"), marks=pytest.mark.slow),
-    # Nemotron 3's squared-ReLU experts and biased, group-limited, scaled sigmoid routing.
-    ("--nemotron-3-moe",),
+    # Nemotron 3's squared-ReLU experts and biased, group-limited, scaled sigmoid routing, with
+    # Nemotron 3 Super's latent experts (the all-to-alls move latent tokens).
+    ("--nemotron-3-moe", "--latent-dim", "24"),
 ])
 def test_expert_parallel_and_overlap_gradients(args):
     result = run_worker(WORKER, *args)

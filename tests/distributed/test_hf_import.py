@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launch import run_training
 from tests.unit.test_hf_command import save_tiny
@@ -30,8 +31,9 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
 # layers' parallel code that one and the layouts' own tests exercise, on its first torch leg.
 FAMILIES = ["nemotron_h_moe"] + [
     pytest.param(family, marks=pytest.mark.once_per_ci)
-    for family in ("nemotron_h", "bamba", "deepseek_v3_moe", "qwen3_5", "qwen3_5_moe",
-                   "granitemoehybrid", "granitemoehybrid_dense")]
+    for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe",
+                   "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid",
+                   "granitemoehybrid_dense")]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -68,6 +70,50 @@ def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path, nproc):
         assert result.losses == single.losses
     for ours, reference in zip(result.losses, single.losses, strict=True):
         assert ours == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.once_per_ci
+@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
+def test_a_tp_job_starts_from_an_hf_folder_whose_tensors_join_several_of_ours(imported,
+                                                                              tmp_path):
+    """Qwen3-Next's in_proj_qkvz takes its rows key-head group by group from four of our
+    components, and its conv1d joins three: under TP each rank reads its pieces of them in
+    place (DCP's HF reader), and the run gives the one-process curve."""
+    job, hf_dir, single, _ = imported
+    result = run_training(tmp_path, *STEPS, "--hybrid.model_config", str(hf_dir),
+                          "--checkpoint.initial_load_path", str(hf_dir),
+                          "--checkpoint.initial_load_in_hf",
+                          "--parallelism.tensor_parallel_degree", "2", config=job,
+                          nproc=2).check()
+    for ours, reference in zip(result.losses, single.losses, strict=True):
+        assert ours == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout, nproc", [
+    ((), 1), (("--parallelism.tensor_parallel_degree", "2"), 2)])
+def test_the_trainers_hf_export_gives_the_hf_folder_back_bitwise(tmp_path, layout, nproc):
+    """A Qwen3-Next run reads the HF folder and writes its last step in HF format
+    (`last_save_in_hf`) at lr 0: every tensor comes back bit for bit. DCP's HF writer keeps
+    one piece of a tensor per rank, and a rank holds in_proj_qkvz as pieces of four of our
+    components (under TP, conv1d too as pieces of three): those are gathered for writing."""
+    import transformers
+    from safetensors.torch import load_file
+
+    save_tiny("qwen3_next", tmp_path / "hf", vocab_size=2048)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    run_training(tmp_path / "run", *STEPS, *layout, "--training.steps", "1",
+                 "--optimizer.lr", "0", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                 "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf",
+                 config=str(tmp_path / "ours" / "job.toml"), nproc=nproc).check()
+    saved = tmp_path / "run" / "outputs" / "checkpoint" / "step-1"
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    written = {}
+    for file in saved.glob("*.safetensors"):
+        written.update(load_file(str(file)))
+    assert sorted(written) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(written[key], tensor), key
+    transformers.AutoModelForCausalLM.from_pretrained(str(saved))  # config + weights load
 
 
 def test_the_trained_checkpoint_exports_to_a_folder_transformers_runs(imported, tmp_path):

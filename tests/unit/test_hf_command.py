@@ -45,6 +45,16 @@ FAMILIES = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, attn_implementation="eager")),
+    # Nemotron 3 Super's latent MoE: routed experts on tokens projected to moe_latent_size.
+    "nemotron_h_latent_moe": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+                              dict(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=40, ssm_state_size=8, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, chunk_size=8, max_position_embeddings=64,
+        layers_block_type=["mamba", "moe", "attention", "moe"], n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+        moe_latent_size=16, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        attn_implementation="eager")),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
         vocab_size=96, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
@@ -76,6 +86,20 @@ FAMILIES = {
         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         max_position_embeddings=64, attn_implementation="eager")),
+    # Qwen3-Next: its gated DeltaNet projections by key-head group (2 value heads per key
+    # head), a dense first layer (mlp_only_layers) before MoE layers; and without experts.
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=40, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, mlp_only_layers=[0], max_position_embeddings=64,
+        attn_implementation="eager")),
+    "qwen3_next_dense": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=40, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=0, max_position_embeddings=64, attn_implementation="eager")),
     # Granite 4.0-H: its scalars (embedding, residual, attention, logits), MoE with a shared
     # MLP, attention without RoPE; and without experts, with RoPE.
     "granitemoehybrid": (transformers.GraniteMoeHybridConfig,
@@ -183,7 +207,7 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
                "granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, "
-               "qwen3_5_text"),
+               "qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
     (tmp_path / "hf").mkdir()
@@ -213,9 +237,9 @@ def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
     save_tiny("nemotron_h", tmp_path / "hf", mlp_hidden_act="silu")
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
     assert "mlp_hidden_act='silu' is not supported" in capsys.readouterr().err
-    save_tiny("nemotron_h_moe", tmp_path / "latent", moe_latent_size=16)
+    save_tiny("nemotron_h_latent_moe", tmp_path / "latent", mlp_bias=True)
     assert main(["import", str(tmp_path / "latent"), str(tmp_path / "ours")]) == 2
-    assert "moe_latent_size=16: latent MoE layers" in capsys.readouterr().err
+    assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err
     save_tiny("bamba", tmp_path / "bias", mlp_bias=True)
     assert main(["import", str(tmp_path / "bias"), str(tmp_path / "ours")]) == 2
     assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err
@@ -263,6 +287,55 @@ def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
         with pytest.raises(ValueError, match=r"1 HF tensor\(s\) with no place in the model: "
                                              r"model.layers.0.extra"):
             adapter.from_hf({**hf, "model.layers.0.extra": torch.ones(2)})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_adapters_map_transformers_own_tensors_onto_the_models(tmp_path, family):
+    """An HF state dict of transformers' own making (not a view of our model: an offline
+    conversion, torchtitan's checkpointer) maps onto our tensors' values, whatever order the
+    format keeps its rows in (Qwen3-Next's by key-head group)."""
+    from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
+    from titan_hybrid.checkpoint.split import ComponentChunks
+    from titan_hybrid.checkpoint.state import SplitModelWrapper
+    from titan_hybrid.hf.convert import load_hf_into
+    from titan_hybrid.hf.families import model_args_from_hf
+    from titan_hybrid.model.common import tensor_parallel_layouts
+
+    save_tiny(family, tmp_path)
+    args = model_args_from_hf(tmp_path)
+    model = build_model(args)
+    load_hf_into(model, tmp_path, print_fn=lambda line: None)
+    ours = SplitModelWrapper(model, tensor_parallel_layouts(model)).state_dict()
+    theirs = hybrid_state_dict_adapter(args, None).from_hf(
+        load_file(str(tmp_path / "model.safetensors")))
+    assert theirs.keys() == ours.keys()
+    for key, value in ours.items():
+        if isinstance(value, ComponentChunks):
+            (_, value), = value.chunks  # one process: the whole component
+        assert torch.equal(theirs[key], value), key
+
+
+def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_path):
+    """DCP's HF writer keeps one piece of a tensor per rank and drops the others (measured on
+    torch 2.13: of a 2-piece tensor, only one piece's rows were written): pieces that would
+    not be gathered for writing (GatheredRows) are an error naming the tensor."""
+    from titan_hybrid.checkpoint.hf_adapter import GatheredRows, check_writable
+    from titan_hybrid.checkpoint.split import ComponentChunks
+
+    source = torch.arange(12.0).reshape(6, 2)
+    two = ComponentChunks(torch.Size([6, 2]), [(torch.Size([0, 0]), source[3:]),
+                                               (torch.Size([3, 0]), source[:3])], source)
+    one = ComponentChunks(torch.Size([6, 2]), [(torch.Size([0, 0]), source)], source)
+    gathered = GatheredRows(two, source, ((3, 3), (0, 3)), gather=True)
+    check_writable({"one": one, "plain": source, "gathered": gathered})
+    with pytest.raises(ValueError, match="HF tensor 'two' is 2 pieces on this rank"):
+        check_writable({"one": one, "two": two})
+    # Gathered, the same pieces are written whole.
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"gathered": gathered},
+             storage_writer=dcp.HuggingFaceStorageWriter(str(tmp_path)))
+    written = load_file(str(next(tmp_path.glob("*.safetensors"))))["gathered"]
+    assert torch.equal(written, torch.cat([source[3:], source[:3]]))
 
 
 @pytest.mark.once_per_ci  # the README's text: the same under every torch

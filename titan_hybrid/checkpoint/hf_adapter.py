@@ -10,12 +10,20 @@ import re
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, local_placement
 from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
 
 
 class HFStateDictAdapter(BaseStateDictAdapter):
@@ -92,6 +100,72 @@ def whole_fused(state_dict: dict, fused_key: str, hf_key: str):
     return value
 
 
+class GatheredRows(ComponentChunks):
+    """An HF tensor made of runs of one fused parameter's rows (Mamba2's in_proj, Qwen3.5's
+    in_proj_qkv, Qwen3-Next's in_proj_qkvz). Reading lands in place through the pieces. DCP's
+    HF writer keeps one piece of a tensor per rank and drops the others, so when a rank's pieces
+    can be several (`gather`: under TP, whose ranks hold slices of every component, or when the
+    rows come in turn from several components) the HF tensor is gathered for writing, one at a
+    time, and each rank writes an even block of its rows. Whether to gather depends on the
+    layout and the format alone, never on a rank's own pieces, so that every rank takes part in
+    the same collectives."""
+
+    rows: tuple[tuple[int, int], ...]  # (first row in the fused [A; B; ...] order, count)
+    gather: bool
+
+    @staticmethod
+    def __new__(cls, value: ComponentChunks, source: torch.Tensor,
+                rows: tuple[tuple[int, int], ...], gather: bool):
+        """`value`'s pieces, with `source` (the fused parameter) and the HF tensor's rows."""
+        self = ComponentChunks.__new__(cls, value.shape, value.chunks, source, value.fused_key,
+                                       value.tp_layout)
+        self.rows, self.gather = rows, gather
+        return self
+
+    def cast(self, **to_kwargs) -> GatheredRows:
+        pieces = ComponentChunks(self.shape, self.chunks, self.source, self.fused_key,
+                                 self.tp_layout).cast(**to_kwargs)
+        return GatheredRows(pieces, self.source, self.rows, self.gather)
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        if not self.gather:
+            return super().__create_write_items__(fqn, obj)
+        full = self.source.full_tensor() if isinstance(self.source, DTensor) else self.source
+        if self.tp_layout is not None:
+            full = deinterleave_from_tp(full, self.tp_layout, tp_degree(self.source))
+        whole = torch.cat([full.narrow(0, first, count) for first, count in self.rows])
+        rank, world = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
+                       else (0, 1))
+        block = -(-whole.shape[0] // world)
+        rows = whole[rank * block:(rank + 1) * block].to(self.dtype).clone()
+        if rows.shape[0] == 0:
+            return []
+        offsets = torch.Size([rank * block] + [0] * (whole.dim() - 1))
+        self._write_piece = (offsets, rows)
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
+                properties=TensorProperties.create_from_tensor(rows), size=self.shape))]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        piece = getattr(self, "_write_piece", None)
+        if piece is not None and piece[0] == index.offset:
+            return piece[1]
+        return super().__get_tensor_shard__(index)
+
+
+def check_writable(hf_state_dict: dict) -> None:
+    """DCP's HF writer keeps one piece of each tensor per rank and drops the others: an HF
+    tensor this rank holds as several pieces, and would not gather, is an error naming it,
+    before anything is written."""
+    for hf_key, value in hf_state_dict.items():
+        if (isinstance(value, ComponentChunks) and len(value.chunks) > 1
+                and not (isinstance(value, GatheredRows) and value.gather)):
+            raise ValueError(f"HF tensor '{hf_key}' is {len(value.chunks)} pieces on this "
+                             "rank, and DCP's HF writer keeps one")
+
+
 def check_all_used(keys, used: set[str], what: str, rule: str) -> None:
     """A tensor on one side with no place on the other is an error naming it (never dropped):
     `keys` not in `used` -> ValueError listing them, `what` naming their side."""
@@ -123,30 +197,24 @@ class ExpertSlice(NamedTuple):
     expert: int
 
 
-def expert_slice(value: torch.Tensor, expert: int, hf_key: str) -> torch.Tensor | None:
-    """The view of `value` (a plain tensor, a DTensor sharded over whole experts by FSDP / EP,
-    or the split state dict's component of one) holding `expert`, or None if this rank holds
-    other experts. Experts split inside by tensor parallelism are refused, naming the HF
-    tensor."""
+def expert_slice(value: torch.Tensor, expert: int) -> torch.Tensor | None:
+    """What this rank holds of `expert` in `value` (a plain tensor, a DTensor sharded over
+    whole experts by FSDP / EP, or the split state dict's component of one): a view when it
+    holds the whole expert, ComponentChunks of its rows when tensor parallelism splits the
+    expert (a load lands in place), None when it holds none of it."""
     if isinstance(value, ComponentChunks):
-        pieces = value.chunks
-        whole = len(pieces) <= 1 and all(
-            tuple(view.shape[1:]) == tuple(value.shape[1:]) for _, view in pieces)
-        if not whole:
-            raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor "
-                             "parallelism; read or write HF checkpoints of this model without "
-                             "expert TP")
-        if not pieces:
-            return None
-        offsets, local = pieces[0]
-        shape = value.shape
+        held, shape = value.chunks, value.shape
+        source, fused_key, layout = value.source, value.fused_key, value.tp_layout
     else:
         local, shape, offsets = local_placement(value, None)
-    if tuple(local.shape[1:]) != tuple(shape[1:]):
-        raise ValueError(f"HF tensor '{hf_key}': the experts are split by tensor parallelism; "
-                         "read or write HF checkpoints of this model without expert TP")
-    first = offsets[0]
-    return local[expert - first] if first <= expert < first + local.shape[0] else None
+        held, source, fused_key, layout = [(offsets, local)], value, "", None
+    pieces = [(torch.Size(offsets[1:]), view[expert - offsets[0]]) for offsets, view in held
+              if offsets[0] <= expert < offsets[0] + view.shape[0]]
+    if not pieces:
+        return None
+    if len(pieces) == 1 and tuple(pieces[0][1].shape) == tuple(shape[1:]):
+        return pieces[0][1]
+    return ComponentChunks(torch.Size(shape[1:]), pieces, source, fused_key, layout)
 
 
 def softmax_routed(experts, *, shared_expert_gate: bool) -> bool:

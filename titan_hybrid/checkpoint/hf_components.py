@@ -1,24 +1,28 @@
 """The state-dict adapter of formats whose HF tensors are our tensors, our fused parameters'
-components, runs of consecutive components, or one expert's slice of our experts (Qwen3.5,
-Granite 4.0-H): a subclass gives the key map and its name.
+components, runs of consecutive components, rows taken in turn from several components
+(RowPieces: Qwen3-Next's in_proj_qkvz), or one expert's slice of our experts (Qwen3.5,
+Qwen3-Next, Granite 4.0-H): a subclass gives the key map and its name.
 
 It sees titan_hybrid's split state dict (fused parameters as components in global
 coordinates: ComponentChunks, whose pieces a load fills in place) or a plain one (torchtitan's
 own checkpointer, the conversions), whose fused parameters it splits into views of their
-components first. An HF tensor made of several components is one view of them (concatenated
-pieces for ComponentChunks): under tensor parallelism such a tensor would be pieces of several
-components per rank, which DCP's HF writer cannot hold, so it is refused by name.
+components first. An HF tensor made of several components is one view of them when their rows
+lie end to end in memory, else GatheredRows of the pieces this rank holds, which a load (DCP's
+HF reader, safetensors_io) fills in place and a write through DCP gathers where a rank may
+hold several pieces (its HF writer keeps one per rank).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from titan_hybrid.checkpoint.hf_adapter import (
     ExpertSlice,
+    GatheredRows,
     HFStateDictAdapter,
     check_all_used,
     check_present,
@@ -26,11 +30,29 @@ from titan_hybrid.checkpoint.hf_adapter import (
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
+from titan_hybrid.checkpoint.split import ComponentChunks, merged_chunks
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.tensor_parallel import tp_degree
+
+
+class RowPieces(NamedTuple):
+    """An HF tensor whose rows are runs of our components' rows, in this order: (our component
+    key, first row, row count) each, along the components' shard dimension."""
+    pieces: tuple[tuple[str, int, int], ...]
+
+
+KeyMap = dict[str, str | tuple[str, ...] | RowPieces | ExpertSlice]
+
+
+def sources(ours) -> tuple[str, ...]:
+    """Our keys an HF tensor is made of (each once, in order)."""
+    if isinstance(ours, ExpertSlice):
+        return (ours.key,)
+    if isinstance(ours, RowPieces):
+        return tuple(dict.fromkeys(key for key, _, _ in ours.pieces))
+    return ours if isinstance(ours, tuple) else (ours,)
 
 
 def _fused_layouts(args: HybridModelArgs) -> dict[str, TPLayout]:
@@ -45,15 +67,17 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
     FORMAT_NAME: str
 
     @abstractmethod
-    def key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+    def key_map(self) -> KeyMap:
         """HF key -> our key (a fused parameter's component: `<fqn><part>`), the tuple of
-        consecutive components an HF tensor is made of, or one expert's slice."""
+        consecutive components an HF tensor is made of, its RowPieces, or one expert's
+        slice."""
 
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
         super().__init__(model_args, hf_assets_path)
         # HF key -> (the value handed out, {our key: what a load through it fills})
         self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
         self._plain_fused: list[str] = []  # a plain state dict's fused keys, split by to_hf
+        self._plain_values: dict[str, torch.Tensor] = {}  # and their values
         self._layouts: dict | None = None
 
     @property
@@ -66,7 +90,7 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
     def _components(self, state_dict: dict) -> dict:
         """A plain state dict's fused parameters as their components (views: without TP the
         rows are the components end to end); the split state dict as it is."""
-        out, self._plain_fused = dict(state_dict), []
+        out, self._plain_fused, self._plain_values = dict(state_dict), [], {}
         for fqn, layout in self.fused_layouts.items():
             if fqn not in out:
                 continue
@@ -80,6 +104,7 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
             out.update({fqn + name: piece
                         for name, piece in zip(layout.partition_names, pieces)})
             self._plain_fused.append(fqn)
+            self._plain_values[fqn] = value
         return out
 
     def to_hf(self, state_dict: dict) -> dict:
@@ -87,40 +112,77 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
         layers, used = held_layers(state_dict), set()
         hf_state_dict, self._handed_out = {}, {}
         for hf_key, ours in self.key_map().items():
-            keys = (ours.key,) if isinstance(ours, ExpertSlice) else (
-                ours if isinstance(ours, tuple) else (ours,))
+            keys = sources(ours)
             if not all(key in state_dict for key in keys):
                 check_present(state_dict, keys[0], hf_key, layers)
                 continue
             used.update(keys)
-            parts = [state_dict[key] for key in keys]
+            parts = {key: state_dict[key] for key in keys}
             if isinstance(ours, ExpertSlice):
-                value = expert_slice(parts[0], ours.expert, hf_key)
+                value = expert_slice(parts[ours.key], ours.expert)
                 if value is None:
                     continue
-            elif isinstance(ours, tuple):
-                value = self._joined(parts, self._component(keys[0])[1].shard_dim, hf_key)
+            elif isinstance(ours, (tuple, RowPieces)):
+                value = self._rows(ours, parts)
             else:
-                value = parts[0]
+                value = parts[ours]
             hf_state_dict[hf_key] = value
-            self._handed_out[hf_key] = (value, dict(zip(keys, parts)))
+            self._handed_out[hf_key] = (value, parts)
         check_all_used(state_dict, used, "model tensor(s)", f"HF {self.FORMAT_NAME} format")
         return hf_state_dict
 
-    @staticmethod
-    def _joined(parts: list[torch.Tensor], dim: int, hf_key: str) -> torch.Tensor:
-        """An HF tensor made of consecutive components along `dim`, as one view (a load
-        lands in place)."""
-        if all(isinstance(part, ComponentChunks) for part in parts):
-            if tp_degree(parts[0].source) > 1:
-                raise ValueError(f"HF tensor '{hf_key}' is split by tensor parallelism into "
-                                 "pieces of several components; read or write HF checkpoints "
-                                 "of this model without TP")
-            return concat_components(parts, dim=dim)
-        first = parts[0]
-        shape = list(first.shape)
-        shape[dim] = sum(part.shape[dim] for part in parts)
-        return first.as_strided(shape, first.stride(), first.storage_offset())
+    def _pieces(self, ours: tuple[str, ...] | RowPieces) -> tuple[tuple[str, int, int], ...]:
+        """(component, first row, row count) of each run of an HF tensor's rows, in order."""
+        if isinstance(ours, RowPieces):
+            return ours.pieces
+        return tuple((key, 0, self._size(key)) for key in ours)
+
+    def _size(self, key: str) -> int:
+        _, layout, part = self._component(key)
+        return layout.partition_sizes[layout.partition_names.index(part)]
+
+    def _rows(self, ours: tuple[str, ...] | RowPieces,
+              parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The HF tensor made of `ours`'s rows of `parts` (whole components in a single
+        process, or the ComponentChunks this rank holds): one view when the rows lie end to
+        end in memory, else GatheredRows of the pieces this rank holds (views: a load lands in
+        place; a write gathers the tensor when a rank may hold several pieces)."""
+        pieces = self._pieces(ours)
+        fqn, layout, _ = self._component(pieces[0][0])
+        dim = layout.shard_dim
+        chunks, rows, row = [], [], 0
+        for key, first, count in pieces:
+            part = parts[key]
+            held = (part.chunks if isinstance(part, ComponentChunks)
+                    else [(torch.Size([0] * part.dim()), part)])
+            for offsets, view in held:
+                lo = max(first, offsets[dim])
+                hi = min(first + count, offsets[dim] + view.shape[dim])
+                if lo < hi:
+                    at = list(offsets)
+                    at[dim] = row + lo - first
+                    chunks.append((torch.Size(at), view.narrow(dim, lo - offsets[dim], hi - lo)))
+            rows.append((self._offset(key) + first, count))
+            row += count
+        chunks = merged_chunks(chunks, dim)
+        first_part = parts[pieces[0][0]]
+        shape = list(first_part.shape)
+        shape[dim] = row
+        if isinstance(first_part, ComponentChunks):
+            source, fused_key, tp_layout = (first_part.source, first_part.fused_key,
+                                            first_part.tp_layout)
+        elif len(chunks) == 1:
+            return chunks[0][1]  # a view of the plain fused parameter
+        else:
+            source, fused_key, tp_layout = self._plain_values[fqn], fqn, None
+        value = ComponentChunks(torch.Size(shape), chunks, source, fused_key, tp_layout)
+        return GatheredRows(value, source, tuple(rows),
+                            gather=isinstance(ours, RowPieces) or tp_degree(source) > 1)
+
+    def _offset(self, key: str) -> int:
+        """The first row of a component in its fused parameter."""
+        _, layout, part = self._component(key)
+        return sum(layout.partition_sizes[:layout.partition_names.index(part)])
 
     def from_hf(self, hf_state_dict: dict) -> dict:
         key_map = self.key_map()
@@ -135,11 +197,8 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
                 state_dict.update(handed_out[1])  # loaded in place, through the views
             elif isinstance(ours, ExpertSlice):
                 experts.setdefault(ours.key, {})[ours.expert] = value
-            elif isinstance(ours, tuple):
-                components = [self._component(key) for key in ours]
-                sizes = [layout.partition_sizes[layout.partition_names.index(part)]
-                         for _, layout, part in components]
-                state_dict.update(zip(ours, value.split(sizes, dim=components[0][1].shard_dim)))
+            elif isinstance(ours, (tuple, RowPieces)):
+                state_dict.update(self._split_rows(self._pieces(ours), value))
             else:
                 state_dict[ours] = value
         for key, slices in experts.items():  # an HF state dict of its own: stacked
@@ -151,6 +210,19 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
                 state_dict[fqn] = torch.cat([state_dict.pop(name) for name in names],
                                             dim=layout.shard_dim)
         return state_dict
+
+    def _split_rows(self, pieces, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An HF tensor of another state dict as our components (each the concatenation of
+        its pieces, in row order)."""
+        dim = self._component(pieces[0][0])[1].shard_dim
+        runs: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        row = 0
+        for key, first, count in pieces:
+            runs.setdefault(key, []).append((first, value.narrow(dim, row, count)))
+            row += count
+        return {key: got[0][1] if len(got) == 1 else
+                torch.cat([rows for _, rows in sorted(got, key=lambda run: run[0])], dim)
+                for key, got in runs.items()}
 
     def _component(self, key: str) -> tuple[str, TPLayout, str]:
         """(fused parameter, its layout, part name) of a component key."""

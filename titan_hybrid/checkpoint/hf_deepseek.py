@@ -175,7 +175,7 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
             if not isinstance(ours, ExpertSlice):
                 hf_state_dict[hf_key] = state_dict[key]
                 continue
-            view = expert_slice(state_dict[key], ours.expert, hf_key)
+            view = expert_slice(state_dict[key], ours.expert)
             if view is not None:
                 hf_state_dict[hf_key] = view
                 self._experts_handed_out[hf_key] = (view, {key: state_dict[key]})

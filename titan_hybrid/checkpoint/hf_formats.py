@@ -7,6 +7,7 @@ its layer kinds belong to.
     Nemotron-H           all others: hf_nemotron_h.py
     Bamba                by hf_format only: hf_bamba.py
     Qwen3.5 (and MoE)    by hf_format only: hf_qwen3_5.py
+    Qwen3-Next           by hf_format only: hf_qwen3_next.py
     Granite 4.0-H        by hf_format only: hf_granite.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
@@ -46,6 +47,11 @@ from titan_hybrid.checkpoint.hf_qwen3_5 import (
     check_qwen3_5_compatible,
     qwen3_5_config,
 )
+from titan_hybrid.checkpoint.hf_qwen3_next import (
+    Qwen3NextStateDictAdapter,
+    check_qwen3_next_compatible,
+    qwen3_next_config,
+)
 from titan_hybrid.model.args import HybridModelArgs
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -65,8 +71,9 @@ DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepsee
 BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
 QWEN3_5 = HFFormat(Qwen35StateDictAdapter, check_qwen3_5_compatible, qwen3_5_config)
 GRANITE = HFFormat(GraniteStateDictAdapter, check_granite_compatible, granite_config)
+QWEN3_NEXT = HFFormat(Qwen3NextStateDictAdapter, check_qwen3_next_compatible, qwen3_next_config)
 FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5,
-           "granite": GRANITE}
+           "granite": GRANITE, "qwen3_next": QWEN3_NEXT}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:

@@ -20,16 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from titan_hybrid.checkpoint.hf_adapter import (
     ExpertSlice,
+    GatheredRows,
     HFStateDictAdapter,
     check_all_used,
     check_present,
@@ -44,7 +38,7 @@ from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, M
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mamba import fused_component_sizes
-from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
+from titan_hybrid.parallel.tensor_parallel import tp_degree
 
 FORMAT = "nemotron_h"  # the key of this format's names in LayerKind.hf_names
 # hybrid_override_pattern symbols: the kinds this format names.
@@ -107,40 +101,6 @@ def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, LayerKind]
     return layers
 
 
-class HFFusedChunks(ComponentChunks):
-    """A fused HF tensor made of components. Reading lands in place through the pieces. For
-    writing, DCP's safetensors writer keeps one piece per key per rank, and under TP a rank's
-    pieces are scattered over the HF tensor (its z, x, B, C, dt rows): then the tensor is
-    gathered, one at a time, and each rank writes an even block of its rows. Without TP a
-    rank's rows are contiguous in the HF tensor too (one merged piece): nothing is gathered.
-    The choice depends on the layout alone, never on a rank's own pieces, so that every rank
-    takes part in the same collectives."""
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        if tp_degree(self.source) == 1:
-            return super().__create_write_items__(fqn, obj)
-        full = deinterleave_from_tp(self.source.full_tensor(), self.tp_layout,
-                                    tp_degree(self.source)).to(self.dtype)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        block = -(-full.shape[0] // world)
-        rows = full[rank * block:(rank + 1) * block].clone()
-        if rows.shape[0] == 0:
-            return []
-        offsets = torch.Size([rank * block] + [0] * (full.dim() - 1))
-        self._write_piece = (offsets, rows)
-        return [WriteItem(
-            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
-                properties=TensorProperties.create_from_tensor(rows), size=self.shape))]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        piece = getattr(self, "_write_piece", None)
-        if piece is not None and piece[0] == index.offset:
-            return piece[1]
-        return super().__get_tensor_shard__(index)
-
-
 class NemotronHStateDictAdapter(HFStateDictAdapter):
     FORMAT_NAME = "Nemotron-H"
 
@@ -163,13 +123,15 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             hf = f"backbone.layers.{number}."
             names = kind.hf_names[FORMAT]
             mapping[hf + "norm.weight"] = f"{prefix}{kind.name}_norm.weight"
+            section = self.model_args.section(kind)
             for ours, theirs in names.renames.items():
-                mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
+                if ours not in names.optional or names.optional[ours](section):
+                    mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
             for name, parts in names.fused.items():
                 mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
                                                      for part in parts)
             for ours, theirs in names.per_expert.items():
-                for expert in range(self.model_args.section(kind).num_experts):
+                for expert in range(section.num_experts):
                     mapping[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
                         f"{prefix}{kind.name}.{ours}", expert)
         return mapping
@@ -188,7 +150,7 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                 if ours.key not in state_dict:
                     check_present(state_dict, ours.key, hf_key, layers)
                     continue
-                view = expert_slice(state_dict[ours.key], ours.expert, hf_key)
+                view = expert_slice(state_dict[ours.key], ours.expert)
                 if view is not None:
                     hf_state_dict[hf_key] = view
                     self._fused_handed_out[hf_key] = (view, {ours.key: state_dict[ours.key]})
@@ -202,8 +164,12 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                     check_present(state_dict, ours, hf_key, layers)
                 continue
             if all(key in state_dict for key in ours):
-                fused = concat_components([state_dict[key] for key in ours], dim=0,
-                                          cls=HFFusedChunks)
+                # The HF tensor is the whole fused parameter, its components in order (plain
+                # components: their concatenation).
+                fused = concat_components([state_dict[key] for key in ours], dim=0)
+                if isinstance(fused, ComponentChunks):
+                    fused = GatheredRows(fused, fused.source, ((0, fused.shape[0]),),
+                                         gather=tp_degree(fused.source) > 1)
                 components = {key: state_dict[key] for key in ours}
             else:
                 fused_key = ours[0].rsplit(".", 1)[0]
@@ -301,7 +267,7 @@ def _moe_config(args: HybridModelArgs) -> dict:
     return {"n_routed_experts": experts.num_experts, "num_experts_per_tok": experts.top_k,
             "moe_intermediate_size": experts.hidden_dim,
             "moe_shared_expert_intermediate_size": experts.shared_expert_hidden_dim,
-            "moe_latent_size": None, "n_group": experts.n_group,
+            "moe_latent_size": experts.latent_dim or None, "n_group": experts.n_group,
             "topk_group": experts.topk_group,
             "routed_scaling_factor": experts.routed_scaling_factor,
             "norm_topk_prob": experts.normalizes_top_k}
@@ -328,9 +294,6 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
                              f"(expected {expected!r})")
     dim = config["hidden_size"]
     d_inner = config["mamba_num_heads"] * config["mamba_head_dim"]
-    if config.get("moe_latent_size"):
-        raise ValueError(f"moe_latent_size={config['moe_latent_size']}: latent MoE layers "
-                         "(experts on a projected width) are not supported yet")
     base = base or HybridModelArgs()
     experts = base.moe
     if moe.KIND.symbol in pattern:
@@ -341,7 +304,8 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
             activation="relu2", score_func="sigmoid", score_correction_bias=True,
             n_group=config.get("n_group", 1), topk_group=config.get("topk_group", 1),
             routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
-            norm_topk_prob=config.get("norm_topk_prob", True))
+            norm_topk_prob=config.get("norm_topk_prob", True),
+            latent_dim=config.get("moe_latent_size") or 0)
     return dataclasses.replace(
         base,
         hf_format=FORMAT,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.checkpoint.hf_adapter import ExpertSlice, softmax_routed
-from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
+from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter, KeyMap
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
     AttentionArgs,
@@ -41,41 +41,55 @@ GATED_ATTENTION = dict(use_rope=True, rope_interleave=False, qk_norm=True,
                        qk_norm_zero_centered=True, output_gate=True)
 
 
-def check_qwen3_5_compatible(args: HybridModelArgs) -> None:
-    """ValueError naming the first field the HF Qwen3.5 format cannot represent."""
+def check_qwen3_5_compatible(args: HybridModelArgs, *, name: str = "Qwen3.5",
+                             mixed_ffns: bool = False) -> None:
+    """ValueError naming the first field the HF Qwen3.5 format (or, with `name` and
+    `mixed_ffns`, Qwen3-Next's, whose layers each have an MLP or MoE) cannot represent."""
     pattern = args.parsed_pattern
     symbols = pattern.physical_layer_symbols()
     problems = []
     ffns = symbols[1::2]
     if (not symbols or len(symbols) % 2 or any(s not in MIXERS for s in symbols[0::2])
-            or any(s not in FFNS for s in ffns) or len(set(ffns)) > 1):
+            or any(s not in FFNS for s in ffns) or (len(set(ffns)) > 1 and not mixed_ffns)):
+        which = ("an MLP ('-') or MoE ('E')" if mixed_ffns
+                 else "an MLP ('-') or, in every layer, by MoE ('E')")
         problems.append(f"hybrid.pattern '{args.pattern}' must be 'G' / '*' layers each "
-                        "followed by an MLP ('-') or, in every layer, by MoE ('E')")
+                        f"followed by {which}")
     if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
         problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
     if not args.norm_zero_centered:
-        problems.append("norm_zero_centered=False: Qwen3.5's norms scale by 1 + weight")
+        problems.append(f"norm_zero_centered=False: {name}'s norms scale by 1 + weight")
     if args.mlp.activation != "swiglu":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
     if attention.KIND.symbol in symbols:
         wrong = {k: getattr(args.attention, k) for k, v in GATED_ATTENTION.items()
                  if getattr(args.attention, k) != v}
         if wrong:
-            problems.append(f"attention: {wrong}; Qwen3.5's attention has {GATED_ATTENTION}")
+            problems.append(f"attention: {wrong}; {name}'s attention has {GATED_ATTENTION}")
     experts = args.moe
     if moe.KIND.symbol in ffns and not softmax_routed(experts, shared_expert_gate=True):
-        problems.append("moe: Qwen3.5's MoE layers have SwiGLU experts, a softmax router "
+        problems.append(f"moe: {name}'s MoE layers have SwiGLU experts, a softmax router "
                         "renormalised over the chosen experts (no bias, groups or scaling) "
                         "and a shared expert behind a sigmoid gate")
     if problems:
-        raise ValueError("model cannot use the HF Qwen3.5 format: " + "; ".join(problems))
+        raise ValueError(f"model cannot use the HF {name} format: " + "; ".join(problems))
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+def qwen3_5_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
+    """The gated DeltaNet's in_proj [query | key | value | z | beta | alpha] as Qwen3.5's four
+    HF tensors."""
+    return {module + "in_proj_qkv.weight": tuple(f"{in_proj}.{part}"
+                                                 for part in ("query", "key", "value")),
+            module + "in_proj_z.weight": f"{in_proj}.z",
+            module + "in_proj_b.weight": f"{in_proj}.beta",
+            module + "in_proj_a.weight": f"{in_proj}.alpha"}
+
+
+def key_map(args: HybridModelArgs, gdn_in_proj=qwen3_5_in_proj) -> KeyMap:
     """HF key -> our key (a component of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`),
-    the tuple of our components of a fused HF tensor, or one expert's slice."""
-    check_qwen3_5_compatible(args)
-    mapping: dict[str, str | tuple[str, ...] | ExpertSlice] = {
+    the tuple of our components of a fused HF tensor (or its RowPieces, from
+    `gdn_in_proj(HF module prefix, our in_proj key, args)`), or one expert's slice."""
+    mapping: KeyMap = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     symbols = args.parsed_pattern.physical_layer_symbols()
@@ -93,11 +107,7 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...] | ExpertS
         else:
             ours = f"{mixer}gdn."
             in_proj, conv = f"{ours}in_proj.weight", f"{ours}conv1d.weight"
-            mapping[module + "in_proj_qkv.weight"] = tuple(
-                f"{in_proj}.{part}" for part in ("query", "key", "value"))
-            mapping[module + "in_proj_z.weight"] = f"{in_proj}.z"
-            mapping[module + "in_proj_b.weight"] = f"{in_proj}.beta"
-            mapping[module + "in_proj_a.weight"] = f"{in_proj}.alpha"
+            mapping.update(gdn_in_proj(module, in_proj, args))
             mapping[module + "conv1d.weight"] = tuple(
                 f"{conv}.{part}" for part in ("query", "key", "value"))
             for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
@@ -124,19 +134,16 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...] | ExpertS
 class Qwen35StateDictAdapter(ComponentsStateDictAdapter):
     FORMAT_NAME = "Qwen3.5"
 
-    def key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
-        return _key_map(self.model_args)
+    def key_map(self) -> KeyMap:
+        check_qwen3_5_compatible(self.model_args)
+        return key_map(self.model_args)
 
 
-def qwen3_5_config(args: HybridModelArgs) -> dict:
-    """The config.json a `transformers` Qwen3_5ForCausalLM (or its MoE sibling) needs."""
-    check_qwen3_5_compatible(args)
+def text_config(args: HybridModelArgs) -> dict:
+    """The config.json fields Qwen3.5's and Qwen3-Next's text models share."""
     symbols = args.parsed_pattern.physical_layer_symbols()
-    with_experts = moe.KIND.symbol in symbols
-    architecture, model_type = MODEL_TYPES[with_experts]
     heads, delta = args.attention, args.gdn
-    config = {
-        "architectures": [architecture], "model_type": model_type,
+    return {
         "vocab_size": args.vocab_size, "hidden_size": args.dim,
         "num_hidden_layers": len(symbols) // 2,
         "layer_types": ["full_attention" if s == attention.KIND.symbol else "linear_attention"
@@ -151,62 +158,74 @@ def qwen3_5_config(args: HybridModelArgs) -> dict:
         "linear_value_head_dim": delta.value_head_dim,
         "linear_num_key_heads": delta.n_key_heads, "linear_num_value_heads": delta.n_value_heads,
     }
+
+
+def experts_config(experts: MoEArgs) -> dict:
+    return dict(num_experts=experts.num_experts, num_experts_per_tok=experts.top_k,
+                moe_intermediate_size=experts.hidden_dim,
+                shared_expert_intermediate_size=experts.shared_expert_hidden_dim)
+
+
+def qwen3_5_config(args: HybridModelArgs) -> dict:
+    """The config.json a `transformers` Qwen3_5ForCausalLM (or its MoE sibling) needs."""
+    check_qwen3_5_compatible(args)
+    with_experts = moe.KIND.symbol in args.parsed_pattern.physical_layer_symbols()
+    architecture, model_type = MODEL_TYPES[with_experts]
+    config = {"architectures": [architecture], "model_type": model_type, **text_config(args)}
     if with_experts:
-        experts = args.moe
-        config.update(num_experts=experts.num_experts, num_experts_per_tok=experts.top_k,
-                      moe_intermediate_size=experts.hidden_dim,
-                      shared_expert_intermediate_size=experts.shared_expert_hidden_dim)
+        config.update(experts_config(args.moe))
     else:
         config["intermediate_size"] = args.mlp.hidden_dim
     return config
 
 
-def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
-    """HybridModelArgs for an HF Qwen3.5 config.json (its text model: a multimodal config's
-    `text_config`); ValueError naming the first setting the format cannot hold."""
-    if "text_config" in config:
-        config = {**config["text_config"], "model_type": config["model_type"]}
+def check_text_config(config: dict) -> None:
+    """ValueError naming a setting of a Qwen text config we cannot hold."""
     for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
                             ("attention_bias", False)):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "
                              f"{expected!r})")
-    layers = config["num_hidden_layers"]
+
+
+def layer_types(config: dict) -> list[str]:
+    """Each decoder layer's mixer, "full_attention" or "linear_attention"."""
     interval = config.get("full_attention_interval", 4)
-    layer_types = config.get("layer_types") or [
+    types = config.get("layer_types") or [
         "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-        for i in range(layers)]
-    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+        for i in range(config["num_hidden_layers"])]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
     if unknown:
         raise ValueError(f"layer_types has {unknown}: the supported layer types are "
                          "full_attention, linear_attention")
-    with_experts = "moe" in config["model_type"]
-    ffn = moe.KIND.symbol if with_experts else mlp.KIND.symbol
+    return types
+
+
+def mixer_symbol(layer_type: str) -> str:
+    return attention.KIND.symbol if layer_type == "full_attention" else gdn.KIND.symbol
+
+
+def text_model_args(config: dict, pattern: str, experts: MoEArgs) -> HybridModelArgs:
+    """HybridModelArgs of a Qwen3.5 / Qwen3-Next text config with the given pattern and MoE
+    args. Rotary settings: `rope_parameters`, or the top-level `rope_theta` /
+    `partial_rotary_factor` of configs written before transformers 5."""
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported "
                          "(default)")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    fraction = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
     heads = config["num_attention_heads"]
     base = HybridModelArgs()
-    experts = base.moe
-    if with_experts:
-        experts = MoEArgs(num_experts=config["num_experts"],
-                          top_k=config["num_experts_per_tok"],
-                          hidden_dim=config["moe_intermediate_size"],
-                          shared_expert_hidden_dim=config["shared_expert_intermediate_size"],
-                          score_func="softmax", norm_topk_prob=True, shared_expert_gate=True)
     return dataclasses.replace(
-        base, hf_format=FORMAT, norm_zero_centered=True,
-        pattern="".join((attention.KIND.symbol if kind == "full_attention"
-                         else gdn.KIND.symbol) + ffn for kind in layer_types),
+        base, norm_zero_centered=True, pattern=pattern,
         dim=config["hidden_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
         attention=AttentionArgs(
             n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rope_theta=rope.get("rope_theta", 10000.0),
-            rotary_fraction=rope.get("partial_rotary_factor", 0.25), **GATED_ATTENTION),
+            rope_theta=theta, rotary_fraction=fraction, **GATED_ATTENTION),
         gdn=GDNArgs(key_head_dim=config["linear_key_head_dim"],
                     value_head_dim=config["linear_value_head_dim"],
                     n_key_heads=config["linear_num_key_heads"],
@@ -215,3 +234,24 @@ def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
         mlp=MLPArgs(hidden_dim=config.get("intermediate_size", base.mlp.hidden_dim),
                     activation="swiglu"),
         moe=experts)
+
+
+def experts_of(config: dict, normalizes_top_k: bool = True) -> MoEArgs:
+    return MoEArgs(num_experts=config["num_experts"], top_k=config["num_experts_per_tok"],
+                   hidden_dim=config["moe_intermediate_size"],
+                   shared_expert_hidden_dim=config["shared_expert_intermediate_size"],
+                   score_func="softmax", norm_topk_prob=normalizes_top_k,
+                   shared_expert_gate=True)
+
+
+def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
+    """HybridModelArgs for an HF Qwen3.5 config.json (its text model: a multimodal config's
+    `text_config`); ValueError naming the first setting the format cannot hold."""
+    if "text_config" in config:
+        config = {**config["text_config"], "model_type": config["model_type"]}
+    check_text_config(config)
+    with_experts = "moe" in config["model_type"]
+    ffn = moe.KIND.symbol if with_experts else mlp.KIND.symbol
+    pattern = "".join(mixer_symbol(kind) + ffn for kind in layer_types(config))
+    experts = experts_of(config) if with_experts else HybridModelArgs().moe
+    return dataclasses.replace(text_model_args(config, pattern, experts), hf_format=FORMAT)

@@ -60,6 +60,7 @@ from torchtitan.components.checkpoint import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.checkpoint import integrity
+from titan_hybrid.checkpoint.hf_adapter import check_writable
 from titan_hybrid.checkpoint.hf_formats import hf_config
 from titan_hybrid.checkpoint.state import (
     NON_MODEL_PREFIXES,
@@ -170,6 +171,8 @@ class HybridCheckpointManager(CheckpointManagerHooks):
                  to_hf: bool = False):
         final = Path(checkpoint_id)
         partial = final.with_name(final.name + integrity.PARTIAL_SUFFIX)
+        if to_hf:  # the pre-flight check refuses such a job; never drop a piece silently
+            check_writable(self.sd_adapter.to_hf(state_dict))
         if integrity.is_rank0():
             shutil.rmtree(partial, ignore_errors=True)
         integrity.barrier()

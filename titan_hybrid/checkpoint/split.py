@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_hybrid.compat.dcp import ChunkedTensor, shard_shape_and_offsets
+from titan_hybrid.compat.dcp import Chunk, ChunkedTensor, shard_shape_and_offsets
 from titan_hybrid.parallel.tensor_parallel import TPLayout, tp_degree
 
 
@@ -136,6 +136,21 @@ def _adjacent(first: tuple[torch.Size, torch.Tensor], second: tuple[torch.Size, 
             and b.data_ptr() == a.data_ptr() + a.shape[dim] * a.stride(dim) * a.element_size())
 
 
+def merged_chunks(chunks: list[Chunk], dim: int) -> list[Chunk]:
+    """`chunks` (global offsets, views) with each run that continues itself along `dim`,
+    globally and in memory, made one view."""
+    merged: list[Chunk] = []
+    for piece in chunks:
+        if merged and _adjacent(merged[-1], piece, dim):
+            previous_offsets, previous = merged.pop()
+            view = piece[1]
+            piece = (previous_offsets, previous.as_strided(
+                previous.shape[:dim] + (previous.shape[dim] + view.shape[dim],)
+                + previous.shape[dim + 1:], previous.stride(), previous.storage_offset()))
+        merged.append(piece)
+    return merged
+
+
 def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Tensor:
     """The fused tensor made of `parts` laid end to end along `dim`, in global coordinates (the
     order a format like Hugging Face's stores, not the TP-interleaved in-memory order). Each
@@ -148,15 +163,9 @@ def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Te
         for offsets, view in part.chunks:
             shifted = list(offsets)
             shifted[dim] += start
-            piece = (torch.Size(shifted), view)
-            if chunks and _adjacent(chunks[-1], piece, dim):
-                previous_offsets, previous = chunks.pop()
-                piece = (previous_offsets, previous.as_strided(
-                    previous.shape[:dim] + (previous.shape[dim] + view.shape[dim],)
-                    + previous.shape[dim + 1:], previous.stride(), previous.storage_offset()))
-            chunks.append(piece)
+            chunks.append((torch.Size(shifted), view))
         start += part.shape[dim]
     shape = list(parts[0].shape)
     shape[dim] = start
-    return (cls or ComponentChunks)(torch.Size(shape), chunks, parts[0].source,
-                                    parts[0].fused_key, parts[0].tp_layout)
+    return (cls or ComponentChunks)(torch.Size(shape), merged_chunks(chunks, dim),
+                                    parts[0].source, parts[0].fused_key, parts[0].tp_layout)

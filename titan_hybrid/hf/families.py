@@ -23,11 +23,13 @@ from titan_hybrid.checkpoint.hf_formats import (
     GRANITE,
     NEMOTRON_H,
     QWEN3_5,
+    QWEN3_NEXT,
     HFFormat,
 )
 from titan_hybrid.checkpoint.hf_granite import model_args_from_granite_config
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
 from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
+from titan_hybrid.checkpoint.hf_qwen3_next import model_args_from_qwen3_next_config
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
@@ -47,6 +49,7 @@ FAMILIES = (
     Family(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), QWEN3_5,
            model_args_from_qwen3_5_config),
     Family(("granitemoehybrid",), GRANITE, model_args_from_granite_config),
+    Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.

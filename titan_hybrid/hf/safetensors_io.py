@@ -7,7 +7,8 @@ tensors' bytes (offsets relative to the end of the header). The library's loader
 a memory map, whose pages count as the process's memory once touched, and copy each tensor
 once more; its writer builds each file's bytes in memory. Here a tensor is read into its
 place in the model (`readinto`) and written from it, so a conversion holds the model and at
-most one tensor besides.
+most one tensor besides. An HF tensor whose rows come in turn from several of the model's
+tensors (ChunkedTensor: Qwen3-Next's in_proj_qkvz) is read and written run by run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from titan_hybrid.compat.dcp import ChunkedTensor
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -52,32 +55,55 @@ def tensor_entries(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]
     return entries
 
 
+def row_runs(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensor as runs of whole rows in order: itself, or a ChunkedTensor's chunks, which
+    must tile it along dim 0."""
+    if not isinstance(tensor, ChunkedTensor):
+        return [tensor]
+    runs, row = [], 0
+    for offsets, view in sorted(tensor.chunks, key=lambda chunk: chunk[0][0]):
+        if (offsets[0] != row or any(offsets[1:])
+                or tuple(view.shape[1:]) != tuple(tensor.shape[1:])):
+            raise ValueError(f"pieces of shape {tuple(view.shape)} at {tuple(offsets)} do not "
+                             f"tile a tensor of shape {tuple(tensor.shape)} by rows")
+        runs.append(view)
+        row += view.shape[0]
+    if row != tensor.shape[0]:
+        raise ValueError(f"pieces cover {row} of the {tensor.shape[0]} rows of a tensor")
+    return runs
+
+
+def _read_exactly(handle, view, what: str) -> None:
+    read = 0
+    while read < view.nbytes:  # readinto may return less than asked
+        count = handle.readinto(view[read:])
+        if not count:
+            raise ValueError(f"{what} ends early")
+        read += count
+
+
 def read_into(file: Path, targets: dict[str, torch.Tensor],
               done: Callable[[torch.Tensor], None] = lambda tensor: None) -> None:
     """Fill targets[name] (any dtype: the stored values are cast) with each tensor of the
-    file, in file order; `done(target)` after each."""
+    file, in file order, run of rows by run; `done(target)` after each."""
     header, start = read_header(file)
     with open(file, "rb", buffering=0) as handle, torch.no_grad():
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             target = targets[name]
             begin, end = entry["data_offsets"]
-            handle.seek(start + begin)
             stored = DTYPES[entry["dtype"]]
-            place = (target if target.dtype == stored and target.is_contiguous()
-                     else torch.empty(tuple(entry["shape"]), dtype=stored))
-            view = _bytes_of(place)
-            if view.nbytes != end - begin:
+            expected = target.numel() * stored.itemsize
+            if expected != end - begin:
                 raise ValueError(f"'{file}': tensor '{name}' holds {end - begin} bytes, "
-                                 f"{view.nbytes} expected for {tuple(entry['shape'])} "
+                                 f"{expected} expected for {tuple(entry['shape'])} "
                                  f"{entry['dtype']}")
-            read = 0
-            while read < view.nbytes:  # readinto may return less than asked
-                count = handle.readinto(view[read:])
-                if not count:
-                    raise ValueError(f"'{file}' ends inside tensor '{name}'")
-                read += count
-            if place is not target:
-                target.copy_(place.view(target.shape))
+            handle.seek(start + begin)
+            for run in row_runs(target):
+                place = (run if run.dtype == stored and run.is_contiguous()
+                         else torch.empty(tuple(run.shape), dtype=stored))
+                _read_exactly(handle, _bytes_of(place), f"'{file}' inside tensor '{name}'")
+                if place is not run:
+                    run.copy_(place)
             done(target)
 
 
@@ -99,7 +125,8 @@ def write(file: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         handle.write(len(encoded).to_bytes(8, "little"))
         handle.write(encoded)
         for tensor in tensors.values():
-            handle.write(_bytes_of(tensor.detach().contiguous()))
+            for run in row_runs(tensor):
+                handle.write(_bytes_of(run.detach().contiguous()))
             done(tensor)
 
 

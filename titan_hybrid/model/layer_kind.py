@@ -46,6 +46,8 @@ class HFNames:
     # our [experts, ...] parameter -> the format's name of one expert's slice, with "{}" for
     # the expert's number (one HF tensor per expert)
     per_expert: dict[str, str] = field(default_factory=dict)
+    # our optional parameter -> whether the kind's args (its section) give the layer one
+    optional: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

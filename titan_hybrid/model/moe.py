@@ -54,6 +54,11 @@ class MoEArgs:
     # The shared expert's output times sigmoid(a learned projection of the token) (Qwen2-MoE,
     # Qwen3-Next, Qwen3.5's shared_expert_gate).
     shared_expert_gate: bool = False
+    # Latent MoE (Nemotron 3 Super's moe_latent_size, Megatron's --moe-latent-size): > 0 runs
+    # the routed experts on tokens projected to this width (fc1_latent) and projects their
+    # weighted sum back (fc2_latent); the router and the shared expert see the full width.
+    # Expert parallelism then moves latent tokens. 0: experts on the model width.
+    latent_dim: int = 0
 
     @property
     def normalizes_top_k(self) -> bool:
@@ -227,7 +232,10 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = TopKRouter(dim=dim, args=args)
-        self.experts = GroupedExperts(dim=dim, hidden_dim=args.hidden_dim,
+        expert_dim = args.latent_dim or dim
+        self.fc1_latent = nn.Linear(dim, expert_dim, bias=False) if args.latent_dim else None
+        self.fc2_latent = nn.Linear(expert_dim, dim, bias=False) if args.latent_dim else None
+        self.experts = GroupedExperts(dim=expert_dim, hidden_dim=args.hidden_dim,
                                       num_experts=args.num_experts, activation=args.activation)
         self.shared_expert = (build_mlp(MLPArgs(hidden_dim=args.shared_expert_hidden_dim,
                                                 activation=args.activation), dim)
@@ -252,11 +260,15 @@ class MoE(nn.Module):
             self.routed_tokens += tokens_per_expert
             aux_value = aux_loss.detach().to(self.aux_loss_sum.dtype)
             self.aux_loss_sum += torch.stack((aux_value, torch.ones_like(aux_value)))
-        x_sorted_XD = gather_rows(x_XD, slot_order // top_k, slot_position, repeats=top_k)
+        expert_in_XD = x_XD if self.fc1_latent is None else self.fc1_latent(x_XD)
+        x_sorted_XD = gather_rows(expert_in_XD, slot_order // top_k, slot_position,
+                                  repeats=top_k)
         expert_out = self.experts(x_sorted_XD, tokens_per_expert)
         out_XAD = gather_rows(expert_out, slot_position, slot_order).view(*experts_XA.shape, -1)
         # Weighted sum over the A choices in fp32 (the router's weights), rounded once.
         out_XD = (upcast(out_XAD) * weights_XA.unsqueeze(-1)).sum(1).type_as(x_XD)
+        if self.fc2_latent is not None:
+            out_XD = self.fc2_latent(out_XD)
         if self.shared_expert is not None:
             shared_XD = self.shared_expert(x_XD)
             if self.shared_expert_gate is not None:
@@ -274,6 +286,9 @@ class MoE(nn.Module):
         if self.router.e_score_correction_bias is not None:
             self.router.e_score_correction_bias.zero_()
         self.experts.init_weights(init_std=init_std, out_std=out_std)
+        if self.fc1_latent is not None:
+            init_linear(self.fc1_latent, std=init_std)
+            init_linear(self.fc2_latent, std=out_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std=init_std, out_std=out_std)
         if self.shared_expert_gate is not None:
@@ -295,6 +310,9 @@ def _validate(args: MoEArgs, dim: int) -> None:
         raise ValueError(f"moe: n_group={args.n_group} must divide num_experts="
                          f"{args.num_experts} into groups of at least 2, and topk_group="
                          f"{args.topk_group} must be in [1, n_group]")
+    if args.latent_dim < 0:
+        raise ValueError(f"moe: latent_dim={args.latent_dim} must be >= 0 (0: no latent "
+                         "projection)")
 
 
 def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
@@ -306,9 +324,11 @@ def _tensor_parallel_sizes(args: MoEArgs, dim: int) -> list[tuple[str, int]]:
 
 def _inactive_params(args: MoEArgs, dim: int) -> int:
     """The routed experts a token does not visit: num_experts - top_k of them, each
-    fc1 [2 * hidden, dim] (squared ReLU: [hidden, dim]) and fc2 [dim, hidden]."""
+    fc1 [2 * hidden, width] (squared ReLU: [hidden, width]) and fc2 [width, hidden], width
+    being latent_dim or dim."""
     matrices = 2 if args.activation == "relu2" else 3
-    return (args.num_experts - args.top_k) * matrices * args.hidden_dim * dim
+    return (args.num_experts - args.top_k) * matrices * args.hidden_dim * (args.latent_dim
+                                                                          or dim)
 
 
 def _router_log(sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -338,9 +358,13 @@ KIND = LayerKind(
         renames={"router.gate.weight": "gate.weight",
                  "router.e_score_correction_bias": "gate.e_score_correction_bias",
                  "shared_expert.fc1.weight": "shared_experts.up_proj.weight",
-                 "shared_expert.fc2.weight": "shared_experts.down_proj.weight"},
+                 "shared_expert.fc2.weight": "shared_experts.down_proj.weight",
+                 "fc1_latent.weight": "fc1_latent_proj.weight",
+                 "fc2_latent.weight": "fc2_latent_proj.weight"},
         per_expert={"experts.fc1": "experts.{}.up_proj.weight",
-                    "experts.fc2": "experts.{}.down_proj.weight"})},
+                    "experts.fc2": "experts.{}.down_proj.weight"},
+        optional={"fc1_latent.weight": lambda section: section.latent_dim > 0,
+                  "fc2_latent.weight": lambda section: section.latent_dim > 0})},
     # Counts describe the global batch of each layer: summed over the data-parallel ranks.
     statistics=KindStatistics(counters=("routed_tokens", "aux_loss_sum"), summed_over=(DATA,),
                               per_layer=True, log=_router_log),
