@@ -315,6 +315,78 @@ def test_the_adapters_map_transformers_own_tensors_onto_the_models(tmp_path, fam
         assert torch.equal(theirs[key], value), key
 
 
+def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
+    """Nemotron 3's MTP layers, in Megatron-Bridge's and vLLM's names (transformers does not
+    model them and skips mtp.* when it loads): an HF folder with one depth of an attention and
+    a MoE layer imports into our MTP depth, whose logits equal those computed from the same
+    tensors with transformers' own blocks (eh_proj on [enorm(embedding of the next token) |
+    hnorm(last hidden state)], the blocks, final_layernorm, the shared head), and the export
+    writes every mtp.* tensor back bit for bit."""
+    import torch.nn.functional as F
+
+    config_class, model_class, fields = FAMILIES["nemotron_h_moe"]
+    reference = save_tiny("nemotron_h_moe", tmp_path / "hf")
+    # transformers' blocks of the MTP layers: a model of just those layers, whose final norm
+    # is the depth's final_layernorm and whose head is the main model's.
+    torch.manual_seed(2)
+    blocks = model_class(config_class(**{**fields, "layers_block_type": ["attention",
+                                                                         "moe"]})).eval()
+    with torch.no_grad():
+        for param in blocks.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        blocks.lm_head.weight.copy_(reference.lm_head.weight)
+    blocks.save_pretrained(str(tmp_path / "blocks"))
+    width = fields["hidden_size"]
+    mtp = {key.replace("backbone.layers.", "mtp.layers."): value
+           for key, value in load_file(str(tmp_path / "blocks" / "model.safetensors")).items()
+           if key.startswith("backbone.layers.")}
+    mtp["mtp.layers.1.final_layernorm.weight"] = blocks.model.norm_f.weight.detach().clone()
+    enorm, hnorm = (1 + 0.1 * torch.randn(width) for _ in range(2))
+    eh_proj = 0.1 * torch.randn(width, 2 * width)
+    mtp.update({"mtp.layers.0.enorm.weight": enorm, "mtp.layers.0.hnorm.weight": hnorm,
+                "mtp.layers.0.eh_proj.weight": eh_proj})
+    weights = tmp_path / "hf" / "model.safetensors"
+    save_file({**load_file(str(weights)), **mtp}, str(weights), metadata={"format": "pt"})
+    config_file = tmp_path / "hf" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(num_nextn_predict_layers=1,
+                  mtp_layers_block_type=["full_attention", "moe"])
+    config_file.write_text(json.dumps(config))
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    assert args.pattern.endswith("/*E")
+    ours = build_model(args)
+    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
+    with torch.no_grad():
+        logits, _, mtp_logits = ours(tokens())
+        hidden = []  # the last hidden state: the input of transformers' final norm
+        hook = reference.model.norm_f.register_forward_pre_hook(
+            lambda module, inputs: hidden.append(inputs[0]))
+        main_logits = logits_of(reference)
+        hook.remove()
+        rms = type(reference.model.norm_f)
+        norms = [rms(width, eps=reference.config.layer_norm_epsilon) for _ in range(2)]
+        for norm, weight in zip(norms, (enorm, hnorm)):
+            norm.weight.copy_(weight)
+        future = reference.model.embeddings(F.pad(tokens()[:, 1:], (0, 1)))
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden[0])), -1), eh_proj)
+        theirs = blocks(inputs_embeds=inputs).logits
+    assert relative_error(logits, main_logits) <= 1e-5
+    error = relative_error(mtp_logits, theirs)
+    assert error <= 1e-5, error
+
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
+    assert all(torch.equal(back[key], value) for key, value in mtp.items())
+    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (exported["num_nextn_predict_layers"], exported["mtp_layers_block_type"]) == (
+        1, ["attention", "moe"])
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))  # skips mtp.*
+
+
 def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_path):
     """DCP's HF writer keeps one piece of a tensor per rank and drops the others (measured on
     torch 2.13: of a 2-piece tensor, only one piece's rows were written): pieces that would

@@ -59,8 +59,6 @@ def check_nemotron_h_compatible(args: HybridModelArgs) -> None:
     if unsupported:
         problems.append(f"hybrid.pattern '{args.pattern}' has layer types {unsupported}; the "
                         f"format holds only {', '.join(HF_BLOCK_TYPES)}")
-    if pattern.mtp_depths:
-        problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths; the format has none")
     kinds = {kind.name for kind in args.kinds()}
     if mlp.KIND.name in kinds and args.mlp.activation != "relu2":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'relu2'")
@@ -89,14 +87,23 @@ def physical_layer_prefixes(args: HybridModelArgs) -> list[tuple[str, LayerKind]
     """(checkpoint key prefix, kind) of each physical layer in order: HF layer N is entry N.
     Prefixes are the LOGICAL keys SplitModelWrapper uses (a group's sub-layer takes the group's
     index unless its kind occurs twice in the group)."""
+    return _prefixes(args.parsed_pattern.main, "layers.")
+
+
+def mtp_layer_prefixes(args: HybridModelArgs, depth: int) -> list[tuple[str, LayerKind]]:
+    """The same for the layers of MTP depth `depth`."""
+    return _prefixes(args.parsed_pattern.mtp, f"mtp.{depth}.block.layers.")
+
+
+def _prefixes(items, base: str) -> list[tuple[str, LayerKind]]:
     layers = []
-    for index, item in enumerate(args.parsed_pattern.main):
+    for index, item in enumerate(items):
         if isinstance(item, str):
-            layers.append((f"layers.{index}.", LAYER_KINDS[item]))
+            layers.append((f"{base}{index}.", LAYER_KINDS[item]))
             continue
         for inner, symbol in enumerate(item):
             unique = item.count(symbol) == 1
-            prefix = f"layers.{index}." if unique else f"layers.{index}.layers.{inner}."
+            prefix = f"{base}{index}." if unique else f"{base}{index}.layers.{inner}."
             layers.append((prefix, LAYER_KINDS[symbol]))
     return layers
 
@@ -110,6 +117,22 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
         # returns the very components a load wrote into.
         self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
 
+    def _layer_entries(self, hf: str, prefix: str, kind: LayerKind) -> dict:
+        """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
+        names, section = kind.hf_names[FORMAT], self.model_args.section(kind)
+        entries: dict = {hf + "norm.weight": f"{prefix}{kind.name}_norm.weight"}
+        for ours, theirs in names.renames.items():
+            if ours not in names.optional or names.optional[ours](section):
+                entries[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
+        for name, parts in names.fused.items():
+            entries[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
+                                                 for part in parts)
+        for ours, theirs in names.per_expert.items():
+            for expert in range(section.num_experts):
+                entries[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
+                    f"{prefix}{kind.name}.{ours}", expert)
+        return entries
+
     def _key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
         """HF key -> our key, the tuple of our component keys of a fused HF tensor, or one
         expert's slice of our parameter."""
@@ -120,20 +143,20 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             "lm_head.weight": "output.weight",
         }
         for number, (prefix, kind) in enumerate(physical_layer_prefixes(self.model_args)):
-            hf = f"backbone.layers.{number}."
-            names = kind.hf_names[FORMAT]
-            mapping[hf + "norm.weight"] = f"{prefix}{kind.name}_norm.weight"
-            section = self.model_args.section(kind)
-            for ours, theirs in names.renames.items():
-                if ours not in names.optional or names.optional[ours](section):
-                    mapping[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
-            for name, parts in names.fused.items():
-                mapping[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
-                                                     for part in parts)
-            for ours, theirs in names.per_expert.items():
-                for expert in range(section.num_experts):
-                    mapping[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
-                        f"{prefix}{kind.name}.{ours}", expert)
+            mapping.update(self._layer_entries(f"backbone.layers.{number}.", prefix, kind))
+        # MTP (Megatron-Bridge's and vLLM's names; transformers does not model it): depth d's
+        # layer j is mtp.layers.{d * P + j}, P layers a depth, named as backbone layers; the
+        # depth's first layer holds its input norms and projection, its last the final norm.
+        for depth in range(self.model_args.parsed_pattern.mtp_depths):
+            layers = mtp_layer_prefixes(self.model_args, depth)
+            first, last = depth * len(layers), (depth + 1) * len(layers) - 1
+            for j, (prefix, kind) in enumerate(layers):
+                mapping.update(self._layer_entries(f"mtp.layers.{first + j}.", prefix, kind))
+            for theirs, ours in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
+                                 ("eh_proj", "eh_proj")):
+                mapping[f"mtp.layers.{first}.{theirs}.weight"] = f"mtp.{depth}.{ours}.weight"
+            mapping[f"mtp.layers.{last}.final_layernorm.weight"] = (
+                f"mtp.{depth}.final_norm.weight")
         return mapping
 
     def to_hf(self, state_dict: dict) -> dict:
@@ -257,7 +280,17 @@ def nemotron_h_config(args: HybridModelArgs) -> dict:
         "time_step_floor": mamba.dt_init_floor,
         "residual_in_fp32": False,
         **_moe_config(args),
+        **_mtp_config(args),
     }
+
+
+def _mtp_config(args: HybridModelArgs) -> dict:
+    pattern = args.parsed_pattern
+    if not pattern.mtp_depths:
+        return {}
+    return {"num_nextn_predict_layers": pattern.mtp_depths,  # each depth's layers alike
+            "mtp_layers_block_type": [HF_BLOCK_TYPES[symbol] for item in pattern.mtp
+                                      for symbol in item]}
 
 
 def _moe_config(args: HybridModelArgs) -> dict:
@@ -273,18 +306,30 @@ def _moe_config(args: HybridModelArgs) -> dict:
             "norm_topk_prob": experts.normalizes_top_k}
 
 
+def _symbols(config: dict, pattern_field: str, types_field: str) -> str:
+    """Our layer symbols from a pattern string (legacy) or a list of layer-type words."""
+    if pattern_field in config:
+        return config[pattern_field]
+    types = config.get(types_field) or []
+    unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"{types_field} has {unknown}: the supported layer types are "
+                         f"{', '.join(sorted(HF_LAYER_TYPES))}")
+    return "".join(HF_LAYER_TYPES[t] for t in types)
+
+
 def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None = None
                                       ) -> HybridModelArgs:
     """HybridModelArgs for an HF Nemotron-H config.json (dense: Mamba2, attention, MLP)."""
-    if "hybrid_override_pattern" in config:
-        pattern = config["hybrid_override_pattern"]
-    else:
-        types = config.get("layers_block_type", [])
-        unknown = sorted({t for t in types if t not in HF_LAYER_TYPES})
-        if unknown:
-            raise ValueError(f"layers_block_type has {unknown}: the supported layer types "
-                             f"are {', '.join(sorted(HF_LAYER_TYPES))}")
-        pattern = "".join(HF_LAYER_TYPES[t] for t in types)
+    pattern = _symbols(config, "hybrid_override_pattern", "layers_block_type")
+    depths = config.get("num_nextn_predict_layers") or 0
+    if depths:
+        if config.get("mtp_use_repeated_layer") and depths > 1:
+            raise ValueError(f"mtp_use_repeated_layer=True with num_nextn_predict_layers="
+                             f"{depths}: titan_hybrid's MTP depths each have their own weights")
+        mtp = (_symbols(config, "mtp_hybrid_override_pattern", "mtp_layers_block_type")
+               or "*E")  # transformers' default: ["full_attention", "moe"]
+        pattern += f"/{mtp}" * depths
     for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
                             ("tie_word_embeddings", False), ("use_bias", False),
                             ("mlp_bias", False), ("attention_bias", False),

@@ -94,7 +94,9 @@ class HybridStack(nn.Module):
 
 class MTPDepth(nn.Module):
     """One MTP depth (DeepSeek-V3 style): combine the previous depth's hidden state with the
-    embedding of the token k steps ahead, run the MTP layers, and predict one token further."""
+    embedding of the token k steps ahead, run the MTP layers, and predict one token further.
+    eh_proj reads [normed embedding | normed hidden state], in that order, as Megatron's MTP
+    and the published checkpoints (DeepSeek-V3, Nemotron 3, Qwen3-Next) do."""
 
     def __init__(self, items: list[Item], args: HybridModelArgs) -> None:
         super().__init__()
@@ -106,7 +108,8 @@ class MTPDepth(nn.Module):
 
     def forward(self, h, future_embedding, aux_loss, layout):
         """Returns (hidden state for the next depth, aux loss, normed input of the LM head)."""
-        x = self.eh_proj(torch.cat((self.hidden_norm(h), self.embedding_norm(future_embedding)), -1))
+        x = self.eh_proj(torch.cat((self.embedding_norm(future_embedding), self.hidden_norm(h)),
+                                   -1))
         x, aux_loss = self.block(x, aux_loss, layout)
         # The final norm runs here, inside this depth's FSDP unit, where its weight is gathered.
         return x, aux_loss, self.final_norm(x)
