@@ -387,6 +387,73 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))  # skips mtp.*
 
 
+@pytest.mark.parametrize("family, count_field", [
+    ("qwen3_next", "num_nextn_predict_layers"), ("qwen3_5", "mtp_num_hidden_layers")])
+def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field):
+    """Qwen3-Next's and Qwen3.5's MTP, in vLLM's names (transformers skips mtp.*): an HF
+    folder with `mtp.fc`, its two pre-fc norms, one decoder layer and `mtp.norm` imports into
+    our MTP depth, whose logits equal those computed from the same tensors with transformers'
+    own decoder layer (fc on [pre_fc_norm_embedding(embedding of the next token) |
+    pre_fc_norm_hidden(last hidden state)], the layer, mtp.norm, the shared head; every norm
+    scales by 1 + weight), and the export writes every mtp.* tensor back bit for bit."""
+    import torch.nn.functional as F
+
+    config_class, model_class, fields = FAMILIES[family]
+    reference = save_tiny(family, tmp_path / "hf")
+    torch.manual_seed(2)  # transformers' decoder layer of the MTP: a one-layer model
+    blocks = model_class(config_class(**{**fields, "num_hidden_layers": 1,
+                                         "layer_types": ["full_attention"],
+                                         "mlp_only_layers": []})).eval()
+    with torch.no_grad():
+        for param in blocks.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+        blocks.lm_head.weight.copy_(reference.lm_head.weight)
+    blocks.save_pretrained(str(tmp_path / "blocks"))
+    width = fields["hidden_size"]
+    mtp = {key.replace("model.layers.", "mtp.layers."): value
+           for key, value in load_file(str(tmp_path / "blocks" / "model.safetensors")).items()
+           if key.startswith("model.layers.")}
+    norm_weights = [0.1 * torch.randn(width) for _ in range(2)]
+    fc = 0.1 * torch.randn(width, 2 * width)
+    mtp.update({"mtp.norm.weight": blocks.model.norm.weight.detach().clone(), "mtp.fc.weight": fc,
+                "mtp.pre_fc_norm_embedding.weight": norm_weights[0],
+                "mtp.pre_fc_norm_hidden.weight": norm_weights[1]})
+    weights = tmp_path / "hf" / "model.safetensors"
+    save_file({**load_file(str(weights)), **mtp}, str(weights), metadata={"format": "pt"})
+    config_file = tmp_path / "hf" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), count_field: 1}))
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    ours = build_model(args)
+    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
+    with torch.no_grad():
+        logits, *rest = ours(tokens())
+        hidden = []  # the last hidden state: the input of transformers' final norm
+        hook = reference.model.norm.register_forward_pre_hook(
+            lambda module, inputs: hidden.append(inputs[0]))
+        main_logits = logits_of(reference)
+        hook.remove()
+        norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)
+                 for _ in range(2)]
+        for norm, weight in zip(norms, norm_weights):
+            norm.weight.copy_(weight)
+        future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden[0])), -1), fc)
+        theirs = blocks(inputs_embeds=inputs).logits
+    assert relative_error(logits, main_logits) <= 1e-5
+    error = relative_error(rest[-1], theirs)
+    assert error <= 1e-5, error
+
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
+    assert all(torch.equal(back[key], value) for key, value in mtp.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())[count_field] == 1
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))  # skips mtp.*
+
+
 def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_path):
     """DCP's HF writer keeps one piece of a tensor per rank and drops the others (measured on
     torch 2.13: of a 2-piece tensor, only one piece's rows were written): pieces that would

@@ -55,8 +55,13 @@ def check_qwen3_5_compatible(args: HybridModelArgs, *, name: str = "Qwen3.5",
                  else "an MLP ('-') or, in every layer, by MoE ('E')")
         problems.append(f"hybrid.pattern '{args.pattern}' must be 'G' / '*' layers each "
                         f"followed by {which}")
-    if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
-        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
+    if any(isinstance(item, tuple) for item in pattern.main + pattern.mtp):
+        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups")
+    if pattern.mtp_depths and (pattern.mtp_depths > 1 or len(pattern.mtp) != 2
+                               or pattern.mtp[0] != attention.KIND.symbol
+                               or pattern.mtp[1] not in FFNS):
+        problems.append(f"hybrid.pattern '{args.pattern}': {name}'s MTP is one depth of one "
+                        "attention layer and its MLP or MoE ('/*-' or '/*E')")
     if not args.norm_zero_centered:
         problems.append(f"norm_zero_centered=False: {name}'s norms scale by 1 + weight")
     if args.mlp.activation != "swiglu":
@@ -88,46 +93,66 @@ def qwen3_5_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
 def key_map(args: HybridModelArgs, gdn_in_proj=qwen3_5_in_proj) -> KeyMap:
     """HF key -> our key (a component of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`),
     the tuple of our components of a fused HF tensor (or its RowPieces, from
-    `gdn_in_proj(HF module prefix, our in_proj key, args)`), or one expert's slice."""
+    `gdn_in_proj(HF module prefix, our in_proj key, args)`), or one expert's slice.
+
+    The MTP depth (vLLM's names; transformers skips mtp.* when it loads): `mtp.fc` reads
+    [pre_fc_norm_embedding(embedding) | pre_fc_norm_hidden(hidden state)], `mtp.layers.0` is
+    one decoder layer, `mtp.norm` the final norm before the shared head."""
     mapping: KeyMap = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-    symbols = args.parsed_pattern.physical_layer_symbols()
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
     for j in range(len(symbols) // 2):
-        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
-        kind, ffn_kind = LAYER_KINDS[symbols[2 * j]], LAYER_KINDS[symbols[2 * j + 1]]
-        module = f"{hf}{MIXERS[kind.symbol]}."
-        mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
-        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
-        if kind is attention.KIND:
-            ours = f"{mixer}attention."
-            for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
-                                 ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
-                mapping[f"{module}{theirs}.weight"] = f"{ours}{name}.weight"
-        else:
-            ours = f"{mixer}gdn."
-            in_proj, conv = f"{ours}in_proj.weight", f"{ours}conv1d.weight"
-            mapping.update(gdn_in_proj(module, in_proj, args))
-            mapping[module + "conv1d.weight"] = tuple(
-                f"{conv}.{part}" for part in ("query", "key", "value"))
-            for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
-                mapping[module + name] = ours + name
-        if ffn_kind is mlp.KIND:
-            for theirs, name in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
-                                 ("down_proj", "fc2.weight")):
-                mapping[f"{hf}mlp.{theirs}.weight"] = f"{ffn}mlp.{name}"
-            continue
-        ours = f"{ffn}moe."
-        mapping[hf + "mlp.gate.weight"] = ours + "router.gate.weight"
-        mapping[hf + "mlp.shared_expert_gate.weight"] = ours + "shared_expert_gate.weight"
-        for theirs, name in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
-                             ("down_proj", "fc2.weight")):
-            mapping[f"{hf}mlp.shared_expert.{theirs}.weight"] = f"{ours}shared_expert.{name}"
-        for expert in range(args.moe.num_experts):
-            for theirs, name in (("gate_proj", "fc1_w"), ("up_proj", "fc1_v"),
-                                 ("down_proj", "fc2")):
-                mapping[f"{hf}mlp.experts.{expert}.{theirs}.weight"] = ExpertSlice(
-                    f"{ours}experts.{name}", expert)
+        mapping.update(decoder_layer(f"model.layers.{j}.", f"layers.{2 * j}.",
+                                     f"layers.{2 * j + 1}.", symbols[2 * j:2 * j + 2], args,
+                                     gdn_in_proj))
+    if pattern.mtp_depths:
+        mapping.update(decoder_layer("mtp.layers.0.", "mtp.0.block.layers.0.",
+                                     "mtp.0.block.layers.1.", pattern.mtp, args, gdn_in_proj))
+        for theirs, ours in (("fc", "eh_proj"), ("pre_fc_norm_embedding", "embedding_norm"),
+                             ("pre_fc_norm_hidden", "hidden_norm"), ("norm", "final_norm")):
+            mapping[f"mtp.{theirs}.weight"] = f"mtp.0.{ours}.weight"
+    return mapping
+
+
+def decoder_layer(hf: str, mixer: str, ffn: str, symbols, args: HybridModelArgs,
+                  gdn_in_proj) -> KeyMap:
+    """The entries of HF decoder layer `hf` (its mixer and MLP / MoE): our layers `mixer` and
+    `ffn` of the two `symbols`."""
+    kind, ffn_kind = LAYER_KINDS[symbols[0]], LAYER_KINDS[symbols[1]]
+    module = f"{hf}{MIXERS[kind.symbol]}."
+    mapping: KeyMap = {hf + "input_layernorm.weight": f"{mixer}{kind.name}_norm.weight",
+                       hf + "post_attention_layernorm.weight": f"{ffn}{ffn_kind.name}_norm.weight"}
+    if kind is attention.KIND:
+        ours = f"{mixer}attention."
+        for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
+                             ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+            mapping[f"{module}{theirs}.weight"] = f"{ours}{name}.weight"
+    else:
+        ours = f"{mixer}gdn."
+        in_proj, conv = f"{ours}in_proj.weight", f"{ours}conv1d.weight"
+        mapping.update(gdn_in_proj(module, in_proj, args))
+        mapping[module + "conv1d.weight"] = tuple(
+            f"{conv}.{part}" for part in ("query", "key", "value"))
+        for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+            mapping[module + name] = ours + name
+    swiglu = (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
+              ("down_proj", "fc2.weight"))
+    if ffn_kind is mlp.KIND:
+        for theirs, name in swiglu:
+            mapping[f"{hf}mlp.{theirs}.weight"] = f"{ffn}mlp.{name}"
+        return mapping
+    ours = f"{ffn}moe."
+    mapping[hf + "mlp.gate.weight"] = ours + "router.gate.weight"
+    mapping[hf + "mlp.shared_expert_gate.weight"] = ours + "shared_expert_gate.weight"
+    for theirs, name in swiglu:
+        mapping[f"{hf}mlp.shared_expert.{theirs}.weight"] = f"{ours}shared_expert.{name}"
+    for expert in range(args.moe.num_experts):
+        for theirs, name in (("gate_proj", "fc1_w"), ("up_proj", "fc1_v"),
+                             ("down_proj", "fc2")):
+            mapping[f"{hf}mlp.experts.{expert}.{theirs}.weight"] = ExpertSlice(
+                f"{ours}experts.{name}", expert)
     return mapping
 
 
@@ -171,7 +196,8 @@ def qwen3_5_config(args: HybridModelArgs) -> dict:
     check_qwen3_5_compatible(args)
     with_experts = moe.KIND.symbol in args.parsed_pattern.physical_layer_symbols()
     architecture, model_type = MODEL_TYPES[with_experts]
-    config = {"architectures": [architecture], "model_type": model_type, **text_config(args)}
+    config = {"architectures": [architecture], "model_type": model_type, **text_config(args),
+              "mtp_num_hidden_layers": args.parsed_pattern.mtp_depths}
     if with_experts:
         config.update(experts_config(args.moe))
     else:
@@ -199,6 +225,20 @@ def layer_types(config: dict) -> list[str]:
         raise ValueError(f"layer_types has {unknown}: the supported layer types are "
                          "full_attention, linear_attention")
     return types
+
+
+def mtp_pattern(config: dict, field: str, ffn: str) -> str:
+    """The pattern's MTP part ("/*-", "/*E" or "") for config.json's MTP layer count `field`;
+    ValueError for what our MTP depths cannot hold."""
+    layers = config.get(field) or 0
+    if layers > 1:
+        raise ValueError(f"{field}={layers} is not supported: its MTP layers share one fc and "
+                         "its norms, step by step; titan_hybrid's MTP depths each have their "
+                         "own (1 is supported)")
+    if config.get("mtp_use_dedicated_embeddings"):
+        raise ValueError("mtp_use_dedicated_embeddings=True is not supported: titan_hybrid's "
+                         "MTP depths read the model's embedding")
+    return f"/{attention.KIND.symbol}{ffn}" if layers else ""
 
 
 def mixer_symbol(layer_type: str) -> str:
@@ -253,5 +293,6 @@ def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
     with_experts = "moe" in config["model_type"]
     ffn = moe.KIND.symbol if with_experts else mlp.KIND.symbol
     pattern = "".join(mixer_symbol(kind) + ffn for kind in layer_types(config))
+    pattern += mtp_pattern(config, "mtp_num_hidden_layers", ffn)
     experts = experts_of(config) if with_experts else HybridModelArgs().moe
     return dataclasses.replace(text_model_args(config, pattern, experts), hf_format=FORMAT)

@@ -29,6 +29,7 @@ from titan_hybrid.checkpoint.hf_qwen3_5 import (
     key_map,
     layer_types,
     mixer_symbol,
+    mtp_pattern,
     text_config,
     text_model_args,
 )
@@ -73,11 +74,12 @@ class Qwen3NextStateDictAdapter(ComponentsStateDictAdapter):
 def qwen3_next_config(args: HybridModelArgs) -> dict:
     """The config.json a `transformers` Qwen3NextForCausalLM needs."""
     check_qwen3_next_compatible(args)
-    ffns = args.parsed_pattern.physical_layer_symbols()[1::2]
+    ffns = args.parsed_pattern.physical_layer_symbols()[1::2]  # main layers only
     with_experts = moe.KIND.symbol in ffns
     config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": FORMAT,
               **text_config(args), "intermediate_size": args.mlp.hidden_dim,
               "decoder_sparse_step": 1, "norm_topk_prob": True,
+              "num_nextn_predict_layers": args.parsed_pattern.mtp_depths,
               "mlp_only_layers": [i for i, symbol in enumerate(ffns) if symbol == mlp.KIND.symbol]}
     # No MoE layer at all: transformers' num_experts 0 makes every layer an MLP.
     config.update(experts_config(args.moe) if with_experts else {"num_experts": 0})
@@ -98,6 +100,8 @@ def model_args_from_qwen3_next_config(config: dict) -> HybridModelArgs:
         mixer_symbol(kind) + (moe.KIND.symbol if with_experts and i not in dense
                               and (i + 1) % step == 0 else mlp.KIND.symbol)
         for i, kind in enumerate(layer_types(config)))
+    pattern += mtp_pattern(config, "num_nextn_predict_layers",
+                           moe.KIND.symbol if with_experts else mlp.KIND.symbol)
     defaults = {"intermediate_size": 5632, "num_experts": 512, "num_experts_per_tok": 10,
                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                 "head_dim": 256}
