@@ -320,8 +320,9 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     model them and skips mtp.* when it loads): an HF folder with one depth of an attention and
     a MoE layer imports into our MTP depth, whose logits equal those computed from the same
     tensors with transformers' own blocks (eh_proj on [enorm(embedding of the next token) |
-    hnorm(last hidden state)], the blocks, final_layernorm, the shared head), and the export
-    writes every mtp.* tensor back bit for bit."""
+    hnorm(last hidden state after the final norm, as in Megatron and vLLM)], the blocks,
+    final_layernorm, the shared head), and the export writes every mtp.* tensor back bit for
+    bit."""
     import torch.nn.functional as F
 
     config_class, model_class, fields = FAMILIES["nemotron_h_moe"]
@@ -360,9 +361,9 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
     with torch.no_grad():
         logits, _, mtp_logits = ours(tokens())
-        hidden = []  # the last hidden state: the input of transformers' final norm
-        hook = reference.model.norm_f.register_forward_pre_hook(
-            lambda module, inputs: hidden.append(inputs[0]))
+        hidden = []  # the last hidden state after transformers' final norm (as Megatron's)
+        hook = reference.model.norm_f.register_forward_hook(
+            lambda module, inputs, output: hidden.append(output))
         main_logits = logits_of(reference)
         hook.remove()
         rms = type(reference.model.norm_f)
@@ -394,8 +395,9 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
     folder with `mtp.fc`, its two pre-fc norms, one decoder layer and `mtp.norm` imports into
     our MTP depth, whose logits equal those computed from the same tensors with transformers'
     own decoder layer (fc on [pre_fc_norm_embedding(embedding of the next token) |
-    pre_fc_norm_hidden(last hidden state)], the layer, mtp.norm, the shared head; every norm
-    scales by 1 + weight), and the export writes every mtp.* tensor back bit for bit."""
+    pre_fc_norm_hidden(last hidden state after the final norm, as in vLLM)], the layer,
+    mtp.norm, the shared head; every norm scales by 1 + weight), and the export writes every
+    mtp.* tensor back bit for bit."""
     import torch.nn.functional as F
 
     config_class, model_class, fields = FAMILIES[family]
@@ -429,9 +431,9 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
     load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
     with torch.no_grad():
         logits, *rest = ours(tokens())
-        hidden = []  # the last hidden state: the input of transformers' final norm
-        hook = reference.model.norm.register_forward_pre_hook(
-            lambda module, inputs: hidden.append(inputs[0]))
+        hidden = []  # the last hidden state after transformers' final norm (as vLLM's)
+        hook = reference.model.norm.register_forward_hook(
+            lambda module, inputs, output: hidden.append(output))
         main_logits = logits_of(reference)
         hook.remove()
         norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)

@@ -93,10 +93,11 @@ class HybridStack(nn.Module):
 
 
 class MTPDepth(nn.Module):
-    """One MTP depth (DeepSeek-V3 style): combine the previous depth's hidden state with the
+    """One MTP depth (DeepSeek-V3 style): combine the previous depth's output with the
     embedding of the token k steps ahead, run the MTP layers, and predict one token further.
-    eh_proj reads [normed embedding | normed hidden state], in that order, as Megatron's MTP
-    and the published checkpoints (DeepSeek-V3, Nemotron 3, Qwen3-Next) do."""
+    As in Megatron (and the published checkpoints' inference code: vLLM, SGLang), the input
+    is the previous output AFTER its final norm (the main model's, for depth 1), and eh_proj
+    reads [normed embedding | normed input], in that order."""
 
     def __init__(self, items: list[Item], args: HybridModelArgs) -> None:
         super().__init__()
@@ -106,13 +107,14 @@ class MTPDepth(nn.Module):
         self.block = HybridStack(items, args)
         self.final_norm = model_norm(args)
 
-    def forward(self, h, future_embedding, aux_loss, layout):
-        """Returns (hidden state for the next depth, aux loss, normed input of the LM head)."""
-        x = self.eh_proj(torch.cat((self.embedding_norm(future_embedding), self.hidden_norm(h)),
-                                   -1))
+    def forward(self, normed, future_embedding, aux_loss, layout):
+        """Returns (this depth's output after its final norm: the LM head's input and the next
+        depth's, aux loss)."""
+        x = self.eh_proj(torch.cat((self.embedding_norm(future_embedding),
+                                    self.hidden_norm(normed)), -1))
         x, aux_loss = self.block(x, aux_loss, layout)
         # The final norm runs here, inside this depth's FSDP unit, where its weight is gathered.
-        return x, aux_loss, self.final_norm(x)
+        return self.final_norm(x), aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for norm in (self.hidden_norm, self.embedding_norm, self.final_norm):
@@ -232,12 +234,13 @@ class HybridModel(nn.Module):
         if self.output is None:  # a pipeline stage before the last
             carry = ([aux_loss] if self.has_aux_loss else []) + futures
             return (h, *carry) if carry else h
-        logits = self._logits(self.norm(h))
+        normed = self.norm(h)
+        logits = self._logits(normed)
         if not self.mtp_depths and not self.has_aux_loss:
             return logits
         mtp_logits = []
         for mtp_depth, future in zip(self.mtp, futures, strict=True):
-            h, aux_loss, normed = mtp_depth(h, future, aux_loss, layout)
+            normed, aux_loss = mtp_depth(normed, future, aux_loss, layout)
             mtp_logits.append(self._logits(normed))
         return (logits, aux_loss, *mtp_logits)
 
