@@ -2,7 +2,8 @@
 
 in_proj: hidden -> [q | k | v | z | beta | alpha] (Hk*K, Hk*K, Hv*V, Hv*V, Hv, Hv); depthwise
 causal conv over [q | k | v] then SiLU; q, k L2-normalised, each key head shared by its value heads;
-g = -exp(A_log) * softplus(alpha + dt_bias) in fp32; beta = sigmoid(beta); gated delta rule;
+g = -exp(A_log) * softplus(alpha + dt_bias) in fp32; beta = sigmoid(beta) (times 2 with
+allow_neg_eigval); gated delta rule;
 per-head gated RMSNorm; out_proj. Legend: B batch, T time, Hk/Hv key/value heads, K/V head dims.
 """
 
@@ -37,6 +38,11 @@ class GDNArgs:
     n_key_heads: int = 16
     n_value_heads: int = 32
     conv_width: int = 4
+    # beta = 2 * sigmoid(...), so the delta rule's eigenvalues reach [-1, 1] (OLMo Hybrid's
+    # linear_allow_neg_eigval; DeltaProduct / "negative eigenvalues" in fla).
+    allow_neg_eigval: bool = False
+    # The gated output norm's epsilon; 0: the model's norm_eps (OLMo Hybrid fixes it at 1e-5).
+    norm_eps: float = 0.0
 
 
 class ConvAndDeltaRule(nn.Module):
@@ -76,7 +82,8 @@ class ConvAndDeltaRule(nn.Module):
         v_BTHV = v.unflatten(-1, (n_value_heads, -1))
         # Decay in fp32: exp of a long cumulative sum of these is taken inside the kernel.
         g = -torch.exp(upcast(A_log)) * F.softplus(upcast(alpha_BTH) + upcast(dt_bias))
-        return q_BTHK, k_BTHK, v_BTHV, g, torch.sigmoid(beta_BTH)
+        beta = torch.sigmoid(beta_BTH)
+        return q_BTHK, k_BTHK, v_BTHV, g, 2 * beta if self.args.allow_neg_eigval else beta
 
     @staticmethod
     def delta_rule(q, k, v, g, beta, seq_idx, initial_state=None, output_final_state=False):
@@ -105,7 +112,7 @@ class GatedDeltaNet(nn.Module):
                                 bias=False)
         self.A_log = nn.Parameter(torch.empty(args.n_value_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(args.n_value_heads))
-        self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=norm_eps)
+        self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=args.norm_eps or norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
 
         self.conv_and_delta_rule = ConvAndDeltaRule(args)
