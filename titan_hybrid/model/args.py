@@ -49,6 +49,10 @@ class HybridModelArgs:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Symbols of sequence mixers whose decoder layer (the mixer, and the MLP / MoE layers up to
+    # the next mixer) normalizes its outputs instead of its inputs: h + norm(f(h)) (OLMo
+    # Hybrid's attention layers, "*"); every other layer is pre-norm, h + f(norm(h)).
+    post_norm_mixers: str = ""
     max_seq_len: int = 2048
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone
@@ -108,6 +112,22 @@ class HybridModelArgs:
         """Raise ValueError for shapes that cannot work; cheap, runs before any model is built."""
         for kind in self.kinds():  # parsing the pattern also validates it
             kind.validate(self.section(kind), self.dim)
+        wrong = [s for s in self.post_norm_mixers
+                 if s not in LAYER_KINDS or not LAYER_KINDS[s].mixes_sequence]
+        if wrong:
+            raise ValueError(f"post_norm_mixers '{self.post_norm_mixers}' has {wrong}: it names "
+                             "sequence mixers' symbols")
+
+    def post_norms(self, items) -> list[bool]:
+        """Whether each physical layer of `items` (in order, groups flattened) is post-norm:
+        a mixer named in post_norm_mixers, and the layers that follow it up to the next
+        mixer."""
+        flags, post = [], False
+        for symbol in (symbol for item in items for symbol in item):
+            if LAYER_KINDS[symbol].mixes_sequence:
+                post = symbol in self.post_norm_mixers
+            flags.append(post)
+        return flags
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Nothing: torchtitan 0.2's trainer calls this to apply its job, but the run's args

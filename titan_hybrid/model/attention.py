@@ -22,7 +22,7 @@ from titan_hybrid.model.common import (
 )
 from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
 from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.norms import AcrossHeadsRMSNorm, RMSNorm
 
 
 @dataclass
@@ -42,6 +42,9 @@ class AttentionArgs:
     # 1 + weight when zero-centred (Qwen3-Next / Qwen3.5).
     qk_norm: bool = False
     qk_norm_zero_centered: bool = False
+    # "head": the q / k norms normalise each head (one weight of head_dim for all heads);
+    # "projection": all heads' channels together, weight [heads * head_dim] (OLMo Hybrid).
+    qk_norm_scope: str = "head"
     # A sigmoid gate on each head's output, computed with the queries: wq's rows are each
     # head's [query | gate] (Qwen3-Next / Qwen3.5's q_proj).
     output_gate: bool = False
@@ -117,7 +120,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
         self.q_norm = self.k_norm = None
-        if args.qk_norm:
+        self.qk_norm_across_heads = args.qk_norm_scope == "projection"
+        if args.qk_norm and self.qk_norm_across_heads:
+            self.q_norm, self.k_norm = (AcrossHeadsRMSNorm(heads * self.head_dim, eps=norm_eps)
+                                        for heads in (self.n_heads, self.n_kv_heads))
+        elif args.qk_norm:
             self.q_norm, self.k_norm = (
                 RMSNorm(self.head_dim, eps=norm_eps, zero_centered=args.qk_norm_zero_centered)
                 for _ in range(2))
@@ -130,8 +137,9 @@ class Attention(nn.Module):
         layouts = {"wq.weight": sharded(0), "wk.weight": sharded(0), "wv.weight": sharded(0),
                    "wo.weight": sharded(1)}
         if self.q_norm is not None:
-            layouts.update({"q_norm.weight": REPLICATED_ON_LOCAL_SHARDS,
-                            "k_norm.weight": REPLICATED_ON_LOCAL_SHARDS})
+            # Across heads, each head's channels have weights of their own: split with them.
+            norm_layout = sharded(0) if self.qk_norm_across_heads else REPLICATED_ON_LOCAL_SHARDS
+            layouts.update({"q_norm.weight": norm_layout, "k_norm.weight": norm_layout})
         return layouts
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
@@ -177,6 +185,10 @@ def _validate(args: AttentionArgs, dim: int) -> None:
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"attention: n_heads={args.n_heads} is not divisible by "
                          f"n_kv_heads={args.n_kv_heads}")
+    if args.qk_norm_scope not in ("head", "projection") or (
+            args.qk_norm_scope == "projection" and args.qk_norm_zero_centered):
+        raise ValueError(f"attention: qk_norm_scope '{args.qk_norm_scope}' must be 'head' or "
+                         "'projection' (the latter without qk_norm_zero_centered)")
 
 
 def _core_flops(args: AttentionArgs, dim: int, seq_len: int) -> int:

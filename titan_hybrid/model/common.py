@@ -96,6 +96,16 @@ def init_ssm_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, *, a_range: tuple
     dt_bias.copy_(inverse_softplus(torch.exp(upcast(dt_bias)).clamp(min=dt_floor)))
 
 
+class TensorParallelPartialSum(nn.Module):
+    """The identity, marking a sum over heads that the rest of a TP region computes with (the
+    sum of squares of a norm over all heads' channels): under tensor parallelism each rank
+    holds its own heads' share, and the TP plan sums the output over the group, and its
+    gradient too (parallel/tensor_parallel.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 class TensorParallelHeadSum(nn.Module):
     """The identity, marking a sum over attention heads: under tensor parallelism each rank
     holds only its own heads' share of the sum, and the TP plan sums the output over the

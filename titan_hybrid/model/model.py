@@ -1,7 +1,8 @@
 """HybridModel: embedding, a stack of hybrid layers given by the pattern, final norm, LM head,
 and optional multi-token-prediction (MTP) depths.
 
-Every physical layer is a pre-norm residual block `h + mixer(norm(h))`. A bracket group is a
+Every physical layer is a residual block, pre-norm `h + mixer(norm(h))` or, in the decoder layers
+of the mixers named in `post_norm_mixers`, post-norm `h + norm(mixer(h))`. A bracket group is a
 nested HybridStack: a scheduling / sharding / checkpoint unit that computes exactly what the same
 layers computed flat. Layers are kept in ModuleDicts keyed by their index so that pipeline stages
 can drop layers without renaming the others (torchtitan's convention).
@@ -39,10 +40,11 @@ class HybridLayer(nn.Module):
     by kind (`attention_norm`, `attention`, ...) so that checkpoint keys say what a layer is,
     as Megatron's do."""
 
-    def __init__(self, symbol: str, args: HybridModelArgs) -> None:
+    def __init__(self, symbol: str, args: HybridModelArgs, *, post_norm: bool = False) -> None:
         super().__init__()
         self.symbol = symbol
         self.kind = LAYER_KINDS[symbol]
+        self.post_norm = post_norm  # h + norm(mixer(h)) instead of h + mixer(norm(h))
         self.add_module(f"{self.kind.name}_norm", model_norm(args))
         self.add_module(self.kind.name,
                         self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
@@ -57,11 +59,13 @@ class HybridLayer(nn.Module):
         return getattr(self, f"{self.kind.name}_norm")
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
-        x = self.norm(h)
+        x = h if self.post_norm else self.norm(h)
         out = self.mixer(x, layout) if self.kind.mixes_sequence else self.mixer(x)
         if self.kind.has_aux_loss:
             out, layer_aux_loss = out
             aux_loss = aux_loss + layer_aux_loss
+        if self.post_norm:
+            out = self.norm(out)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return h + out, aux_loss
@@ -74,12 +78,16 @@ class HybridLayer(nn.Module):
 class HybridStack(nn.Module):
     """A sequence of pattern items; a bracket group becomes a nested HybridStack."""
 
-    def __init__(self, items: list[Item], args: HybridModelArgs, *, first_index: int = 0) -> None:
+    def __init__(self, items: list[Item], args: HybridModelArgs, *, first_index: int = 0,
+                 post_norms: list[bool] | None = None) -> None:
+        """`post_norms`: each physical layer's placement of its norm, in order (default:
+        args.post_norms(items))."""
         super().__init__()
+        flags = iter(args.post_norms(items) if post_norms is None else post_norms)
         self.layers = nn.ModuleDict()
         for offset, item in enumerate(items):
-            layer = (HybridStack(list(item), args) if isinstance(item, tuple)
-                     else HybridLayer(item, args))
+            layer = (HybridStack(list(item), args, post_norms=[next(flags) for _ in item])
+                     if isinstance(item, tuple) else HybridLayer(item, args, post_norm=next(flags)))
             self.layers[str(first_index + offset)] = layer
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):

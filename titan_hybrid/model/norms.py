@@ -1,4 +1,5 @@
-"""RMS norms: the plain one, Mamba2's gated grouped one and gated DeltaNet's gated per-head one."""
+"""RMS norms: the plain one, one across heads, Mamba2's gated grouped one and gated DeltaNet's
+gated per-head one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import upcast
+from titan_hybrid.model.common import TensorParallelPartialSum, upcast
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 
 
@@ -27,6 +28,28 @@ class RMSNorm(nn.Module):
 
     def init_weights(self) -> None:
         (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
+
+
+class AcrossHeadsRMSNorm(nn.Module):
+    """RMS norm over all heads' channels of a projection, [B, T, heads, head_dim] (OLMo Hybrid's
+    q / k norms, weight [heads * head_dim]). Under tensor parallelism a rank holds some heads:
+    its sum of squares is marked for the TP plan to sum over the group, and the mean divides
+    by the whole width."""
+
+    def __init__(self, width: int, *, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.width, self.eps = width, eps
+        self.weight = nn.Parameter(torch.empty(width))
+        self.sum_over_heads = TensorParallelPartialSum()
+
+    def forward(self, x_BTHD: torch.Tensor) -> torch.Tensor:
+        x = upcast(x_BTHD.flatten(-2))
+        mean_square = self.sum_over_heads(x.square().sum(-1, keepdim=True)) / self.width
+        normed = x * torch.rsqrt(mean_square + self.eps) * upcast(self.weight)
+        return normed.type_as(x_BTHD).view_as(x_BTHD)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
 
 
 class GatedGroupRMSNorm(nn.Module):

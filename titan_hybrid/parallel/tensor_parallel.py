@@ -28,12 +28,15 @@ scaled by 1/TP so that the sum over ranks counts it once.
 
 Sums over heads. A value summed over all heads inside a region (DSA's indexer target) is a
 partial sum on each rank; the model marks it with `TensorParallelHeadSum`, whose output is
-all-reduced here.
+all-reduced here. A sum the region goes on computing with (the mean square of a norm across
+heads) is marked `TensorParallelPartialSum`: all-reduced forward, and its gradient, a partial
+one on each rank (each rank's heads use it), all-reduced backward too.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -46,7 +49,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from titan_hybrid.model.common import TensorParallelHeadSum, TPLayout
+from titan_hybrid.model.common import TensorParallelHeadSum, TensorParallelPartialSum, TPLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.module_classes import extend_class
 
@@ -151,6 +154,24 @@ def _leave_region(y: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) ->
     return dy.redistribute(mesh, [Shard(1)] if sequence_parallel else [Replicate()]).to_local()
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Sum over the TP group forward; the gradient summed over it too (each rank's is its own
+    heads' part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -234,6 +255,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[s
         if isinstance(module, TensorParallelHeadSum):
             module.register_forward_hook(
                 lambda module, args, output: _leave_region(output, tp_mesh, False))
+        elif isinstance(module, TensorParallelPartialSum):
+            module.register_forward_hook(
+                lambda module, args, output: _SumOverGroup.apply(output, tp_mesh.get_group()))
 
     sequence = Shard(1) if sequence_parallel else Replicate()
     plan = {
