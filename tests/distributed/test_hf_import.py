@@ -32,7 +32,7 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
 FAMILIES = ["nemotron_h_moe"] + [
     pytest.param(family, marks=pytest.mark.once_per_ci)
     for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe",
-                   "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid",
+                   "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granitemoehybrid",
                    "granitemoehybrid_dense")]
 
 

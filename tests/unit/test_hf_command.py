@@ -100,6 +100,24 @@ FAMILIES = {
         num_key_value_heads=2, head_dim=8, intermediate_size=40, linear_key_head_dim=8,
         linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
         num_experts=0, max_position_embeddings=64, attn_implementation="eager")),
+    # OLMo Hybrid: post-norm attention layers with q / k norms across heads, gated DeltaNet
+    # layers with beta in [0, 2]; with rotary embeddings, and without (rope_theta null).
+    "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "full_attention"], pad_token_id=0, eos_token_id=1,
+        max_position_embeddings=64, attn_implementation="eager")),
+    "olmo_hybrid_nope": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM,
+                         dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": None}, rms_norm_eps=1e-5,
+        pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        attn_implementation="eager")),
     # Granite 4.0-H: its scalars (embedding, residual, attention, logits), MoE with a shared
     # MLP, attention without RoPE; and without experts, with RoPE.
     "granitemoehybrid": (transformers.GraniteMoeHybridConfig,
@@ -206,8 +224,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "granitemoehybrid, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, "
-               "qwen3_5_text, qwen3_next"),
+               "granitemoehybrid, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
+               "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
     (tmp_path / "hf").mkdir()
@@ -306,8 +324,10 @@ def test_the_adapters_map_transformers_own_tensors_onto_the_models(tmp_path, fam
     model = build_model(args)
     load_hf_into(model, tmp_path, print_fn=lambda line: None)
     ours = SplitModelWrapper(model, tensor_parallel_layouts(model)).state_dict()
-    theirs = hybrid_state_dict_adapter(args, None).from_hf(
-        load_file(str(tmp_path / "model.safetensors")))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    adapter = hybrid_state_dict_adapter(args, None)
+    adapter.fit_to_file({key: tuple(value.shape) for key, value in stored.items()})
+    theirs = adapter.from_hf(stored)
     assert theirs.keys() == ours.keys()
     for key, value in ours.items():
         if isinstance(value, ComponentChunks):

@@ -50,6 +50,10 @@ class HFStateDictAdapter(BaseStateDictAdapter):
             self.fqn_to_index_mapping = {key: int(re.search(r"\d+", file).group(0))
                                          for key, file in weight_map.items()}
 
+    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
+        """Before reading a file whose tensors have these shapes: a format whose files come in
+        variants (OLMo Hybrid's) takes the file's. Nothing for the others."""
+
     def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
         if from_quantized:
             raise ValueError(f"checkpoint.initial_load_in_hf_quantized: {self.FORMAT_NAME} "

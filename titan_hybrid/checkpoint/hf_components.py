@@ -188,6 +188,7 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
         key_map = self.key_map()
         check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
         state_dict, experts = {}, {}
+        runs: dict[str, list[tuple[int, torch.Tensor]]] = {}  # component -> (first row, rows)
         for hf_key, ours in key_map.items():
             if hf_key not in hf_state_dict:
                 continue
@@ -198,9 +199,14 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
             elif isinstance(ours, ExpertSlice):
                 experts.setdefault(ours.key, {})[ours.expert] = value
             elif isinstance(ours, (tuple, RowPieces)):
-                state_dict.update(self._split_rows(self._pieces(ours), value))
+                self._add_runs(runs, self._pieces(ours), value)
             else:
                 state_dict[ours] = value
+        for key, got in runs.items():  # the components of another state dict's tensors
+            dim = self._component(key)[1].shard_dim
+            got.sort(key=lambda run: run[0])
+            state_dict[key] = got[0][1] if len(got) == 1 else torch.cat(
+                [rows for _, rows in got], dim)
         for key, slices in experts.items():  # an HF state dict of its own: stacked
             state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
         for fqn in self._plain_fused:  # a plain state dict's fused parameters again
@@ -211,18 +217,14 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
                                             dim=layout.shard_dim)
         return state_dict
 
-    def _split_rows(self, pieces, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        """An HF tensor of another state dict as our components (each the concatenation of
-        its pieces, in row order)."""
+    def _add_runs(self, runs: dict, pieces, value: torch.Tensor) -> None:
+        """Each piece of an HF tensor of another state dict, as (first row, rows) of its
+        component (a component may take rows from several HF tensors)."""
         dim = self._component(pieces[0][0])[1].shard_dim
-        runs: dict[str, list[tuple[int, torch.Tensor]]] = {}
         row = 0
         for key, first, count in pieces:
             runs.setdefault(key, []).append((first, value.narrow(dim, row, count)))
             row += count
-        return {key: got[0][1] if len(got) == 1 else
-                torch.cat([rows for _, rows in sorted(got, key=lambda run: run[0])], dim)
-                for key, got in runs.items()}
 
     def _component(self, key: str) -> tuple[str, TPLayout, str]:
         """(fused parameter, its layout, part name) of a component key."""

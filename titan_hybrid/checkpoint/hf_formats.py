@@ -8,6 +8,7 @@ its layer kinds belong to.
     Bamba                by hf_format only: hf_bamba.py
     Qwen3.5 (and MoE)    by hf_format only: hf_qwen3_5.py
     Qwen3-Next           by hf_format only: hf_qwen3_next.py
+    OLMo Hybrid          by hf_format only: hf_olmo_hybrid.py
     Granite 4.0-H        by hf_format only: hf_granite.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
@@ -42,6 +43,11 @@ from titan_hybrid.checkpoint.hf_nemotron_h import (
     check_nemotron_h_compatible,
     nemotron_h_config,
 )
+from titan_hybrid.checkpoint.hf_olmo_hybrid import (
+    OlmoHybridStateDictAdapter,
+    check_olmo_hybrid_compatible,
+    olmo_hybrid_config,
+)
 from titan_hybrid.checkpoint.hf_qwen3_5 import (
     Qwen35StateDictAdapter,
     check_qwen3_5_compatible,
@@ -72,8 +78,10 @@ BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
 QWEN3_5 = HFFormat(Qwen35StateDictAdapter, check_qwen3_5_compatible, qwen3_5_config)
 GRANITE = HFFormat(GraniteStateDictAdapter, check_granite_compatible, granite_config)
 QWEN3_NEXT = HFFormat(Qwen3NextStateDictAdapter, check_qwen3_next_compatible, qwen3_next_config)
+OLMO_HYBRID = HFFormat(OlmoHybridStateDictAdapter, check_olmo_hybrid_compatible,
+                       olmo_hybrid_config)
 FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5,
-           "granite": GRANITE, "qwen3_next": QWEN3_NEXT}
+           "granite": GRANITE, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:

@@ -297,6 +297,8 @@ class HybridCheckpointManager(CheckpointManagerHooks):
     def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool):
         if from_hf:
             metadata = self.sd_adapter.get_hf_storage_reader(checkpoint_id).read_metadata()
+            self.sd_adapter.fit_to_file({key: tuple(entry.size) for key, entry
+                                         in metadata.state_dict_metadata.items()})
             check_against_checkpoint(self.sd_adapter.to_hf(state_dict), metadata, checkpoint_id,
                                      hint=self._layers_hint())
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)

@@ -124,9 +124,11 @@ def check_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, tuple[in
 def load_hf_into(model: HybridModel, hf_dir: Path, print_fn=print) -> None:
     """Read an HF folder's tensors into the model, each into its place (safetensors_io)."""
     adapter = hf_format_of(model.model_args).adapter(model.model_args, None)
-    targets = adapter.to_hf(model.state_dict())  # HF name -> the model's tensor (or its rows)
     files = hf_weight_files(hf_dir)
-    check_same_tensors(targets, _shapes_in(files), f"'{hf_dir}'")
+    stored = _shapes_in(files)
+    adapter.fit_to_file(stored)
+    targets = adapter.to_hf(model.state_dict())  # HF name -> the model's tensor (or its rows)
+    check_same_tensors(targets, stored, f"'{hf_dir}'")
     progress = Progress("import", sum(_nbytes(t) for t in targets.values()), print_fn)
     for file in sorted(set(files.values())):
         safetensors_io.read_into(file, targets, lambda target: progress.add(_nbytes(target)))

@@ -22,12 +22,14 @@ from titan_hybrid.checkpoint.hf_formats import (
     DEEPSEEK,
     GRANITE,
     NEMOTRON_H,
+    OLMO_HYBRID,
     QWEN3_5,
     QWEN3_NEXT,
     HFFormat,
 )
 from titan_hybrid.checkpoint.hf_granite import model_args_from_granite_config
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
+from titan_hybrid.checkpoint.hf_olmo_hybrid import model_args_from_olmo_hybrid_config
 from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
 from titan_hybrid.checkpoint.hf_qwen3_next import model_args_from_qwen3_next_config
 from titan_hybrid.model.args import HybridModelArgs
@@ -50,6 +52,7 @@ FAMILIES = (
            model_args_from_qwen3_5_config),
     Family(("granitemoehybrid",), GRANITE, model_args_from_granite_config),
     Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config),
+    Family(("olmo_hybrid",), OLMO_HYBRID, model_args_from_olmo_hybrid_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
