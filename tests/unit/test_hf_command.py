@@ -151,11 +151,11 @@ def tokens(vocab: int = 96) -> torch.Tensor:
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def save_tiny(family: str, folder: Path, **changes) -> torch.nn.Module:
+def perturbed(family: str, seed: int, **changes) -> torch.nn.Module:
     """A tiny random transformers model of the family, every parameter perturbed (so that
-    a misplaced tensor shows), saved to `folder`; the model is returned."""
+    a misplaced tensor shows)."""
     config_class, model_class, fields = FAMILIES[family]
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = model_class(config_class(**{**fields, **changes})).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -163,6 +163,12 @@ def save_tiny(family: str, folder: Path, **changes) -> torch.nn.Module:
         for name, buffer in model.named_buffers():  # the routers' choice biases (init: 0)
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
+    return model
+
+
+def save_tiny(family: str, folder: Path, **changes) -> torch.nn.Module:
+    """perturbed(family), saved to `folder`; the model is returned."""
+    model = perturbed(family, 1, **changes)
     model.save_pretrained(str(folder))
     return model
 
@@ -335,6 +341,49 @@ def test_the_adapters_map_transformers_own_tensors_onto_the_models(tmp_path, fam
         assert torch.equal(theirs[key], value), key
 
 
+def mtp_blocks(family: str, reference, folder: Path, prefix: str, **changes):
+    """transformers' own blocks for an MTP depth: a model of the family with just those layers
+    (`changes`), every parameter perturbed, the main model's head; and its layers' HF tensors
+    as mtp.layers.N (`prefix`: the HF names' model prefix)."""
+    blocks = perturbed(family, 2, **changes)
+    with torch.no_grad():
+        blocks.lm_head.weight.copy_(reference.lm_head.weight)
+    blocks.save_pretrained(str(folder))
+    return blocks, {key.replace(f"{prefix}layers.", "mtp.layers."): value
+                    for key, value in load_file(str(folder / "model.safetensors")).items()
+                    if key.startswith(f"{prefix}layers.")}
+
+
+def add_to_hf_folder(folder: Path, tensors: dict, **config) -> None:
+    """Tensors and config.json fields added to an HF folder."""
+    weights = folder / "model.safetensors"
+    save_file({**load_file(str(weights)), **tensors}, str(weights), metadata={"format": "pt"})
+    config_file = folder / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+
+
+def exported_with_mtp(tmp_path: Path, mtp: dict) -> dict:
+    """The export of the imported checkpoint writes every mtp.* tensor back bit for bit, and
+    transformers loads the folder (skipping mtp.*); its config.json."""
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
+    assert all(torch.equal(back[key], value) for key, value in mtp.items())
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
+    return json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def logits_and_final_normed(reference, final_norm):
+    """(transformers' logits, its last hidden state after the final norm: what Megatron's and
+    vLLM's MTP read)."""
+    hidden = []
+    hook = final_norm.register_forward_hook(lambda module, inputs, output: hidden.append(output))
+    logits = logits_of(reference)
+    hook.remove()
+    return logits, hidden[0]
+
+
 def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     """Nemotron 3's MTP layers, in Megatron-Bridge's and vLLM's names (transformers does not
     model them and skips mtp.* when it loads): an HF folder with one depth of an attention and
@@ -345,34 +394,17 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     bit."""
     import torch.nn.functional as F
 
-    config_class, model_class, fields = FAMILIES["nemotron_h_moe"]
     reference = save_tiny("nemotron_h_moe", tmp_path / "hf")
-    # transformers' blocks of the MTP layers: a model of just those layers, whose final norm
-    # is the depth's final_layernorm and whose head is the main model's.
-    torch.manual_seed(2)
-    blocks = model_class(config_class(**{**fields, "layers_block_type": ["attention",
-                                                                         "moe"]})).eval()
-    with torch.no_grad():
-        for param in blocks.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-        blocks.lm_head.weight.copy_(reference.lm_head.weight)
-    blocks.save_pretrained(str(tmp_path / "blocks"))
-    width = fields["hidden_size"]
-    mtp = {key.replace("backbone.layers.", "mtp.layers."): value
-           for key, value in load_file(str(tmp_path / "blocks" / "model.safetensors")).items()
-           if key.startswith("backbone.layers.")}
+    blocks, mtp = mtp_blocks("nemotron_h_moe", reference, tmp_path / "blocks", "backbone.",
+                             layers_block_type=["attention", "moe"])
+    width = FAMILIES["nemotron_h_moe"][2]["hidden_size"]
     mtp["mtp.layers.1.final_layernorm.weight"] = blocks.model.norm_f.weight.detach().clone()
     enorm, hnorm = (1 + 0.1 * torch.randn(width) for _ in range(2))
     eh_proj = 0.1 * torch.randn(width, 2 * width)
     mtp.update({"mtp.layers.0.enorm.weight": enorm, "mtp.layers.0.hnorm.weight": hnorm,
                 "mtp.layers.0.eh_proj.weight": eh_proj})
-    weights = tmp_path / "hf" / "model.safetensors"
-    save_file({**load_file(str(weights)), **mtp}, str(weights), metadata={"format": "pt"})
-    config_file = tmp_path / "hf" / "config.json"
-    config = json.loads(config_file.read_text())
-    config.update(num_nextn_predict_layers=1,
-                  mtp_layers_block_type=["full_attention", "moe"])
-    config_file.write_text(json.dumps(config))
+    add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1,
+                     mtp_layers_block_type=["full_attention", "moe"])
 
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
@@ -381,31 +413,21 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
     with torch.no_grad():
         logits, _, mtp_logits = ours(tokens())
-        hidden = []  # the last hidden state after transformers' final norm (as Megatron's)
-        hook = reference.model.norm_f.register_forward_hook(
-            lambda module, inputs, output: hidden.append(output))
-        main_logits = logits_of(reference)
-        hook.remove()
+        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm_f)
         rms = type(reference.model.norm_f)
         norms = [rms(width, eps=reference.config.layer_norm_epsilon) for _ in range(2)]
         for norm, weight in zip(norms, (enorm, hnorm)):
             norm.weight.copy_(weight)
         future = reference.model.embeddings(F.pad(tokens()[:, 1:], (0, 1)))
-        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden[0])), -1), eh_proj)
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), eh_proj)
         theirs = blocks(inputs_embeds=inputs).logits
     assert relative_error(logits, main_logits) <= 1e-5
     error = relative_error(mtp_logits, theirs)
     assert error <= 1e-5, error
 
-    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
-                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
-    assert all(torch.equal(back[key], value) for key, value in mtp.items())
-    exported = json.loads((tmp_path / "back" / "config.json").read_text())
+    exported = exported_with_mtp(tmp_path, mtp)
     assert (exported["num_nextn_predict_layers"], exported["mtp_layers_block_type"]) == (
         1, ["attention", "moe"])
-    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))  # skips mtp.*
 
 
 @pytest.mark.parametrize("family, count_field", [
@@ -420,30 +442,18 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
     mtp.* tensor back bit for bit."""
     import torch.nn.functional as F
 
-    config_class, model_class, fields = FAMILIES[family]
     reference = save_tiny(family, tmp_path / "hf")
-    torch.manual_seed(2)  # transformers' decoder layer of the MTP: a one-layer model
-    blocks = model_class(config_class(**{**fields, "num_hidden_layers": 1,
-                                         "layer_types": ["full_attention"],
-                                         "mlp_only_layers": []})).eval()
-    with torch.no_grad():
-        for param in blocks.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-        blocks.lm_head.weight.copy_(reference.lm_head.weight)
-    blocks.save_pretrained(str(tmp_path / "blocks"))
-    width = fields["hidden_size"]
-    mtp = {key.replace("model.layers.", "mtp.layers."): value
-           for key, value in load_file(str(tmp_path / "blocks" / "model.safetensors")).items()
-           if key.startswith("model.layers.")}
+    # transformers' decoder layer of the MTP: a one-layer model
+    blocks, mtp = mtp_blocks(family, reference, tmp_path / "blocks", "model.",
+                             num_hidden_layers=1, layer_types=["full_attention"],
+                             mlp_only_layers=[])
+    width = FAMILIES[family][2]["hidden_size"]
     norm_weights = [0.1 * torch.randn(width) for _ in range(2)]
     fc = 0.1 * torch.randn(width, 2 * width)
     mtp.update({"mtp.norm.weight": blocks.model.norm.weight.detach().clone(), "mtp.fc.weight": fc,
                 "mtp.pre_fc_norm_embedding.weight": norm_weights[0],
                 "mtp.pre_fc_norm_hidden.weight": norm_weights[1]})
-    weights = tmp_path / "hf" / "model.safetensors"
-    save_file({**load_file(str(weights)), **mtp}, str(weights), metadata={"format": "pt"})
-    config_file = tmp_path / "hf" / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), count_field: 1}))
+    add_to_hf_folder(tmp_path / "hf", mtp, **{count_field: 1})
 
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
@@ -451,29 +461,19 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
     load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
     with torch.no_grad():
         logits, *rest = ours(tokens())
-        hidden = []  # the last hidden state after transformers' final norm (as vLLM's)
-        hook = reference.model.norm.register_forward_hook(
-            lambda module, inputs, output: hidden.append(output))
-        main_logits = logits_of(reference)
-        hook.remove()
+        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm)
         norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)
                  for _ in range(2)]
         for norm, weight in zip(norms, norm_weights):
             norm.weight.copy_(weight)
         future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
-        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden[0])), -1), fc)
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), fc)
         theirs = blocks(inputs_embeds=inputs).logits
     assert relative_error(logits, main_logits) <= 1e-5
     error = relative_error(rest[-1], theirs)
     assert error <= 1e-5, error
 
-    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
-                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
-    assert all(torch.equal(back[key], value) for key, value in mtp.items())
-    assert json.loads((tmp_path / "back" / "config.json").read_text())[count_field] == 1
-    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))  # skips mtp.*
+    assert exported_with_mtp(tmp_path, mtp)[count_field] == 1
 
 
 def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_path):
