@@ -554,3 +554,78 @@ def test_packed_documents_give_the_logits_of_each_document_alone(tmp_path, famil
         alone = torch.cat((reference(row[:, :first]).logits, reference(row[:, first:]).logits), 1)
     error = relative_error(packed, alone)
     assert error <= 1e-5, error
+
+
+@pytest.mark.parametrize("family, count_field", [
+    ("qwen3_next", "num_nextn_predict_layers"), ("nemotron_h", "num_nextn_predict_layers")])
+def test_a_config_declaring_mtp_layers_its_weights_lack_imports_without_them(
+        tmp_path, family, count_field):
+    """transformers models no MTP layer: its save_pretrained keeps a config's MTP fields (a
+    fine-tuned Qwen3-Next's num_nextn_predict_layers: 1) but writes no mtp.* tensor. Such a
+    folder imports as the model without MTP, with transformers' logits."""
+    reference = save_tiny(family, tmp_path / "hf")
+    add_to_hf_folder(tmp_path / "hf", {}, **{count_field: 1})
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    assert "/" not in args.pattern
+    model = build_model(args)
+    load_checkpoint_into(model, tmp_path / "ours" / "checkpoint" / "step-0")
+    assert relative_error(logits_of(model), logits_of(reference)) <= 1e-5
+
+
+def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
+    """DeepSeek-V3's MTP layer, decoder layer L after the L main ones (vLLM's and SGLang's
+    names; transformers skips it): enorm, hnorm, eh_proj, the decoder layer, shared_head.norm,
+    and copies of the embedding and the head. It imports into our MTP depth, whose logits
+    equal those computed from the same tensors with transformers' own decoder layer; the export
+    writes every tensor of it back bit for bit; a copy that differs from the model's tensor is
+    an error naming it."""
+    import torch.nn.functional as F
+
+    reference = save_tiny("deepseek_v3_moe", tmp_path / "hf")
+    main_layers = FAMILIES["deepseek_v3_moe"][2]["num_hidden_layers"]
+    blocks, layer = mtp_blocks("deepseek_v3_moe", reference, tmp_path / "blocks", "model.",
+                               num_hidden_layers=1, first_k_dense_replace=0)
+    hf = f"model.layers.{main_layers}."
+    mtp = {key.replace("mtp.layers.0.", hf): value for key, value in layer.items()}
+    width = FAMILIES["deepseek_v3_moe"][2]["hidden_size"]
+    enorm, hnorm = (1 + 0.1 * torch.randn(width) for _ in range(2))
+    eh_proj = 0.1 * torch.randn(width, 2 * width)
+    mtp.update({hf + "enorm.weight": enorm, hf + "hnorm.weight": hnorm,
+                hf + "eh_proj.weight": eh_proj,
+                hf + "shared_head.norm.weight": blocks.model.norm.weight.detach().clone(),
+                hf + "embed_tokens.weight": reference.model.embed_tokens.weight.detach().clone(),
+                hf + "shared_head.head.weight": reference.lm_head.weight.detach().clone()})
+    add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1)
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    assert args.pattern.endswith("/+E")
+    ours = build_model(args)
+    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
+    with torch.no_grad():
+        logits, _, mtp_logits = ours(tokens())
+        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm)
+        norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)
+                 for _ in range(2)]
+        for norm, weight in zip(norms, (enorm, hnorm)):
+            norm.weight.copy_(weight)
+        future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), eh_proj)
+        theirs = blocks(inputs_embeds=inputs).logits
+    assert relative_error(logits, main_logits) <= 1e-5
+    error = relative_error(mtp_logits, theirs)
+    assert error <= 1e-5, error
+
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert {key for key in back if key.startswith(hf)} == set(mtp)
+    assert all(torch.equal(back[key], value) for key, value in mtp.items())
+
+    add_to_hf_folder(tmp_path / "hf", {hf + "embed_tokens.weight": torch.zeros(96, width)})
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "again")]) == 2
+    assert (f"HF tensor '{hf}embed_tokens.weight' differs from 'model.embed_tokens.weight'"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "again").exists()

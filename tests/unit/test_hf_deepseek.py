@@ -69,7 +69,7 @@ def test_logits_match_transformers_deepseek_on_converted_weights(pattern, mla_ch
     ("M+-", "must be '+-' or 'D-' repeated"),
     ("+-D-", "must be '+-' or 'D-' repeated"),
     ("[+-]", "has bracket groups"),
-    ("+-/+-", "has MTP depths"),
+    ("+-/+-+-", "DeepSeek's MTP layers are one decoder layer a depth"),
     ("+E", "DeepSeek's MoE layers have SwiGLU experts, a sigmoid router with a choice bias"),
     ("+E+-", "must be '+-' or 'D-' repeated, then the same attention with MoE"),
 ])

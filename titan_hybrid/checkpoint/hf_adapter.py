@@ -194,6 +194,28 @@ def tagged_float(value: float):
     return value if math.isfinite(value) else {FLOAT_TAG: str(value).replace("inf", "Infinity")}
 
 
+class SharedCopy(NamedTuple):
+    """An HF tensor that copies one our model shares (DeepSeek's MTP layer keeps its own copy
+    of the embedding and of the head): written from ours (`key`), and when read, checked equal
+    to `original`, the HF tensor it copies, so that a copy that differs is never dropped
+    silently."""
+    key: str
+    original: str
+
+
+def check_copy(hf_state_dict: dict, hf_key: str, copy: SharedCopy) -> None:
+    """ValueError when a copy read differs from its original (each rank checks its own
+    piece)."""
+    original = hf_state_dict.get(copy.original)
+    value = hf_state_dict[hf_key]
+    if original is None:
+        return
+    local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
+    if not torch.equal(local(value), local(original)):
+        raise ValueError(f"HF tensor '{hf_key}' differs from '{copy.original}', which it "
+                         "copies: titan_hybrid's MTP depth shares the model's tensor")
+
+
 class ExpertSlice(NamedTuple):
     """An HF tensor that is one expert's slice of our [experts, ...] parameter (or of one of
     its components: the split state dict's `experts.fc1_w` / `_v`)."""

@@ -20,7 +20,9 @@ import torch
 from titan_hybrid.checkpoint.hf_adapter import (
     ExpertSlice,
     HFStateDictAdapter,
+    SharedCopy,
     check_all_used,
+    check_copy,
     check_present,
     expert_slice,
     held_layers,
@@ -60,8 +62,10 @@ def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
                         "dense decoder layers, then its MoE ones)")
     if any(isinstance(item, tuple) for item in pattern.main):
         problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups")
-    if pattern.mtp_depths:
-        problems.append(f"hybrid.pattern '{args.pattern}' has MTP depths")
+    if pattern.mtp_depths and (len(pattern.mtp) != 2 or pattern.mtp[0] != attention.symbol
+                               or pattern.mtp[1] not in (MLP.symbol, MOE.symbol)):
+        problems.append(f"hybrid.pattern '{args.pattern}': DeepSeek's MTP layers are one "
+                        "decoder layer a depth, its attention then an MLP or MoE")
     if args.mlp.activation != "swiglu":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
     experts = args.moe
@@ -85,40 +89,63 @@ def _attention_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[s
     return list(layer.state_dict())
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice]:
-    """HF key -> our key, or one expert's slice of our experts' parameter; the gate / up
-    halves of an MLP or expert map to our fc1 with a suffix _w / _v (the split state dict's
-    components)."""
+def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice | SharedCopy]:
+    """HF key -> our key, one expert's slice of our experts' parameter, or a copy of a tensor
+    our model shares; the gate / up halves of an MLP or expert map to our fc1 with a suffix _w
+    / _v (the split state dict's components).
+
+    MTP depth d is decoder layer L + d (L main ones), as in DeepSeek-V3's checkpoints (vLLM's
+    and SGLang's names; transformers skips it): its enorm, hnorm and eh_proj, the decoder
+    layer, shared_head.norm (our final norm), and copies of the embedding and of the head."""
     kind = check_deepseek_compatible(args)
-    name = kind.name
-    mapping: dict[str, str | ExpertSlice] = {
+    mapping: dict[str, str | ExpertSlice | SharedCopy] = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     attention_names = _attention_parameter_names(args, kind)
-    symbols = args.parsed_pattern.physical_layer_symbols()
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
     for j in range(len(symbols) // 2):
-        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
-        mapping[hf + "input_layernorm.weight"] = f"{mixer}{name}_norm.weight"
-        for parameter in attention_names:
-            mapping[f"{hf}self_attn.{parameter}"] = f"{mixer}{name}.{parameter}"
-        ffn_kind = LAYER_KINDS[symbols[2 * j + 1]].name
-        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind}_norm.weight"
-        if symbols[2 * j + 1] == MLP.symbol:
-            mapping[hf + "mlp.gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
-            mapping[hf + "mlp.up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
-            mapping[hf + "mlp.down_proj.weight"] = f"{ffn}mlp.fc2.weight"
-            continue
-        moe = f"{ffn}moe."
-        mapping[hf + "mlp.gate.weight"] = moe + "router.gate.weight"
-        mapping[hf + "mlp.gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
-        mapping[hf + "mlp.shared_experts.gate_proj.weight"] = moe + "shared_expert.fc1.weight_w"
-        mapping[hf + "mlp.shared_experts.up_proj.weight"] = moe + "shared_expert.fc1.weight_v"
-        mapping[hf + "mlp.shared_experts.down_proj.weight"] = moe + "shared_expert.fc2.weight"
-        for expert in range(args.moe.num_experts):
-            experts = f"{hf}mlp.experts.{expert}."
-            mapping[experts + "gate_proj.weight"] = ExpertSlice(moe + "experts.fc1_w", expert)
-            mapping[experts + "up_proj.weight"] = ExpertSlice(moe + "experts.fc1_v", expert)
-            mapping[experts + "down_proj.weight"] = ExpertSlice(moe + "experts.fc2", expert)
+        mapping.update(_decoder_layer(args, kind, attention_names, f"model.layers.{j}.",
+                                      f"layers.{2 * j}.", f"layers.{2 * j + 1}.",
+                                      symbols[2 * j + 1]))
+    for depth in range(pattern.mtp_depths):
+        hf, ours = f"model.layers.{len(symbols) // 2 + depth}.", f"mtp.{depth}."
+        mapping.update(_decoder_layer(args, kind, attention_names, hf, f"{ours}block.layers.0.",
+                                      f"{ours}block.layers.1.", pattern.mtp[1]))
+        for theirs, name in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
+                             ("eh_proj", "eh_proj"), ("shared_head.norm", "final_norm")):
+            mapping[f"{hf}{theirs}.weight"] = f"{ours}{name}.weight"
+        mapping[f"{hf}embed_tokens.weight"] = SharedCopy("tok_embeddings.weight",
+                                                         "model.embed_tokens.weight")
+        mapping[f"{hf}shared_head.head.weight"] = SharedCopy("output.weight", "lm_head.weight")
+    return mapping
+
+
+def _decoder_layer(args: HybridModelArgs, kind: LayerKind, attention_names: list[str],
+                   hf: str, mixer: str, ffn: str, ffn_symbol: str) -> dict:
+    """The entries of HF decoder layer `hf`: our attention layer `mixer` and MLP / MoE `ffn`."""
+    mapping: dict[str, str | ExpertSlice] = {
+        hf + "input_layernorm.weight": f"{mixer}{kind.name}_norm.weight"}
+    for parameter in attention_names:
+        mapping[f"{hf}self_attn.{parameter}"] = f"{mixer}{kind.name}.{parameter}"
+    ffn_kind = LAYER_KINDS[ffn_symbol].name
+    mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind}_norm.weight"
+    if ffn_symbol == MLP.symbol:
+        mapping[hf + "mlp.gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
+        mapping[hf + "mlp.up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
+        mapping[hf + "mlp.down_proj.weight"] = f"{ffn}mlp.fc2.weight"
+        return mapping
+    moe = f"{ffn}moe."
+    mapping[hf + "mlp.gate.weight"] = moe + "router.gate.weight"
+    mapping[hf + "mlp.gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
+    mapping[hf + "mlp.shared_experts.gate_proj.weight"] = moe + "shared_expert.fc1.weight_w"
+    mapping[hf + "mlp.shared_experts.up_proj.weight"] = moe + "shared_expert.fc1.weight_v"
+    mapping[hf + "mlp.shared_experts.down_proj.weight"] = moe + "shared_expert.fc2.weight"
+    for expert in range(args.moe.num_experts):
+        experts = f"{hf}mlp.experts.{expert}."
+        mapping[experts + "gate_proj.weight"] = ExpertSlice(moe + "experts.fc1_w", expert)
+        mapping[experts + "up_proj.weight"] = ExpertSlice(moe + "experts.fc1_v", expert)
+        mapping[experts + "down_proj.weight"] = ExpertSlice(moe + "experts.fc2", expert)
     return mapping
 
 
@@ -167,16 +194,16 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
         layers = held_layers(state_dict)
         used: set[str] = set()
         for hf_key, ours in _key_map(self.model_args).items():
-            key = ours.key if isinstance(ours, ExpertSlice) else ours
+            key = ours.key if isinstance(ours, (ExpertSlice, SharedCopy)) else ours
             if key not in state_dict:
                 check_present(state_dict, key, hf_key, layers)
                 continue
             used.add(key)
-            if not isinstance(ours, ExpertSlice):
+            if isinstance(ours, SharedCopy):  # its own memory: a read of it is checked
+                hf_state_dict[hf_key] = state_dict[key].detach().clone()
+            elif not isinstance(ours, ExpertSlice):
                 hf_state_dict[hf_key] = state_dict[key]
-                continue
-            view = expert_slice(state_dict[key], ours.expert)
-            if view is not None:
+            elif (view := expert_slice(state_dict[key], ours.expert)) is not None:
                 hf_state_dict[hf_key] = view
                 self._experts_handed_out[hf_key] = (view, {key: state_dict[key]})
         check_all_used(state_dict, used, "model tensor(s)", "HF DeepSeek-V3 / V3.2 format")
@@ -190,6 +217,9 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
             if hf_key not in hf_state_dict:
                 continue
             value = hf_state_dict[hf_key]
+            if isinstance(ours, SharedCopy):
+                check_copy(hf_state_dict, hf_key, ours)
+                continue
             if not isinstance(ours, ExpertSlice):
                 state_dict[ours] = value
                 continue
@@ -250,6 +280,7 @@ def deepseek_config(args: HybridModelArgs) -> dict:
         "v_head_dim": mla.v_head_dim, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": args.parsed_pattern.mtp_depths,
     }
     if MOE.symbol in symbols:
         experts = args.moe
@@ -325,10 +356,13 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
             n_group=config.get("n_group", 1), topk_group=config.get("topk_group", 1),
             routed_scaling_factor=config.get("routed_scaling_factor", 1.0),
             norm_topk_prob=config.get("norm_topk_prob", True))
+    main = (kind.symbol + MLP.symbol) * dense + (kind.symbol + MOE.symbol) * (num_layers - dense)
+    # MTP depths: decoder layers after the main ones, MoE when the model's later layers are.
+    mtp = f"/{kind.symbol}{MOE.symbol if MOE.symbol in main else MLP.symbol}" * (
+        config.get("num_nextn_predict_layers") or 0)
     return dataclasses.replace(
         base, hf_format="deepseek", moe=experts,
-        pattern=(kind.symbol + MLP.symbol) * dense + (kind.symbol + MOE.symbol) * (
-            num_layers - dense),
+        pattern=main + mtp,
         dim=config["hidden_size"],
         vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=config.get("max_position_embeddings", base.max_seq_len),

@@ -33,13 +33,12 @@ from titan_hybrid.checkpoint import integrity
 from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hf_format_of
 from titan_hybrid.checkpoint.state import SplitModelWrapper, check_against_checkpoint
 from titan_hybrid.hf import safetensors_io
-from titan_hybrid.hf.families import CONFIG_FILE, model_args_from_hf
+from titan_hybrid.hf.families import CONFIG_FILE, model_args_and_config
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 << 30
 CHECKPOINT_STEP = "checkpoint/step-0"
 PROGRESS_FROM_BYTES = 256 << 20
@@ -79,18 +78,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 # ------------------------------------------------------------------------------- reading HF
-def hf_weight_files(hf_dir: Path) -> dict[str, Path]:
-    """{HF tensor name: its safetensors file} of a folder (with or without an index)."""
-    index = hf_dir / WEIGHTS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: hf_dir / file for key, file in weight_map.items()}
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"'{hf_dir}' holds no *.safetensors files")
-    return {key: file for file in files for key in safetensors_io.tensor_entries(file)}
-
-
 def _shapes_in(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return {key: shape for file in sorted(set(files.values()))
             for key, (_, shape) in safetensors_io.tensor_entries(file).items() if key in files}
@@ -124,7 +111,7 @@ def check_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, tuple[in
 def load_hf_into(model: HybridModel, hf_dir: Path, print_fn=print) -> None:
     """Read an HF folder's tensors into the model, each into its place (safetensors_io)."""
     adapter = hf_format_of(model.model_args).adapter(model.model_args, None)
-    files = hf_weight_files(hf_dir)
+    files = safetensors_io.folder_files(hf_dir)
     stored = _shapes_in(files)
     adapter.fit_to_file(stored)
     targets = adapter.to_hf(model.state_dict())  # HF name -> the model's tensor (or its rows)
@@ -132,6 +119,7 @@ def load_hf_into(model: HybridModel, hf_dir: Path, print_fn=print) -> None:
     progress = Progress("import", sum(_nbytes(t) for t in targets.values()), print_fn)
     for file in sorted(set(files.values())):
         safetensors_io.read_into(file, targets, lambda target: progress.add(_nbytes(target)))
+    adapter.from_hf(targets)  # checks what a read cannot land in place (DeepSeek MTP's copies)
 
 
 # ----------------------------------------------------------------------- titan_hybrid side
@@ -193,7 +181,7 @@ def write_hf(model: HybridModel, hf_dir: Path, *, max_shard_bytes: int = MAX_SHA
         weight_map.update(dict.fromkeys(shard, name))
     if len(shards) > 1:
         total = sum(_nbytes(t) for t in tensors.values())
-        (hf_dir / WEIGHTS_INDEX).write_text(json.dumps(
+        (hf_dir / safetensors_io.WEIGHTS_INDEX).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (hf_dir / CONFIG_FILE).write_text(json.dumps({**config, "torch_dtype": "float32"},
                                                  indent=2))
@@ -254,17 +242,16 @@ initial_load_path = "{out}/{step}"
 def import_hf(hf_dir: str | Path, out_dir: str | Path, print_fn=print) -> Path:
     """HF folder -> out_dir (checkpoint, config.json, tokenizer, job.toml); the job's path."""
     hf_dir, out_dir = Path(hf_dir).resolve(), Path(out_dir).resolve()
-    args = model_args_from_hf(hf_dir, "HF_DIR")
+    args, config = model_args_and_config(hf_dir, "HF_DIR")
     check_hf_compatible(args)
     model = build_model(args)
     load_hf_into(model, hf_dir, print_fn)
     with _stage(out_dir) as partial:
         (partial / "checkpoint").mkdir()
         save_checkpoint(model, partial / CHECKPOINT_STEP)
-        shutil.copyfile(hf_dir / CONFIG_FILE, partial / CONFIG_FILE)
+        (partial / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         copy_tokenizer(hf_dir, partial)
         has_tokenizer = (hf_dir / "tokenizer.json").is_file()
-        config = json.loads((hf_dir / CONFIG_FILE).read_text())
         (partial / "job.toml").write_text(JOB_TEMPLATE.format(
             hf_dir=hf_dir, out=out_dir, step=CHECKPOINT_STEP, job=out_dir / "job.toml",
             model_type=config.get("model_type"), config=CONFIG_FILE,

@@ -10,6 +10,7 @@ one lists the supported types.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_con
 from titan_hybrid.checkpoint.hf_olmo_hybrid import model_args_from_olmo_hybrid_config
 from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
 from titan_hybrid.checkpoint.hf_qwen3_next import model_args_from_qwen3_next_config
+from titan_hybrid.hf import safetensors_io
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
@@ -42,16 +44,35 @@ class Family:
     model_types: tuple[str, ...]
     hf_format: HFFormat  # the adapter and the config.json of an export
     to_args: Callable[[dict], HybridModelArgs]  # ValueError naming a setting it cannot hold
+    # The HF tensor that a folder holds when it has the MTP layers its config declares, and
+    # the config's field of their count. transformers models no MTP layer: its save_pretrained
+    # keeps the config's MTP fields but writes no MTP tensor.
+    mtp_marker: Callable[[HybridModelArgs], str] | None = None
+    mtp_count_field: str = ""
+
+    def without_mtp(self, args: HybridModelArgs, config: dict) -> tuple[HybridModelArgs, dict]:
+        """The args and config.json of the model without its MTP layers."""
+        config = {**config, self.mtp_count_field: 0}
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] = {**config["text_config"], self.mtp_count_field: 0}
+        return dataclasses.replace(args, pattern=args.pattern.split("/")[0]), config
 
 
 FAMILIES = (
-    Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config),
-    Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config),
+    Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config,
+           mtp_marker=lambda args: "mtp.layers.0.eh_proj.weight",
+           mtp_count_field="num_nextn_predict_layers"),
+    Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config,
+           mtp_marker=lambda args: "model.layers.{}.eh_proj.weight".format(
+               len(args.parsed_pattern.physical_layer_symbols()) // 2),
+           mtp_count_field="num_nextn_predict_layers"),
     Family(("bamba",), BAMBA, model_args_from_bamba_config),
     Family(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), QWEN3_5,
-           model_args_from_qwen3_5_config),
+           model_args_from_qwen3_5_config, mtp_marker=lambda args: "mtp.fc.weight",
+           mtp_count_field="mtp_num_hidden_layers"),
     Family(("granitemoehybrid",), GRANITE, model_args_from_granite_config),
-    Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config),
+    Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config,
+           mtp_marker=lambda args: "mtp.fc.weight", mtp_count_field="num_nextn_predict_layers"),
     Family(("olmo_hybrid",), OLMO_HYBRID, model_args_from_olmo_hybrid_config),
 )
 
@@ -104,12 +125,30 @@ def read_config(path: str | Path, field: str) -> tuple[dict, Path]:
 def model_args_from_hf(path: str | Path, field: str = "hybrid.model_config") -> HybridModelArgs:
     """The model args of an HF folder's (or file's) config.json, validated; ValueError names
     the field, the file and the setting we cannot hold."""
+    return model_args_and_config(path, field)[0]
+
+
+def model_args_and_config(path: str | Path, field: str) -> tuple[HybridModelArgs, dict]:
+    """(the model args, the config.json that gives them): an HF folder whose config declares
+    MTP layers its weights lack (transformers saved it) is the model without them."""
     config, file = read_config(path, field)
     family = family_of(config, str(file))
     try:
         args = family.to_args(config)
+        if args.parsed_pattern.mtp_depths and family.mtp_marker is not None:
+            stored = _stored_names(file.parent)
+            if stored and family.mtp_marker(args) not in stored:
+                args, config = family.without_mtp(args, config)
         args.validate()
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
-    return args
+    return args, config
 
+
+def _stored_names(folder: Path) -> set[str]:
+    """The tensor names of a folder's safetensors (none when it holds no weights: a bare
+    config.json)."""
+    try:
+        return set(safetensors_io.folder_files(folder))
+    except ValueError:
+        return set()

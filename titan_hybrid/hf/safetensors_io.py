@@ -27,11 +27,24 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 METADATA = "__metadata__"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def _bytes_of(tensor: torch.Tensor):
     """A writable byte view of a contiguous tensor's memory (numpy, which file I/O takes)."""
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def folder_files(folder: Path) -> dict[str, Path]:
+    """{tensor name: its safetensors file} of a folder (with or without an index)."""
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: folder / file for key, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"'{folder}' holds no *.safetensors files")
+    return {key: file for file in files for key in tensor_entries(file)}
 
 
 def read_header(file: Path) -> tuple[dict, int]:
