@@ -35,8 +35,13 @@ LAYOUTS = {
 STAGED = {"debug_v4_all": "MC-M|H-MW-", "debug_v4_all_moe": "MC-MHE|MWE"}
 
 
+# Activation checkpointing with compile: the longest cases, out of the default suite.
+EXTENDED = pytest.mark.extended
+
+
 @pytest.mark.parametrize("flavor", ["debug_v4_all", "debug_v4_all_moe"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=EXTENDED) if "compile" in layout
+                                    else layout for layout in LAYOUTS])
 def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run, layout, flavor):
     job = ("--model.flavor", flavor, *STEPS)
     reference_job = job
@@ -75,9 +80,10 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
 
 
 @pytest.mark.parametrize("documents, extra", [
-    (False, ()), (True, ()),
-    (True, ("--activation_checkpoint.mode", "full", "--compile.enable", "--compile.backend",
-            "aot_eager"))], ids=["plain", "documents", "documents-ac-compile"])
+    pytest.param(False, (), id="plain"), pytest.param(True, (), id="documents"),
+    pytest.param(True, ("--activation_checkpoint.mode", "full", "--compile.enable",
+                        "--compile.backend", "aot_eager"), id="documents-ac-compile",
+                 marks=EXTENDED)])
 def test_cp2_gives_the_one_process_curve(tmp_path, reference_run, documents, extra):
     """Each rank's pieces read the window's last keys from the piece before them (W's 16-token
     window over 16-token pieces), and the C and H rows of every piece are gathered (blocks of 4

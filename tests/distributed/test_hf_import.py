@@ -30,7 +30,7 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
 # nemotron_h_moe (Mamba2, attention, MoE) on every torch CI runs; the other families, whose
 # layers' parallel code that one and the layouts' own tests exercise, on its first torch leg.
 FAMILIES = ["nemotron_h_moe"] + [
-    pytest.param(family, marks=pytest.mark.once_per_ci)
+    pytest.param(family, marks=[pytest.mark.extended, pytest.mark.once_per_ci])
     for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe",
                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granitemoehybrid",
                    "granitemoehybrid_dense")]
@@ -72,6 +72,7 @@ def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path, nproc):
         assert ours == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.once_per_ci
 @pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
 def test_a_tp_job_starts_from_an_hf_folder_whose_tensors_join_several_of_ours(imported,
