@@ -362,26 +362,47 @@ def add_to_hf_folder(folder: Path, tensors: dict, **config) -> None:
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
 
 
-def exported_with_mtp(tmp_path: Path, mtp: dict) -> dict:
-    """The export of the imported checkpoint writes every mtp.* tensor back bit for bit, and
-    transformers loads the folder (skipping mtp.*); its config.json."""
+def exported_with_mtp(tmp_path: Path, mtp: dict, prefix: str = "mtp.") -> dict:
+    """The export of the imported checkpoint writes every MTP tensor (those under `prefix`)
+    back bit for bit, and transformers loads the folder (skipping them); its config.json."""
     assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
                  "--job", str(tmp_path / "ours" / "job.toml")]) == 0
     back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert {key for key in back if key.startswith("mtp.")} == set(mtp)
+    assert {key for key in back if key.startswith(prefix)} == set(mtp)
     assert all(torch.equal(back[key], value) for key, value in mtp.items())
     transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"))
     return json.loads((tmp_path / "back" / "config.json").read_text())
 
 
-def logits_and_final_normed(reference, final_norm):
-    """(transformers' logits, its last hidden state after the final norm: what Megatron's and
-    vLLM's MTP read)."""
-    hidden = []
-    hook = final_norm.register_forward_hook(lambda module, inputs, output: hidden.append(output))
-    logits = logits_of(reference)
-    hook.remove()
-    return logits, hidden[0]
+def mtp_matches_transformers(tmp_path: Path, reference, blocks, final_norm, embedding,
+                             norm_weights, eps: float, proj: torch.Tensor):
+    """Import the HF folder; our logits and MTP logits equal transformers' main logits and
+    those of its own blocks: `proj` on [norm(embedding of the next token) | norm(last hidden
+    state after the final norm, as Megatron's and vLLM's MTP read it)], the two norms of
+    `norm_weights`, then the blocks, their final norm and the head. The imported args."""
+    import torch.nn.functional as F
+
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    ours = build_model(args)
+    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
+    with torch.no_grad():
+        logits, *rest = ours(tokens())
+        hidden = []
+        hook = final_norm.register_forward_hook(
+            lambda module, inputs, output: hidden.append(output))
+        main_logits = logits_of(reference)
+        hook.remove()
+        norms = [type(final_norm)(proj.shape[0], eps=eps) for _ in norm_weights]
+        for norm, weight in zip(norms, norm_weights):
+            norm.weight.copy_(weight)
+        future = embedding(F.pad(tokens()[:, 1:], (0, 1)))
+        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden[0])), -1), proj)
+        theirs = blocks(inputs_embeds=inputs).logits
+    assert relative_error(logits, main_logits) <= 1e-5
+    error = relative_error(rest[-1], theirs)
+    assert error <= 1e-5, error
+    return args
 
 
 def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
@@ -392,8 +413,6 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
     hnorm(last hidden state after the final norm, as in Megatron and vLLM)], the blocks,
     final_layernorm, the shared head), and the export writes every mtp.* tensor back bit for
     bit."""
-    import torch.nn.functional as F
-
     reference = save_tiny("nemotron_h_moe", tmp_path / "hf")
     blocks, mtp = mtp_blocks("nemotron_h_moe", reference, tmp_path / "blocks", "backbone.",
                              layers_block_type=["attention", "moe"])
@@ -405,25 +424,10 @@ def test_nemotron_mtp_layers_import_predict_and_export(tmp_path):
                 "mtp.layers.0.eh_proj.weight": eh_proj})
     add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1,
                      mtp_layers_block_type=["full_attention", "moe"])
-
-    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    args = mtp_matches_transformers(tmp_path, reference, blocks, reference.model.norm_f,
+                                    reference.model.embeddings, (enorm, hnorm),
+                                    reference.config.layer_norm_epsilon, eh_proj)
     assert args.pattern.endswith("/*E")
-    ours = build_model(args)
-    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
-    with torch.no_grad():
-        logits, _, mtp_logits = ours(tokens())
-        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm_f)
-        rms = type(reference.model.norm_f)
-        norms = [rms(width, eps=reference.config.layer_norm_epsilon) for _ in range(2)]
-        for norm, weight in zip(norms, (enorm, hnorm)):
-            norm.weight.copy_(weight)
-        future = reference.model.embeddings(F.pad(tokens()[:, 1:], (0, 1)))
-        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), eh_proj)
-        theirs = blocks(inputs_embeds=inputs).logits
-    assert relative_error(logits, main_logits) <= 1e-5
-    error = relative_error(mtp_logits, theirs)
-    assert error <= 1e-5, error
 
     exported = exported_with_mtp(tmp_path, mtp)
     assert (exported["num_nextn_predict_layers"], exported["mtp_layers_block_type"]) == (
@@ -440,8 +444,6 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
     pre_fc_norm_hidden(last hidden state after the final norm, as in vLLM)], the layer,
     mtp.norm, the shared head; every norm scales by 1 + weight), and the export writes every
     mtp.* tensor back bit for bit."""
-    import torch.nn.functional as F
-
     reference = save_tiny(family, tmp_path / "hf")
     # transformers' decoder layer of the MTP: a one-layer model
     blocks, mtp = mtp_blocks(family, reference, tmp_path / "blocks", "model.",
@@ -454,24 +456,9 @@ def test_qwen_mtp_layers_import_predict_and_export(tmp_path, family, count_field
                 "mtp.pre_fc_norm_embedding.weight": norm_weights[0],
                 "mtp.pre_fc_norm_hidden.weight": norm_weights[1]})
     add_to_hf_folder(tmp_path / "hf", mtp, **{count_field: 1})
-
-    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
-    ours = build_model(args)
-    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
-    with torch.no_grad():
-        logits, *rest = ours(tokens())
-        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm)
-        norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)
-                 for _ in range(2)]
-        for norm, weight in zip(norms, norm_weights):
-            norm.weight.copy_(weight)
-        future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
-        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), fc)
-        theirs = blocks(inputs_embeds=inputs).logits
-    assert relative_error(logits, main_logits) <= 1e-5
-    error = relative_error(rest[-1], theirs)
-    assert error <= 1e-5, error
+    mtp_matches_transformers(tmp_path, reference, blocks, reference.model.norm,
+                             reference.model.embed_tokens, norm_weights,
+                             reference.config.rms_norm_eps, fc)
 
     assert exported_with_mtp(tmp_path, mtp)[count_field] == 1
 
@@ -580,8 +567,6 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
     equal those computed from the same tensors with transformers' own decoder layer; the export
     writes every tensor of it back bit for bit; a copy that differs from the model's tensor is
     an error naming it."""
-    import torch.nn.functional as F
-
     reference = save_tiny("deepseek_v3_moe", tmp_path / "hf")
     main_layers = FAMILIES["deepseek_v3_moe"][2]["num_hidden_layers"]
     blocks, layer = mtp_blocks("deepseek_v3_moe", reference, tmp_path / "blocks", "model.",
@@ -597,31 +582,11 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
                 hf + "embed_tokens.weight": reference.model.embed_tokens.weight.detach().clone(),
                 hf + "shared_head.head.weight": reference.lm_head.weight.detach().clone()})
     add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1)
-
-    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    args = mtp_matches_transformers(tmp_path, reference, blocks, reference.model.norm,
+                                    reference.model.embed_tokens, (enorm, hnorm),
+                                    reference.config.rms_norm_eps, eh_proj)
     assert args.pattern.endswith("/+E")
-    ours = build_model(args)
-    load_checkpoint_into(ours, tmp_path / "ours" / "checkpoint" / "step-0")
-    with torch.no_grad():
-        logits, _, mtp_logits = ours(tokens())
-        main_logits, hidden = logits_and_final_normed(reference, reference.model.norm)
-        norms = [type(reference.model.norm)(width, eps=reference.config.rms_norm_eps)
-                 for _ in range(2)]
-        for norm, weight in zip(norms, (enorm, hnorm)):
-            norm.weight.copy_(weight)
-        future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
-        inputs = F.linear(torch.cat((norms[0](future), norms[1](hidden)), -1), eh_proj)
-        theirs = blocks(inputs_embeds=inputs).logits
-    assert relative_error(logits, main_logits) <= 1e-5
-    error = relative_error(mtp_logits, theirs)
-    assert error <= 1e-5, error
-
-    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
-                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert {key for key in back if key.startswith(hf)} == set(mtp)
-    assert all(torch.equal(back[key], value) for key, value in mtp.items())
+    exported_with_mtp(tmp_path, mtp, prefix=hf)
 
     add_to_hf_folder(tmp_path / "hf", {hf + "embed_tokens.weight": torch.zeros(96, width)})
     capsys.readouterr()
