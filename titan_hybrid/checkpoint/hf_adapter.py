@@ -207,11 +207,10 @@ def check_copy(hf_state_dict: dict, hf_key: str, copy: SharedCopy) -> None:
     """ValueError when a copy read differs from its original (each rank checks its own
     piece)."""
     original = hf_state_dict.get(copy.original)
-    value = hf_state_dict[hf_key]
-    if original is None:
+    if original is None:  # a pipeline stage without the original checks nothing
         return
     local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
-    if not torch.equal(local(value), local(original)):
+    if not torch.equal(local(hf_state_dict[hf_key]), local(original)):
         raise ValueError(f"HF tensor '{hf_key}' differs from '{copy.original}', which it "
                          "copies: titan_hybrid's MTP depth shares the model's tensor")
 

@@ -103,10 +103,9 @@ class OlmoHybridStateDictAdapter(ComponentsStateDictAdapter):
             if symbols[2 * j] == attention.KIND.symbol:
                 mapping[f"{hf}{post_attention}.weight"] = f"{mixer}attention_norm.weight"
                 mapping[f"{hf}post_feedforward_layernorm.weight"] = f"{ffn}mlp_norm.weight"
-                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-                    ours = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv",
-                            "o_proj": "wo"}.get(name, name)
-                    mapping[f"{hf}self_attn.{name}.weight"] = f"{mixer}attention.{ours}.weight"
+                for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
+                                     ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
+                    mapping[f"{hf}self_attn.{theirs}.weight"] = f"{mixer}attention.{name}.weight"
                 continue
             mapping[f"{hf}attention_layer_norm.weight"] = f"{mixer}gdn_norm.weight"
             mapping[f"{hf}feedforward_layer_norm.weight"] = f"{ffn}mlp_norm.weight"

@@ -171,7 +171,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
                  to_hf: bool = False):
         final = Path(checkpoint_id)
         partial = final.with_name(final.name + integrity.PARTIAL_SUFFIX)
-        if to_hf:  # the pre-flight check refuses such a job; never drop a piece silently
+        if to_hf:  # a piece DCP's HF writer would drop is an error, never a silent loss
             check_writable(self.sd_adapter.to_hf(state_dict))
         if integrity.is_rank0():
             shutil.rmtree(partial, ignore_errors=True)

@@ -151,7 +151,7 @@ def merged_chunks(chunks: list[Chunk], dim: int) -> list[Chunk]:
     return merged
 
 
-def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Tensor:
+def concat_components(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     """The fused tensor made of `parts` laid end to end along `dim`, in global coordinates (the
     order a format like Hugging Face's stores, not the TP-interleaved in-memory order). Each
     part is ComponentChunks (its pieces keep their views, so a load lands in place) or, in a
@@ -167,5 +167,5 @@ def concat_components(parts: list[torch.Tensor], dim: int, cls=None) -> torch.Te
         start += part.shape[dim]
     shape = list(parts[0].shape)
     shape[dim] = start
-    return (cls or ComponentChunks)(torch.Size(shape), merged_chunks(chunks, dim),
-                                    parts[0].source, parts[0].fused_key, parts[0].tp_layout)
+    return ComponentChunks(torch.Size(shape), merged_chunks(chunks, dim), parts[0].source,
+                           parts[0].fused_key, parts[0].tp_layout)
