@@ -594,3 +594,16 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
     assert (f"HF tensor '{hf}embed_tokens.weight' differs from 'model.embed_tokens.weight'"
             in capsys.readouterr().err)
     assert not (tmp_path / "again").exists()
+
+
+def test_a_copy_is_compared_bit_for_bit():
+    """A copy is the same bits as its original: NaNs copied (uninitialized memory holds them)
+    are equal, and a -0.0 for a 0.0 or another dtype is a difference."""
+    from titan_hybrid.checkpoint.hf_adapter import SharedCopy, check_copy
+
+    copy = SharedCopy(key="tok_embeddings.weight", original="a")
+    original = torch.tensor([[float("nan"), 0.0], [1.0, 2.0]])
+    check_copy({"a": original, "b": original.clone()}, "b", copy)
+    for differing in (torch.tensor([[float("nan"), -0.0], [1.0, 2.0]]), original.double()):
+        with pytest.raises(ValueError, match="HF tensor 'b' differs from 'a'"):
+            check_copy({"a": original, "b": differing}, "b", copy)

@@ -209,8 +209,13 @@ def check_copy(hf_state_dict: dict, hf_key: str, copy: SharedCopy) -> None:
     original = hf_state_dict.get(copy.original)
     if original is None:  # a pipeline stage without the original checks nothing
         return
-    local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
-    if not torch.equal(local(hf_state_dict[hf_key]), local(original)):
+
+    def bits(tensor):  # bitwise, so that a NaN copied is equal to itself
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.contiguous().view(torch.uint8)
+
+    copied = hf_state_dict[hf_key]
+    if copied.dtype != original.dtype or not torch.equal(bits(copied), bits(original)):
         raise ValueError(f"HF tensor '{hf_key}' differs from '{copy.original}', which it "
                          "copies: titan_hybrid's MTP depth shares the model's tensor")
 
