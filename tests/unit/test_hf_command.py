@@ -146,6 +146,12 @@ FAMILIES = {
         max_position_embeddings=64, attn_implementation="eager")),
 }
 
+# LM heads tied to the embedding (tie_word_embeddings), as Granite 4.0-H's published models and
+# the small Qwen3.5 ones have them: transformers saves the weight once, as the embedding.
+for _family in ("qwen3_5", "granitemoehybrid"):
+    _config, _model, _fields = FAMILIES[_family]
+    FAMILIES[f"{_family}_tied"] = (_config, _model, {**_fields, "tie_word_embeddings": True})
+
 
 def tokens(vocab: int = 96) -> torch.Tensor:
     return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
@@ -267,6 +273,10 @@ def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
     save_tiny("bamba", tmp_path / "bias", mlp_bias=True)
     assert main(["import", str(tmp_path / "bias"), str(tmp_path / "ours")]) == 2
     assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err
+    save_tiny("deepseek_v3", tmp_path / "tied", tie_word_embeddings=True)
+    assert main(["import", str(tmp_path / "tied"), str(tmp_path / "ours")]) == 2
+    assert ("tie_word_embeddings=True is not supported: titan_hybrid's deepseek_v3/deepseek_v32 "
+            "models have an LM head of its own") in capsys.readouterr().err
     assert not (tmp_path / "ours").exists()
 
 
@@ -298,7 +308,7 @@ def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
 
     config_class, _, fields = FAMILIES[family]
     config = config_class(**fields).to_dict()
-    args = family_of(config).to_args(config)
+    args = family_of(config).model_args(config)
     model = build_model(args)
     for state_dict in (model.state_dict(),
                        SplitModelWrapper(model, tensor_parallel_layouts(model)).state_dict()):

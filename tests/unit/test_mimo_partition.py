@@ -219,3 +219,17 @@ def test_shape_and_params_errors():
     error(r"cp_rank=2 is not a rank of a cp group of size 2", *inputs, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match=r"PackedSeqParams.qkv_format='sbhd' is not supported"):
         PackedSeqParams(qkv_format="sbhd")
+
+
+def test_the_vision_language_example_refuses_a_tied_head():
+    """Its front end owns the embedding, so a head tied to the language model's would train
+    a weight no token reads."""
+    import dataclasses
+
+    from titan_hybrid.mimo.vision_language import VisionLanguageModel
+    from titan_hybrid.model.args import hybrid_flavors
+
+    args = dataclasses.replace(hybrid_flavors["debug"], pattern="M*", enable_weight_tying=True)
+    with pytest.raises(ValueError, match="enable_weight_tying=True: this example's front end "
+                                         "owns the embedding"):
+        VisionLanguageModel(args, vision_dim=8, image_token_id=1)

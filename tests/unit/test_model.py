@@ -326,6 +326,45 @@ def test_flops_moe_counts_only_top_k_experts():
     assert flops8 == flops + 6 * 4 * DIM
 
 
+def test_flops_count_a_tied_head_as_a_matmul_and_its_weight_once():
+    untied, tied = (tiny_args(pattern="*-", enable_weight_tying=tie) for tie in (False, True))
+    nparams, flops = nparams_and_flops_per_token(untied, build(untied), 16)
+    assert nparams_and_flops_per_token(tied, build(tied), 16) == (nparams - VOCAB * DIM, flops)
+
+
+# ------------------------------------------------------------------------------- tied head
+
+
+def test_a_tied_head_is_the_embedding_and_trains_by_both_uses():
+    """enable_weight_tying: after meta-device init the head's weight is the embedding's
+    Parameter (to_empty gave each its own), with the head's init; the state dict names it
+    once; its gradient is the sum of the two uses' gradients, computed by an untied copy; a
+    state dict with a head of its own is refused."""
+    args = tiny_args(pattern="M*-", enable_weight_tying=True)
+    model = _meta_init(args, seed=3)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(DIM ** -0.5, rel=0.1)
+    state = model.state_dict()
+    assert "output.weight" not in state and "tok_embeddings.weight" in state
+
+    untied = HybridModel(dataclasses.replace(args, enable_weight_tying=False))
+    untied.load_state_dict({**state, "output.weight": state["tok_embeddings.weight"]})
+    assert untied.output.weight is not untied.tok_embeddings.weight
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    for each in (model, untied):
+        each(tokens).square().mean().backward()
+    torch.testing.assert_close(model.tok_embeddings.weight.grad,
+                               untied.tok_embeddings.weight.grad + untied.output.weight.grad,
+                               rtol=1e-6, atol=1e-7)
+
+    copy = HybridModel(args)
+    copy.load_state_dict(state)
+    assert copy.output.weight is copy.tok_embeddings.weight
+    assert torch.equal(copy(tokens), model(tokens))
+    with pytest.raises(RuntimeError, match="'output.weight': the model ties its LM head"):
+        copy.load_state_dict(untied.state_dict())
+
+
 # --------------------------------------------------------------------------- packed documents
 
 

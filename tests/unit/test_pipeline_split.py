@@ -194,6 +194,15 @@ def test_impossible_pipeline_layouts_are_refused_by_field(args, pattern, message
         validate_layout(config, world_size=2)
 
 
+def test_a_tied_head_is_refused_under_pipeline_parallelism():
+    config = job("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                 "--parallelism.pipeline_parallel_microbatch_size", "2",
+                 model=dataclasses.replace(model_args("M*EM"), enable_weight_tying=True))
+    with pytest.raises(ValueError, match="pipeline_parallel_degree=2 with a model whose LM head "
+                                         "shares the embedding's weight"):
+        validate_layout(config, world_size=2)
+
+
 def stage_copy(model: nn.Module, kept: list[str]) -> nn.Module:
     """What torchtitan's pipeline_module_split builds: a copy with other stages' parts gone."""
     stage = copy.deepcopy(model)

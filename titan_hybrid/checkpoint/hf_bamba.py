@@ -123,7 +123,7 @@ def bamba_config(args: HybridModelArgs) -> dict:
                                if symbols[2 * j] == attention.KIND.symbol],
         "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
         "head_dim": heads.head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
+        "max_position_embeddings": args.max_seq_len,
         "rope_parameters": {"rope_type": "default", "rope_theta": heads.rope_theta,
                             "partial_rotary_factor": heads.rotary_fraction},
         **mamba_config(args),
@@ -134,8 +134,7 @@ def bamba_config(args: HybridModelArgs) -> dict:
 def model_args_from_bamba_config(config: dict) -> HybridModelArgs:
     """HybridModelArgs for an HF Bamba config.json; ValueError naming the first setting the
     format cannot hold."""
-    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False), ("mlp_bias", False),
+    for field, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
                             ("mamba_conv_bias", True), ("mamba_proj_bias", False)):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "

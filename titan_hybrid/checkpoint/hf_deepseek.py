@@ -279,7 +279,7 @@ def deepseek_config(args: HybridModelArgs) -> dict:
         "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len, "rope_parameters": rope,
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "attention_bias": False, "attention_dropout": 0.0,
         "num_nextn_predict_layers": args.parsed_pattern.mtp_depths,
     }
     if MOE.symbol in symbols:
@@ -310,8 +310,8 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
     if dense < num_layers and not config.get("n_routed_experts"):
         raise ValueError(f"first_k_dense_replace={dense} < num_hidden_layers={num_layers} "
                          "but n_routed_experts is not set")
-    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False), ("scoring_func", "sigmoid"),
+    for field, expected in (("hidden_act", "silu"), ("attention_bias", False),
+                            ("scoring_func", "sigmoid"),
                             ("topk_method", "noaux_tc")):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "

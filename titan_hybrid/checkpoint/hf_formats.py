@@ -13,6 +13,10 @@ its layer kinds belong to.
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
+
+Every format but DeepSeek's can tie the LM head to the embedding (`tie_word_embeddings`: the
+model's `enable_weight_tying`). A tied model's state dict names the weight once, as the
+embedding's, so its HF checkpoint has no `lm_head.weight`, as transformers writes it.
 """
 
 from __future__ import annotations
@@ -70,10 +74,12 @@ class HFFormat:
     adapter: type[HFStateDictAdapter]
     check: Callable[[HybridModelArgs], object]  # ValueError naming what the format cannot hold
     config: Callable[[HybridModelArgs], dict]  # the config.json of an export
+    ties_embeddings: bool = True  # whether its models may share the embedding with the head
 
 
 NEMOTRON_H = HFFormat(NemotronHStateDictAdapter, check_nemotron_h_compatible, nemotron_h_config)
-DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config)
+DEEPSEEK = HFFormat(DeepSeekStateDictAdapter, check_deepseek_compatible, deepseek_config,
+                    ties_embeddings=False)
 BAMBA = HFFormat(BambaStateDictAdapter, check_bamba_compatible, bamba_config)
 QWEN3_5 = HFFormat(Qwen35StateDictAdapter, check_qwen3_5_compatible, qwen3_5_config)
 GRANITE = HFFormat(GraniteStateDictAdapter, check_granite_compatible, granite_config)
@@ -99,6 +105,8 @@ def check_hf_compatible(args: HybridModelArgs) -> HFFormat:
     hf_format = hf_format_of(args)
     try:
         hf_format.check(args)
+        if args.enable_weight_tying and not hf_format.ties_embeddings:
+            raise ValueError("enable_weight_tying=True: DeepSeek's LM head has its own weight")
     except ValueError as error:
         raise ValueError(f"{error} ({RULE})") from None
     return hf_format
@@ -106,7 +114,8 @@ def check_hf_compatible(args: HybridModelArgs) -> HFFormat:
 
 def hf_config(args: HybridModelArgs) -> dict:
     """The config.json that `transformers` reads with the model's HF checkpoint."""
-    return check_hf_compatible(args).config(args)
+    return {**check_hf_compatible(args).config(args),
+            "tie_word_embeddings": args.enable_weight_tying}
 
 
 def hybrid_state_dict_adapter(model_args: HybridModelArgs,

@@ -112,7 +112,7 @@ def granite_config(args: HybridModelArgs) -> dict:
         "layer_types": [LAYER_TYPES[s] for s in symbols[0::2]],
         "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
         "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
+        "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
         "embedding_multiplier": args.embedding_multiplier,
         "residual_multiplier": args.residual_multiplier, "logits_scaling": args.logits_scaling,
@@ -132,8 +132,7 @@ def granite_config(args: HybridModelArgs) -> dict:
 def model_args_from_granite_config(config: dict) -> HybridModelArgs:
     """HybridModelArgs for an HF Granite 4.0-H config.json; ValueError naming the first
     setting the format cannot hold."""
-    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False), ("mamba_conv_bias", True),
+    for field, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mamba_conv_bias", True),
                             ("mamba_proj_bias", False)):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "

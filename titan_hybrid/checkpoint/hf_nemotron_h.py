@@ -256,7 +256,6 @@ def nemotron_h_config(args: HybridModelArgs) -> dict:
         "num_hidden_layers": len(pattern),
         "layer_norm_epsilon": args.norm_eps,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
         "num_attention_heads": attention.n_heads,
         "num_key_value_heads": attention.n_kv_heads,
         "head_dim": attention.head_dim,
@@ -331,7 +330,7 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
                or "*E")  # transformers' default: ["full_attention", "moe"]
         pattern += f"/{mtp}" * depths
     for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
-                            ("tie_word_embeddings", False), ("use_bias", False),
+                            ("use_bias", False),
                             ("mlp_bias", False), ("attention_bias", False),
                             ("use_conv_bias", True)):
         if config.get(field, expected) != expected:

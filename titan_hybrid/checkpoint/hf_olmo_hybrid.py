@@ -156,7 +156,7 @@ def olmo_hybrid_config(args: HybridModelArgs) -> dict:
                         for s in symbols[0::2]],
         "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
         "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
+        "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
         # rope_theta null: no rotary embedding (transformers reads NoPE only this way)
         "rope_parameters": {"rope_type": "default",
@@ -174,8 +174,7 @@ def olmo_hybrid_config(args: HybridModelArgs) -> dict:
 def model_args_from_olmo_hybrid_config(config: dict) -> HybridModelArgs:
     """HybridModelArgs for an HF OLMo Hybrid config.json; ValueError naming the first setting
     the format cannot hold."""
-    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False)):
+    for field, expected in (("hidden_act", "silu"), ("attention_bias", False)):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "
                              f"{expected!r})")

@@ -175,7 +175,7 @@ def text_config(args: HybridModelArgs) -> dict:
                         for s in symbols[0::2]],
         "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
         "head_dim": heads.head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False,
+        "max_position_embeddings": args.max_seq_len,
         "attention_bias": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": heads.rope_theta,
                             "partial_rotary_factor": heads.rotary_fraction},
@@ -207,8 +207,7 @@ def qwen3_5_config(args: HybridModelArgs) -> dict:
 
 def check_text_config(config: dict) -> None:
     """ValueError naming a setting of a Qwen text config we cannot hold."""
-    for field, expected in (("hidden_act", "silu"), ("tie_word_embeddings", False),
-                            ("attention_bias", False)):
+    for field, expected in (("hidden_act", "silu"), ("attention_bias", False)):
         if config.get(field, expected) != expected:
             raise ValueError(f"{field}={config[field]!r} is not supported (expected "
                              f"{expected!r})")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_hybrid.checkpoint import integrity
-from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hf_format_of
+from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hf_config, hf_format_of
 from titan_hybrid.checkpoint.state import SplitModelWrapper, check_against_checkpoint
 from titan_hybrid.hf import safetensors_io
 from titan_hybrid.hf.families import CONFIG_FILE, model_args_and_config
@@ -167,7 +167,7 @@ def write_hf(model: HybridModel, hf_dir: Path, *, max_shard_bytes: int = MAX_SHA
              print_fn=print) -> None:
     """config.json and safetensors shards (with their index when there are several)."""
     args = model.model_args
-    config = check_hf_compatible(args).config(args)
+    config = hf_config(args)
     tensors = hf_format_of(args).adapter(args, None).to_hf(model.state_dict())
     hf_dir.mkdir(parents=True, exist_ok=True)
     shards = list(safetensors_io.shards(tensors, max_shard_bytes))

@@ -50,6 +50,17 @@ class Family:
     mtp_marker: Callable[[HybridModelArgs], str] | None = None
     mtp_count_field: str = ""
 
+    def model_args(self, config: dict) -> HybridModelArgs:
+        """The model args of a config.json of this family: `to_args`'s, with the LM head tied
+        to the embedding where the config says so (a multimodal config may say it in its
+        `text_config`)."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        if tied and not self.hf_format.ties_embeddings:
+            raise ValueError("tie_word_embeddings=True is not supported: titan_hybrid's "
+                             f"{'/'.join(self.model_types)} models have an LM head of its own")
+        return dataclasses.replace(self.to_args(config), enable_weight_tying=tied)
+
     def without_mtp(self, args: HybridModelArgs, config: dict) -> tuple[HybridModelArgs, dict]:
         """The args and config.json of the model without its MTP layers."""
         config = {**config, self.mtp_count_field: 0}
@@ -134,7 +145,7 @@ def model_args_and_config(path: str | Path, field: str) -> tuple[HybridModelArgs
     config, file = read_config(path, field)
     family = family_of(config, str(file))
     try:
-        args = family.to_args(config)
+        args = family.model_args(config)
         if args.parsed_pattern.mtp_depths and family.mtp_marker is not None:
             stored = _stored_names(file.parent)
             if stored and family.mtp_marker(args) not in stored:

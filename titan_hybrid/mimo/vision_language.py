@@ -31,6 +31,9 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(f"VisionLanguageModel: pattern '{lm_args.pattern}' has layers with "
                              f"an auxiliary loss ({kinds}); this example feeds the LM hidden "
                              "states only (no aux loss input) and reads logits alone")
+        if lm_args.enable_weight_tying:
+            raise ValueError("VisionLanguageModel: enable_weight_tying=True: this example's "
+                             "front end owns the embedding, so the LM head cannot share it")
         self.image_token_id = image_token_id
         self.tok_embeddings = nn.Embedding(lm_args.vocab_size, lm_args.dim)
         self.vision_projection = nn.Linear(vision_dim, lm_args.dim, bias=False)

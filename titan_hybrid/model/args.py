@@ -53,6 +53,10 @@ class HybridModelArgs:
     # the next mixer) normalizes its outputs instead of its inputs: h + norm(f(h)) (OLMo
     # Hybrid's attention layers, "*"); every other layer is pre-norm, h + f(norm(h)).
     post_norm_mixers: str = ""
+    # The LM head's weight is the embedding's (torchtitan's Qwen3 `enable_weight_tying`, HF's
+    # `tie_word_embeddings`, Megatron's `share_embeddings_and_output_weights`): one tensor,
+    # trained by both uses and saved once, as `tok_embeddings.weight`.
+    enable_weight_tying: bool = False
     max_seq_len: int = 2048
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone

@@ -24,9 +24,11 @@ def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[i
     total_params = sum(p.numel() for p in model.parameters())
     embedding_params = sum(p.numel() for p in model.tok_embeddings.parameters())
     pattern = args.parsed_pattern
-    # The LM head runs once more per MTP depth.
+    # The LM head runs once more per MTP depth; a head tied to the embedding is counted in
+    # neither total (model.parameters() names a shared weight once).
+    head_runs = pattern.mtp_depths + (1 if args.enable_weight_tying else 0)
     active_matmul_params = (total_params - embedding_params
-                            + pattern.mtp_depths * model.output.weight.numel())
+                            + head_runs * model.output.weight.numel())
     core = 0
     for symbol in pattern.physical_layer_symbols(include_mtp=True):
         kind = LAYER_KINDS[symbol]

@@ -153,11 +153,23 @@ class HybridModel(nn.Module):
         self.layers = HybridStack(pattern.main, model_args).layers
         self.norm = model_norm(model_args)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.enable_weight_tying:
+            self.tie_weights()
+            self.register_state_dict_post_hook(_without_tied_head)
+            self.register_load_state_dict_pre_hook(_tied_head_from_embedding)
         self.mtp = nn.ModuleList(MTPDepth(pattern.mtp, model_args)
                                  for _ in range(pattern.mtp_depths))
         self.has_aux_loss = model_args.has_aux_loss
         self.mtp_depths = pattern.mtp_depths
         self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def tie_weights(self) -> None:
+        """With enable_weight_tying, the head's weight is the embedding's Parameter (again:
+        `to_empty`, or tensor parallelism's distribution of the two modules, gives each its
+        own)."""
+        if (self.model_args.enable_weight_tying and self.output is not None
+                and self.tok_embeddings is not None):
+            self.output.weight = self.tok_embeddings.weight
 
     def _rope_table(self) -> torch.Tensor:
         args = self.model_args
@@ -167,7 +179,9 @@ class HybridModel(nn.Module):
     @torch.no_grad()
     def init_buffers(self, buffer_device: torch.device | None = None) -> None:
         """The buffers no checkpoint holds, which a model built on the meta device lacks: the
-        rotary table, and the layers' statistics (zero until a step counts into them)."""
+        rotary table, and the layers' statistics (zero until a step counts into them). The
+        head is tied to the embedding again: `to_empty` gave each a tensor of its own."""
+        self.tie_weights()
         with torch.device(buffer_device or self.rope.device):
             self.rope = self._rope_table()
         held = self.state_dict().keys()
@@ -193,6 +207,7 @@ class HybridModel(nn.Module):
                   for i, depth in enumerate(self.mtp)]
         units += [("norm", self.norm, lambda m: m.init_weights())]
         cutoff = 3 / math.sqrt(args.dim)
+        # A tied weight takes the head's init, after the embedding's (torchtitan's Qwen3).
         units += [("output", self.output, lambda m: nn.init.trunc_normal_(
             m.weight, std=args.dim**-0.5, a=-cutoff, b=cutoff))]
         for name, unit, init in units:
@@ -256,3 +271,24 @@ class HybridModel(nn.Module):
         logits = self.output(normed)
         scaling = self.model_args.logits_scaling
         return logits if scaling == 1.0 else logits / scaling
+
+
+# A tied model's state dict holds its one weight once, as the embedding's; a state dict that
+# gives the head a weight of its own is refused rather than loaded over the embedding.
+TIED_HEAD_KEY, EMBEDDING_KEY = "output.weight", "tok_embeddings.weight"
+
+
+def _without_tied_head(module, state_dict, prefix, local_metadata) -> None:
+    state_dict.pop(prefix + TIED_HEAD_KEY, None)
+
+
+def _tied_head_from_embedding(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+    """The head loads the embedding's tensor (the copy of the state dict that
+    `load_state_dict` hands its modules)."""
+    if prefix + TIED_HEAD_KEY in state_dict:
+        error_msgs.append(f"'{prefix}{TIED_HEAD_KEY}': the model ties its LM head to its "
+                          f"embedding (enable_weight_tying), whose weight is "
+                          f"'{prefix}{EMBEDDING_KEY}'; this state dict has a head of its own")
+    elif prefix + EMBEDDING_KEY in state_dict:
+        state_dict[prefix + TIED_HEAD_KEY] = state_dict[prefix + EMBEDDING_KEY]

@@ -35,13 +35,26 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The modules that each get their own data-parallel unit, root excluded, in order."""
     units: list[nn.Module | list[nn.Module]] = []
-    if getattr(model, "tok_embeddings", None) is not None:
-        units.append(model.tok_embeddings)
+    embedding = getattr(model, "tok_embeddings", None)
+    head = [module for module in (getattr(model, "norm", None), getattr(model, "output", None))
+            if module is not None]
+    if embedding is not None and not ties_head_to_embedding(model):
+        units.append(embedding)
     units.extend(model.layers.values())
     units.extend(getattr(model, "mtp", []))
-    units.extend(module for module in (getattr(model, "norm", None), getattr(model, "output", None))
-                 if module is not None)
+    if ties_head_to_embedding(model):
+        # One parameter is one unit's: FSDP would shard a weight shared by two units twice and
+        # keep the copies apart. The embedding runs first, so the group's forward starts there.
+        units.append([embedding, *head])
+    else:
+        units.extend(head)
     return units
+
+
+def ties_head_to_embedding(model: nn.Module) -> bool:
+    output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return (output is not None and embedding is not None
+            and output.weight is embedding.weight)
 
 
 def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -113,7 +126,8 @@ def apply_data_parallel(
     for unit in units:
         # The final norm and the LM head run right after the last layer and first in backward:
         # resharding them in between would only add an all-gather.
-        is_head = any(unit is module for module in head)
+        is_head = any(module in (unit if isinstance(unit, list) else [unit])
+                      for module in head if module is not None)
         policy = mp_policy
         for layer in full_precision_layers(unit) if split_precision else []:
             wrap([m for m in layer.modules() if isinstance(m, nn.Linear)], mp_policy, reshard)

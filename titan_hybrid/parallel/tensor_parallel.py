@@ -272,6 +272,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[s
                                         if getattr(model, name) is not None})
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_local_copy)
+    # Both styles split the vocabulary rows (Shard(0)): the embedding's DTensor serves the head.
+    model.tie_weights()
     return partial_over_tp
 
 

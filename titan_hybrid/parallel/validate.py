@@ -45,6 +45,12 @@ def validate_compile(run: RunConfig) -> None:
 def validate_pipeline(run: RunConfig) -> None:
     model_args = run.model
     p = run.parallelism
+    if model_args.enable_weight_tying:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} with a model "
+            "whose LM head shares the embedding's weight (enable_weight_tying, HF's "
+            "tie_word_embeddings): the first and last stages would each train a copy; train "
+            "it without pipeline parallelism")
     virtual_stages = stages_per_rank(run.parallelism, model_args)
     module_names_per_stage(model_args, p.pipeline_parallel_degree, virtual_stages)  # split errors
     local_batch, microbatch = (run.training.local_batch_size,
