@@ -6,6 +6,7 @@ curve."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training
+from tests.unit.test_hf_command import FAMILIES as FAMILIES_BY_NAME
 from tests.unit.test_hf_command import save_tiny
 from titan_hybrid.hf.__main__ import main
 
@@ -143,42 +145,42 @@ def test_the_trained_checkpoint_exports_to_a_folder_transformers_runs(imported, 
 
 @pytest.mark.extended  # the 2.13 leg's extended run, and the 2.11 / 2.14 / 2.15 legs
 def test_a_tied_head_trains_with_the_one_process_curve_and_resumes_under_tp(tmp_path):
-    """Granite 4.0-H ties its LM head to its embedding: one weight, trained by both uses.
-    FSDP2 shards it once, in one unit with the final norm and the head, here unevenly (an odd
-    vocabulary); TP splits its vocabulary rows for both; the checkpoint holds it once, as the
-    embedding (no `output.weight`, no optimizer state for it), and a one-process checkpoint
+    """Heads tied to the embedding (Granite 4.0-H's, the small Qwen3.5 ones'): one weight,
+    trained by every use. FSDP2 shards it once, in one unit with the final norm and the head,
+    here unevenly (an odd vocabulary), on a Qwen3.5-MoE config whose MTP depth runs the head
+    again (from a fresh init: a bare config.json names the model); TP splits its vocabulary
+    rows for both uses. The checkpoint holds it once, as the embedding (no `output.weight`, no
+    optimizer state for it), and a one-process checkpoint of an imported Granite model
     resumes under TP2 onto the uninterrupted curve."""
-    curves = {}
-    for vocab in (2051, 2048):  # TP must divide the vocabulary, FSDP need not
-        folder = tmp_path / str(vocab)
-        save_tiny("granitemoehybrid_tied", folder / "hf", vocab_size=vocab)
-        assert main(["import", str(folder / "hf"), str(folder / "ours")]) == 0
-        job = str(folder / "ours" / "job.toml")
-        single = run_training(folder / "single", *STEPS, "--training.steps", "4",
-                              "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
-                              "--checkpoint.no_last_save_model_only", config=job).check()
-        curves[vocab] = job, single.losses, folder / "single" / "outputs"
-
-    job, single, _ = curves[2051]
-    fsdp = run_training(tmp_path / "fsdp", *STEPS, "--training.steps", "4", config=job,
-                        nproc=2).check()
-    assert len(fsdp.losses) == len(single) == 4
-    for ours, reference in zip(fsdp.losses, single):
+    config_class, _, fields = FAMILIES_BY_NAME["qwen3_5_moe"]
+    (tmp_path / "qwen").mkdir()
+    config = config_class(**{**fields, "vocab_size": 2051, "tie_word_embeddings": True,
+                             "mtp_num_hidden_layers": 1}).to_dict()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(config))
+    fresh = (*STEPS, "--hybrid.model_config", str(tmp_path / "qwen"))
+    single = run_training(tmp_path / "single", *fresh).check()
+    fsdp = run_training(tmp_path / "fsdp", *fresh, nproc=2).check()
+    assert len(fsdp.losses) == len(single.losses) == 3
+    for ours, reference in zip(fsdp.losses, single.losses):
         assert ours == pytest.approx(reference, rel=1e-5)
 
-    job, single, outputs = curves[2048]
-    stored = dcp.FileSystemReader(str(outputs / "ck" / "step-2")).read_metadata()
-    keys = stored.state_dict_metadata
+    save_tiny("granitemoehybrid_tied", tmp_path / "hf", vocab_size=2048)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    job = str(tmp_path / "ours" / "job.toml")
+    saving = ("--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
+    single = run_training(tmp_path / "granite", *STEPS, *saving, config=job).check()
+    outputs = tmp_path / "granite" / "outputs"
+    keys = dcp.FileSystemReader(str(outputs / "ck" / "step-2")).read_metadata()
+    keys = keys.state_dict_metadata
     assert "tok_embeddings.weight" in keys and "output.weight" not in keys
     assert "optimizer.state.tok_embeddings.weight.exp_avg" in keys
     assert not any(key.startswith("optimizer.state.output.") for key in keys)
     shutil.rmtree(outputs / "ck" / "step-4")
-    resumed = run_training(outputs.parent, *STEPS, "--training.steps", "4",
-                           "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
-                           "--checkpoint.no_last_save_model_only",
+    resumed = run_training(tmp_path / "granite", *STEPS, *saving,
                            "--parallelism.tensor_parallel_degree", "2", config=job,
                            nproc=2).check()
     assert "Training starts at step 3" in resumed.output
     assert len(resumed.losses) == 2
-    for ours, reference in zip(resumed.losses, single[2:]):
+    for ours, reference in zip(resumed.losses, single.losses[2:]):
         assert ours == pytest.approx(reference, rel=1e-5)

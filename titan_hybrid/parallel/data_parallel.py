@@ -13,7 +13,9 @@ the root. The norm and the head are two units, not one `fully_shard([norm, head]
 MTP depths call the head again without the norm, and a group's modules must run forward
 together (torch 2.11 runs a group's pre-forward only for the first of its modules after the
 group's last post-forward, so after a head-only call the next forward's norm found its weight
-still sharded). Under expert parallelism each MoE layer's experts are a unit of their own,
+still sharded). A head tied to the embedding (enable_weight_tying) makes the embedding, the
+final norm and the head one unit, kept gathered from forward to backward: one parameter is one
+unit's, and the embedding runs first, before the group's other modules. Under expert parallelism each MoE layer's experts are a unit of their own,
 sharded over the ranks that hold the same experts. A Mamba layer left in the root unit would be
 all-gathered for the whole step, which defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
 all-reduces start as soon as each unit's backward is done.
