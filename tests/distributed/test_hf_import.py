@@ -94,6 +94,27 @@ def test_a_tp_job_starts_from_an_hf_folder_whose_tensors_join_several_of_ours(im
         assert ours == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.extended
+@pytest.mark.once_per_ci
+@pytest.mark.parametrize("imported", ["olmo_hybrid"], indirect=True)
+@pytest.mark.parametrize("layout", [
+    # The second stage starts with the MLP of the first attention layer: post-norm too.
+    ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "G-*|-G-*-"),
+    ("--parallelism.context_parallel_degree", "2"),
+    ("--parallelism.context_parallel_degree", "2",
+     "--parallelism.context_parallel_linear_mode", "chunkwise")])
+def test_post_norm_layers_train_under_pp_and_cp_with_the_one_process_curve(imported, tmp_path,
+                                                                           layout):
+    """OLMo Hybrid's post-norm attention layers (and the MLPs after them): a pipeline stage
+    keeps each layer's norm placement, also where a stage starts inside a decoder layer, and context parallelism's pieces normalize per token;
+    both give the one-process curve of the imported model."""
+    job, _, single, _ = imported
+    result = run_training(tmp_path, *STEPS, *layout, config=job, nproc=2).check()
+    assert len(result.losses) == len(single.losses) == 3
+    for ours, reference in zip(result.losses, single.losses):
+        assert ours == pytest.approx(reference, rel=1e-5)
+
+
 @pytest.mark.parametrize("layout, nproc", [
     ((), 1), (("--parallelism.tensor_parallel_degree", "2"), 2)])
 def test_the_trainers_hf_export_gives_the_hf_folder_back_bitwise(tmp_path, layout, nproc):
