@@ -58,6 +58,25 @@ def test_each_layer_and_group_is_a_unit(mesh, flavor, strategy):
     assert any(isinstance(m, HybridLayer) and m.symbol == "M" for m in model.modules())
 
 
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_a_tied_head_is_one_unit_with_the_embedding_and_the_final_norm(mesh, strategy):
+    """FSDP would shard a weight shared by two units twice: the embedding, the final norm and
+    the head are one group, whose one parameter stays the head's and the embedding's."""
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_moe"]),
+                               enable_weight_tying=True)
+    with torch.device("meta"):
+        model = HybridModel(args)
+    apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.float32,
+                        reduce_dtype=torch.float32)
+    group = model.tok_embeddings._get_fsdp_state()
+    assert model.norm._get_fsdp_state() is group and model.output._get_fsdp_state() is group
+    assert sorted(unit_params(model.tok_embeddings)) == ["weight", "weight"]  # embedding, norm
+    assert model.output.weight is model.tok_embeddings.weight
+    states = {id(m._get_fsdp_state()): m for m in model.modules() if isinstance(m, FSDPModule)}
+    managed = [name for m in states.values() for name in unit_params(m)]
+    assert len(managed) == len(list(model.parameters()))
+
+
 def test_unknown_strategy_is_rejected(mesh):
     with torch.device("meta"):
         model = HybridModel(copy.deepcopy(hybrid_flavors["debug"]))

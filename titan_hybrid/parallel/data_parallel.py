@@ -14,11 +14,12 @@ MTP depths call the head again without the norm, and a group's modules must run 
 together (torch 2.11 runs a group's pre-forward only for the first of its modules after the
 group's last post-forward, so after a head-only call the next forward's norm found its weight
 still sharded). A head tied to the embedding (enable_weight_tying) makes the embedding, the
-final norm and the head one unit, kept gathered from forward to backward: one parameter is one
-unit's, and the embedding runs first, before the group's other modules. Under expert parallelism each MoE layer's experts are a unit of their own,
+final norm and the head one group, gathered from the embedding's forward to the backward: a
+parameter must be one unit's (FSDP would shard a weight shared by two units twice and keep the
+copies apart). Under expert parallelism each MoE layer's experts are a unit of their own,
 sharded over the ranks that hold the same experts. A Mamba layer left in the root unit would be
-all-gathered for the whole step, which defeats ZeRO-3, so each gets its own unit. `replicate` uses the same units so that gradient
-all-reduces start as soon as each unit's backward is done.
+all-gathered for the whole step, which defeats ZeRO-3, so each gets its own unit. `replicate`
+uses the same units so that gradient all-reduces start as soon as each unit's backward is done.
 """
 
 from __future__ import annotations
@@ -36,20 +37,17 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """The modules that each get their own data-parallel unit, root excluded, in order."""
-    units: list[nn.Module | list[nn.Module]] = []
     embedding = getattr(model, "tok_embeddings", None)
     head = [module for module in (getattr(model, "norm", None), getattr(model, "output", None))
             if module is not None]
-    if embedding is not None and not ties_head_to_embedding(model):
+    tied = ties_head_to_embedding(model)
+    units: list[nn.Module | list[nn.Module]] = []
+    if embedding is not None and not tied:
         units.append(embedding)
     units.extend(model.layers.values())
     units.extend(getattr(model, "mtp", []))
-    if ties_head_to_embedding(model):
-        # One parameter is one unit's: FSDP would shard a weight shared by two units twice and
-        # keep the copies apart. The embedding runs first, so the group's forward starts there.
-        units.append([embedding, *head])
-    else:
-        units.extend(head)
+    # A tied group starts with the embedding, the first of its modules to run forward.
+    units.extend([[embedding, *head]] if tied else head)
     return units
 
 
@@ -128,8 +126,8 @@ def apply_data_parallel(
     for unit in units:
         # The final norm and the LM head run right after the last layer and first in backward:
         # resharding them in between would only add an all-gather.
-        is_head = any(module in (unit if isinstance(unit, list) else [unit])
-                      for module in head if module is not None)
+        members = unit if isinstance(unit, list) else [unit]
+        is_head = any(module is not None and module in members for module in head)
         policy = mp_policy
         for layer in full_precision_layers(unit) if split_precision else []:
             wrap([m for m in layer.modules() if isinstance(m, nn.Linear)], mp_policy, reshard)
