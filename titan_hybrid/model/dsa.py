@@ -357,6 +357,7 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: DeepSeekSparseAttention(dim=dim, args=args),
     mixes_sequence=True, has_aux_loss=True, validate=_validate,
     core_flops=_core_flops, tensor_parallel_sizes=tensor_parallel_sizes("dsa"),
+    high_precision_modules=("indexer",),
     # The indexer's top-k must see every causal key: its keys are gathered with the latents.
     context_parallel=ContextParallelRule(core="core", gather=("latent_BSC", "k_rope_BSR",
                                                               "index_k_BSK")),

@@ -135,6 +135,10 @@ class LayerKind:
     # The mixer's submodule of routed experts, if it has one (MoE: "experts"): expert
     # parallelism shards it over the EP ranks, data parallelism makes it a unit of its own.
     routed_experts: str | None = None
+    # The mixer's submodules whose nn.Linear modules stay in high precision under FP8 training
+    # (Megatron's exceptions: routers and gates, indexers and compressors, whose top-k and
+    # softmax choices float8 rounding would move); training/float8.py.
+    high_precision_modules: tuple[str, ...] = ()
     # Mixer parameters a token does not use (MoE: the routed experts beyond its top_k), which
     # the FLOPs leave out of 6 * parameters.
     inactive_params: Callable[[Any, int], int] = _all_active  # (section, dim)

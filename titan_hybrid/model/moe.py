@@ -351,6 +351,7 @@ KIND = LayerKind(
     # in fp32 (grouped_mm's tracing kernel takes bf16 only); otherwise the layer is one graph.
     compiled_parts=("router", "shared_expert", "shared_expert_gate"), one_graph_in_bf16=True,
     routed_experts="experts", inactive_params=_inactive_params,
+    high_precision_modules=("router", "shared_expert_gate"),
     # Nemotron 3's MoE layers (squared-ReLU experts, the biased sigmoid router): checked by
     # checkpoint/hf_nemotron_h.py.
     hf_names={"nemotron_h": HFNames(

@@ -19,6 +19,7 @@ from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.training.float8 import check_float8
 from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.training.run_config import RunConfig
 from titan_hybrid.training.validation import validate_validation_config
@@ -107,6 +108,7 @@ def check_run(run: RunConfig, world_size: int) -> None:
     check_optimizer(run.optimizer, run.lr_scheduler)
     check_checkpoint(run.checkpoint)
     check_metrics(run.metrics)
+    check_float8(run.float8)
     check_activation_checkpoint(
         run.activation_checkpoint,
         model_compile_enabled=run.compile.enable and "model" in run.compile.components)

@@ -134,6 +134,18 @@ class MetricsSection:
 
 
 @dataclass(frozen=True)
+class Float8Section:
+    """FP8 training (training/float8.py): torchtitan's `quantize.linear.float8`, enabled when
+    `model.converters` names it."""
+    enable: bool = False
+    recipe_name: str | None = None  # None: tensorwise, torchao's default
+    emulate: bool = False
+    filter_fqns: tuple[str, ...] = ()
+    enable_fsdp_float8_all_gather: bool = False
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+
+
+@dataclass(frozen=True)
 class HybridSection:
     """titan_hybrid's own options (the `[hybrid]` TOML section; each is documented where the
     torchtitan adapter declares it as a job field)."""
@@ -163,6 +175,7 @@ class RunConfig:
     lr_scheduler: LRSchedulerSection = field(default_factory=LRSchedulerSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     hybrid: HybridSection = field(default_factory=HybridSection)
+    float8: Float8Section = field(default_factory=Float8Section)
 
 
 

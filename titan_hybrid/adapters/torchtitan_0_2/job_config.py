@@ -27,6 +27,7 @@ from torchtitan.config import Parallelism as TitanParallelism
 
 from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.training.float8 import float8_section
 from titan_hybrid.training.run_config import (
     ActivationCheckpointSection,
     CheckpointSection,
@@ -158,6 +159,7 @@ def run_config(job: TitanJobConfig) -> RunConfig:
         lr_scheduler=section_from(LRSchedulerSection, job.lr_scheduler),
         metrics=section_from(MetricsSection, job.metrics),
         hybrid=hybrid,
+        float8=float8_section(job.model.converters, job.quantize.linear.float8),
     )
 
 

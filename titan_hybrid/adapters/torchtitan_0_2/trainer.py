@@ -14,6 +14,7 @@ this run's: the checkpointer and the EP-overlap schedule take it from there.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -52,6 +53,10 @@ class HybridTrainer(Trainer):
         """`run`: the job's RunConfig, checked by the pre-flight check (preflight.check_run,
         which validated the layout too); without it the build makes and checks it."""
         self.build = HybridBuild(run)
+        # titan_hybrid converts the model itself, with the layer kinds' high-precision modules
+        # (parallelize_hybrid, training/float8.py); torchtitan's converter would swap them too.
+        job_config = dataclasses.replace(
+            job_config, model=dataclasses.replace(job_config.model, converters=[]))
         with replaced_without_a_group(job_config.checkpoint), warnings.catch_warnings():
             # torchtitan builds torch.autocast("cpu", float32) for an fp32 single-device run;
             # torch disables it with a warning. fp32 needs no autocast: nothing is lost.

@@ -1,0 +1,161 @@
+"""FP8 training (titan_hybrid/training/float8.py): torchao's Float8Linear computes the recipe's
+float8 products, checked against an independent float64 reference that quantizes the GEMMs'
+operands itself; which Linear modules stay in high precision, and why; the job option in
+torchtitan's words. The training curves are in tests/distributed/test_float8.py."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.training.float8 import (
+    apply_float8,
+    float8_section,
+    linear_precisions,
+)
+from titan_hybrid.training.run_config import Float8Section
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def quantized(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, *,
+              power_of_2: bool = False) -> torch.Tensor:
+    """`t` through float8 and back, in float64: scaled so that its largest magnitude (over the
+    whole tensor, or along `dim`: the GEMM's contraction dimension) maps to the format's
+    largest value, the scale rounded down to a power of 2 where the recipe says so."""
+    t32 = t.detach().float()
+    amax = t32.abs().amax() if dim is None else t32.abs().amax(dim=dim, keepdim=True)
+    largest = torch.finfo(dtype).max
+    scale = largest / amax.clamp(min=1e-12)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    cast = (t32 * scale).clamp(-largest, largest).to(dtype)
+    return cast.double() / scale.double()
+
+
+def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.double() - reference).norm() / reference.norm()).item()
+
+
+# recipe -> (the forward's operands, grad_input's, grad_weight's), each a pair of
+# (dtype, contraction dimension or None for one scale per tensor), and power-of-2 scales.
+RECIPES = {
+    None: (((E4M3, None), (E4M3, None)), ((E5M2, None), (E4M3, None)),
+           ((E5M2, None), (E4M3, None)), False),
+    "rowwise": (((E4M3, -1), (E4M3, -1)), ((E4M3, -1), (E4M3, 0)),
+                ((E4M3, 0), (E4M3, 0)), True),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_float8_linear_computes_the_recipes_float8_products(recipe):
+    """Forward, input gradient and weight gradient equal the float64 products of operands
+    quantized by the recipe (tensorwise: one scale per tensor, e5m2 gradients; rowwise: one
+    per row of the contraction, power-of-2 scales, e4m3 throughout) within float32 rounding;
+    against the unquantized float64 products they are off by float8's own error."""
+    forward, grad_input, grad_weight, power_of_2 = RECIPES[recipe]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False))
+    weight = model[0].weight.detach().clone()
+    apply_float8(model, Float8Section(enable=True, recipe_name=recipe, emulate=True))
+    assert type(model[0]).__name__ == "Float8Linear"
+    x = torch.randn(32, 64, requires_grad=True)
+    y = model(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+
+    def product(pair, a, b):
+        (a_dtype, a_dim), (b_dtype, b_dim) = pair
+        return (quantized(a, a_dtype, a_dim, power_of_2=power_of_2)
+                @ quantized(b, b_dtype, b_dim, power_of_2=power_of_2))
+
+    references = {"output": (y, product(forward, x, weight.t())),
+                  "grad_input": (x.grad, product(grad_input, grad, weight)),
+                  "grad_weight": (model[0].weight.grad, product(grad_weight, grad.t(), x))}
+    exact = {"output": x.double() @ weight.double().t(),
+             "grad_input": grad.double() @ weight.double(),
+             "grad_weight": grad.double().t() @ x.detach().double()}
+    for name, (ours, reference) in references.items():
+        assert relative(ours, reference) <= 1e-6, name
+        # e4m3 keeps 3 mantissa bits, e5m2 2: a few percent on random operands, never 0.
+        assert 0.01 <= relative(ours, exact[name]) <= 0.08, name
+
+
+def built(flavor: str, **changes) -> HybridModel:
+    with torch.device("meta"):
+        return HybridModel(dataclasses.replace(copy.deepcopy(hybrid_flavors[flavor]), **changes))
+
+
+def test_megatrons_high_precision_modules_stay_linear():
+    """Routers and gates, DSA's and DeepSeek-V4's indexers and compressors, the LM head, the
+    widths float8 GEMMs cannot take, and the user's filter_fqns stay nn.Linear; every other
+    Linear becomes a Float8Linear over the same Parameter."""
+    model = built("debug_v4_all_moe", pattern="MC-MHEMWE+-D-")
+    section = Float8Section(enable=True, emulate=True, filter_fqns=("layers.10.mlp",))
+    precisions = linear_precisions(model, section)
+    assert precisions["output"] == "the LM head"
+    assert precisions["layers.5.moe.router.gate"] == "kept by its layer kind (mixture of experts)"
+    assert precisions["layers.11.dsa.indexer.wk"].startswith("kept by its layer kind")
+    assert precisions["layers.1.compressed_sparse_attention.compressor.indexer.q_b_proj"]
+    assert precisions["layers.4.heavily_compressed_attention.compressor.kv_proj"]
+    assert (precisions["layers.10.mlp.fc1"]
+            == "quantize.linear.float8.filter_fqns ['layers.10.mlp']")
+    for fqn in ("layers.0.mamba.in_proj", "layers.9.mla.kv_b_proj", "layers.11.dsa.o_proj",
+                "layers.7.window_attention.q_b_proj", "layers.5.moe.shared_expert.fc1"):
+        assert precisions[fqn] is None, fqn
+    weights = dict(model.named_parameters())
+    converted = apply_float8(model, section)
+    assert sorted(converted) == sorted(f for f, reason in precisions.items() if reason is None)
+    for fqn, module in model.named_modules():
+        if fqn in precisions:
+            assert (type(module).__name__ == "Float8Linear") == (precisions[fqn] is None), fqn
+    assert all(param is weights[name] for name, param in model.named_parameters())
+
+    odd = linear_precisions(built("debug"), section)  # GDN's in_proj: 768 + 4 beta + 4 alpha
+    assert odd["layers.6.gdn.in_proj"] == "widths (256, 776) are not multiples of 16"
+    assert odd["layers.2.attention.wq"] is None and odd["layers.6.gdn.out_proj"] is None
+
+
+class Fields:
+    def __init__(self, **values):
+        self.__dict__.update(dict(recipe_name=None, emulate=False, filter_fqns=[],
+                                  enable_fsdp_float8_all_gather=False,
+                                  precompute_float8_dynamic_scale_for_fsdp=False), **values)
+
+
+def test_the_job_option_reads_torchtitans_words():
+    assert float8_section([], Fields()) == Float8Section()
+    section = float8_section(["quantize.linear.float8"],
+                             Fields(recipe_name="rowwise", emulate=True, filter_fqns=["wq"]))
+    assert section == Float8Section(enable=True, recipe_name="rowwise", emulate=True,
+                                    filter_fqns=("wq",))
+
+
+@pytest.mark.parametrize("converters, fields, message", [
+    (["quantize.linear.fp4"], {}, r"model.converters \['quantize.linear.fp4'\]: titan_hybrid "
+                                  "converts"),
+    (["quantize.linear.float8"], {"recipe_name": "blockwise"},
+     "recipe_name 'blockwise' is not one of"),
+    (["quantize.linear.float8"], {"recipe_name": "rowwise", "enable_fsdp_float8_all_gather": True},
+     "enable_fsdp_float8_all_gather needs tensorwise scaling"),
+])
+def test_what_we_cannot_run_is_refused_by_field(converters, fields, message):
+    with pytest.raises(ValueError, match=message):
+        float8_section(converters, Fields(**fields))
+
+
+def test_mxfp8_is_refused_by_name_off_blackwell():
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is not None and capability >= (10, 0):
+        message = "MXFP8 training is not wired into titan_hybrid yet"
+    else:
+        message = ("MXFP8 needs a Blackwell GPU \\(compute capability 10.x or later\\), and this "
+                   f"machine has {'no GPU' if capability is None else 'compute capability'}")
+    with pytest.raises(ValueError, match=message):
+        float8_section(["quantize.linear.mx"], Fields())

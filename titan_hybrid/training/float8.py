@@ -1,0 +1,155 @@
+"""FP8 training through torchao, in torchtitan's words: `model.converters` names
+"quantize.linear.float8" (and its section `[quantize.linear.float8]`: `recipe_name`,
+`emulate`, `filter_fqns`, `enable_fsdp_float8_all_gather`,
+`precompute_float8_dynamic_scale_for_fsdp`); "quantize.linear.mx" asks for MXFP8.
+
+Under it the model's nn.Linear modules become torchao's Float8Linear (the same weight
+Parameters: checkpoints, TP layouts and FSDP units do not change), except Megatron's
+high-precision ones, each for its reason (`high_precision_reason`):
+- a Linear whose input or output width is not a multiple of 16: float8 GEMMs need both
+  (Mamba2's in_proj of a model whose width makes it so);
+- each layer kind's `high_precision_modules`: the MoE router and shared-expert gate, DSA's and
+  DeepSeek-V4's indexers and compressors (their top-k and softmax are sensitive to rounding);
+- the LM head (`output`); the embedding is no GEMM, and convolutions, norms and the SSM /
+  delta-rule parameters (A_log, D, dt_bias) are no Linear;
+- the user's `filter_fqns` (a module whose FQN contains one of them, as in torchtitan).
+
+The recipes are torchao's: "tensorwise" (one scale per tensor; the default), "rowwise" and
+"rowwise_with_gw_hp" (one scale per row; the latter keeps the weight-gradient GEMM in high
+precision). `emulate` runs the float8 GEMMs as casts to float8 and back around a
+high-precision matmul: the CPU path (and the tests'), whose rounding is the float8 recipe's.
+MXFP8 needs a Blackwell GPU (compute capability 10.x or later) and is refused elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.training.run_config import Float8Section
+
+LINEAR_FLOAT8 = "quantize.linear.float8"
+LINEAR_MX = "quantize.linear.mx"
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FLOAT8_ALIGNMENT = 16  # float8 GEMMs need both widths a multiple of 16
+
+
+def float8_section(converters, float8_fields) -> Float8Section:
+    """The section from a job's `model.converters` and `quantize.linear.float8` fields (any
+    object with those attributes, or None); ValueError naming a field we cannot run."""
+    converters = list(converters or [])
+    known = (LINEAR_FLOAT8, LINEAR_MX)
+    unknown = [name for name in converters if name not in known]
+    if unknown:
+        raise ValueError(f"model.converters {unknown}: titan_hybrid converts {list(known)}")
+    if LINEAR_MX in converters:
+        check_mx_hardware()
+        raise ValueError(f"model.converters '{LINEAR_MX}': MXFP8 training is not wired into "
+                         "titan_hybrid yet; use 'quantize.linear.float8'")
+    if LINEAR_FLOAT8 not in converters:
+        return Float8Section()
+    values = {f.name: getattr(float8_fields, f.name) for f in dataclasses.fields(Float8Section)
+              if f.name != "enable" and hasattr(float8_fields, f.name)}
+    values["filter_fqns"] = tuple(values.get("filter_fqns") or ())
+    section = Float8Section(enable=True, **values)
+    if section.recipe_name is not None and section.recipe_name not in RECIPES:
+        raise ValueError(f"quantize.linear.float8.recipe_name '{section.recipe_name}' is not "
+                         f"one of {RECIPES}")
+    if section.recipe_name not in (None, "tensorwise") and section.enable_fsdp_float8_all_gather:
+        raise ValueError("quantize.linear.float8.enable_fsdp_float8_all_gather needs tensorwise "
+                         f"scaling, not recipe_name '{section.recipe_name}' (torchao gathers "
+                         "float8 weights with one scale per tensor)")
+    return section
+
+
+def check_mx_hardware() -> None:
+    """ValueError unless a Blackwell GPU (compute capability 10.x or later) is here."""
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if capability is None or capability < (10, 0):
+        found = f"compute capability {capability[0]}.{capability[1]}" if capability else "no GPU"
+        raise ValueError(f"model.converters '{LINEAR_MX}': MXFP8 needs a Blackwell GPU "
+                         f"(compute capability 10.x or later), and this machine has {found}")
+
+
+def check_float8(section: Float8Section) -> None:
+    """ValueError when the job's float8 training cannot run here: torchao is missing, or the
+    float8 GEMMs need an SM89+ GPU and `emulate` is off."""
+    if not section.enable:
+        return
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ValueError(f"model.converters '{LINEAR_FLOAT8}' needs torchao: pip install "
+                         "'titan_hybrid[fp8]'") from None
+    if section.emulate or (torch.cuda.is_available()
+                           and torch.cuda.get_device_capability() >= (8, 9)):
+        return
+    raise ValueError("quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
+                     "8.9 or later (Ada, Hopper, Blackwell); set quantize.linear.float8.emulate "
+                     "to run them emulated (CPU, tests)")
+
+
+def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str, str],
+                          filter_fqns: tuple[str, ...]) -> str | None:
+    """Why the nn.Linear `module` at `fqn` stays in high precision (None: it computes in
+    float8). `kind_exceptions`: {FQN prefix: layer kind} of the kinds' high-precision
+    modules."""
+    for prefix, kind in kind_exceptions.items():
+        if fqn == prefix or fqn.startswith(prefix + "."):
+            return f"kept by its layer kind ({kind})"
+    if fqn == "output":
+        return "the LM head"
+    user = [name for name in filter_fqns if name in fqn]
+    if user:
+        return f"quantize.linear.float8.filter_fqns {user}"
+    widths = (module.in_features, module.out_features)
+    if any(width % FLOAT8_ALIGNMENT for width in widths):
+        return f"widths {widths} are not multiples of {FLOAT8_ALIGNMENT}"
+    return None
+
+
+def kind_exceptions(model: nn.Module) -> dict[str, str]:
+    """{FQN of a module its layer kind keeps in high precision: the kind's title}."""
+    found = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, HybridLayer):
+            mixer = f"{name}.{layer.kind.name}" if name else layer.kind.name
+            for module in layer.kind.high_precision_modules:
+                found[f"{mixer}.{module}"] = layer.kind.title
+    return found
+
+
+def linear_precisions(model: nn.Module, section: Float8Section) -> dict[str, str | None]:
+    """Every nn.Linear of the model by FQN -> why it stays in high precision, or None when it
+    computes in float8."""
+    exceptions = kind_exceptions(model)
+    return {fqn: high_precision_reason(fqn, module, exceptions, section.filter_fqns)
+            for fqn, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def torchao_float8_config(section: Float8Section):
+    from torchao.float8 import Float8LinearConfig
+
+    if section.recipe_name is None:
+        return Float8LinearConfig(
+            enable_fsdp_float8_all_gather=section.enable_fsdp_float8_all_gather,
+            emulate=section.emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(section.recipe_name),
+                               emulate=section.emulate)
+
+
+def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
+    """Swap the model's float8 Linear modules for torchao's Float8Linear, in place (on the meta
+    device, before any parallelism, as torchtitan converts); the FQNs swapped."""
+    if not section.enable:
+        return []
+    from torchao.float8 import convert_to_float8_training
+
+    precisions = linear_precisions(model, section)
+    convert_to_float8_training(model, config=torchao_float8_config(section),
+                               module_filter_fn=lambda module, fqn: (
+                                   fqn in precisions and precisions[fqn] is None))
+    return [fqn for fqn, reason in precisions.items() if reason is None]
