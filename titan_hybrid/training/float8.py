@@ -62,6 +62,11 @@ def float8_section(converters, float8_fields) -> Float8Section:
         raise ValueError("quantize.linear.float8.enable_fsdp_float8_all_gather needs tensorwise "
                          f"scaling, not recipe_name '{section.recipe_name}' (torchao gathers "
                          "float8 weights with one scale per tensor)")
+    if (section.precompute_float8_dynamic_scale_for_fsdp
+            and not section.enable_fsdp_float8_all_gather):
+        raise ValueError("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp "
+                         "needs enable_fsdp_float8_all_gather: it computes the scales of the "
+                         "float8 weights FSDP gathers")
     return section
 
 
@@ -153,3 +158,13 @@ def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
                                module_filter_fn=lambda module, fqn: (
                                    fqn in precisions and precisions[fqn] is None))
     return [fqn for fqn, reason in precisions.items() if reason is None]
+
+
+def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
+    """After an optimizer step, the scales of every float8 weight FSDP gathers, in one
+    all-reduce (instead of one per weight as each is gathered): torchao's
+    precompute_float8_dynamic_scale_for_fsdp."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for part in model_parts:
+        precompute_float8_dynamic_scale_for_fsdp(part)
