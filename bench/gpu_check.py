@@ -1,7 +1,8 @@
 """The GPU path in one command, on a CUDA machine (README, "GPU path"):
 
     python bench/gpu_check.py [--flavors nemotron_h_1b ...] [--batch 2] [--seq-len 4096]
-        [--steps 20] [--skip-kernels] [--compile | --no-compile] [--out outputs/gpu_check]
+        [--steps 20] [--skip-kernels] [--compile | --no-compile] [--fp8]
+        [--out outputs/gpu_check]
 
 1. Kernel check (bench/kernel_check.py): the SSD scan, gated RMS norm, gated delta rule and
    causal conv1d kernels through our ops, float32 and bfloat16, one shape each, forward and
@@ -15,6 +16,10 @@
    when TRITON_CACHE_DIR is cold). Then the baseline: the first flavor with every sequence
    mixer replaced by attention (`--hybrid.pattern`, same layer count and MLP / MoE positions),
    and the ratios against it.
+3. With --fp8: the FP8 flavors among them (nemotron_h_1b, hybrid_moe_2b; debug on CPU) again
+   in float8 (`model.converters = ["quantize.linear.float8"]`), rowwise and tensorwise, each
+   with its tokens/s ratio to the flavor's BF16 row (emulated float8 on CPU: a smoke run, not
+   a speed).
    Each run's full log is written to --out.
 
 Exits 1 when a kernel check or a training run fails. Without CUDA it says so and exits 0;
@@ -46,6 +51,8 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
 GPU_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b", "mla_hybrid_1b", "dsa_hybrid_1b"]
+FP8_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b"]
+FP8_RECIPES = ["rowwise", "tensorwise"]
 # torchtitan 0.2.2's MetricsProcessor.log line (components/metrics.py), colours off:
 # "step:  1  loss:  8.06786  grad_norm:  4.8878  memory:  0.61GiB(2.61%)  tps: 30  tflops: 0.00
 # mfu: 0.76%"; memory is the peak reserved since the previous line, tps is tokens/s per device.
@@ -75,9 +82,11 @@ def transformer_pattern(pattern: str) -> str:
 
 
 def trainer_command(flavor: str, *, batch: int, seq_len: int, steps: int, dump_folder: Path,
-                    pattern: str | None = None, compile_: bool | None = None) -> list[str]:
+                    pattern: str | None = None, compile_: bool | None = None,
+                    float8: str | None = None, emulate: bool = False) -> list[str]:
     """The user's command: the flavor's TOML (train_configs/<flavor>.toml, else the one of its
-    size class) with the flavor, shape and step count on the command line."""
+    size class) with the flavor, shape and step count on the command line; `float8`: that
+    recipe's FP8 training (`emulate`: its emulated GEMMs, on CPU)."""
     # lines at step 1 and every log_freq steps, the last at the last step
     log_freq = max(d for d in range(1, steps // 2 + 1) if steps % d == 0)
     toml = Path("train_configs", f"{flavor}.toml")
@@ -94,6 +103,11 @@ def trainer_command(flavor: str, *, batch: int, seq_len: int, steps: int, dump_f
         command += ["--hybrid.pattern", pattern]
     if compile_ is not None:
         command.append("--compile.enable" if compile_ else "--compile.no-enable")
+    if float8 is not None:
+        command += ["--model.converters", "quantize.linear.float8",
+                    "--quantize.linear.float8.recipe_name", float8]
+        if emulate:
+            command.append("--quantize.linear.float8.emulate")
     return command
 
 
@@ -142,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "gpu_check",
                         help="one log per training run, and summary.json")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"also {' and '.join(FP8_FLAVORS)} in float8, rowwise and tensorwise")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="without CUDA: the training rows on CPU (debug flavor, tiny shapes)")
     args = parser.parse_args(argv)
@@ -173,20 +189,24 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the training runs are other processes on the same GPU
 
     base = flavors[0]
-    runs = [(flavor, flavor, None) for flavor in flavors]
+    runs = [(flavor, flavor, None, None) for flavor in flavors]
     runs.append((f"transformer ({base} dims)", base,
-                 transformer_pattern(hybrid_flavors[base].pattern)))
+                 transformer_pattern(hybrid_flavors[base].pattern), None))
+    if args.fp8:
+        runs += [(f"{flavor} fp8 {recipe}", flavor, None, recipe)
+                 for flavor in flavors if flavor in FP8_FLAVORS or small
+                 for recipe in FP8_RECIPES]
     print(f"\ntrainer: python -m titan_hybrid.launch, 1 process, batch {batch} x {seq_len}, "
           f"{steps} steps; logs in {args.out}\nbaseline pattern: {runs[-1][2]} "
           f"({base}: {hybrid_flavors[base].pattern})")
     print(f"{'flavor':<34} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>7} {'peak GiB':>9} "
           f"{'1st step s':>11}", flush=True)
     results = {}
-    for name, flavor, pattern in runs:
+    for name, flavor, pattern, recipe in runs:
         slug = re.sub(r"\W+", "_", name).strip("_")
         command = trainer_command(flavor, batch=batch, seq_len=seq_len, steps=steps,
                                   dump_folder=args.out / slug, pattern=pattern,
-                                  compile_=args.compile)
+                                  compile_=args.compile, float8=recipe, emulate=not cuda)
         results[name] = run_trainer(command, args.out / f"{slug}.log", args.timeout)
         ok &= results[name]["returncode"] == 0 and bool(results[name]["steps"])
         print(row(name, results[name]), flush=True)
@@ -196,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                   for key, label in (("tps", "tokens/s"), ("tflops", "TFLOP/s"))
                   if baseline["steps"][-1][key] > 0]
         print(f"{base} / transformer: {', '.join(ratios)}")
+    for name, flavor, _, recipe in runs:
+        fp8, bf16 = results[name], results[flavor]
+        if recipe is not None and fp8["steps"] and bf16["steps"]:
+            print(f"{name} / {flavor} bf16: tokens/s "
+                  f"x{fp8['steps'][-1]['tps'] / bf16['steps'][-1]['tps']:.2f}")
     print("peak GiB: torchtitan's peak reserved memory; 1st step s: launch to step 1's log line "
           "(issue 23's target on a first run: < 60 s)")
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))

@@ -24,7 +24,9 @@ FLOAT8 = ("--model.converters", "quantize.linear.float8", "--quantize.linear.flo
 
 
 @pytest.mark.parametrize("flavor, recipe", [
-    ("debug", "tensorwise"), ("debug_moe", "tensorwise"), ("debug", "rowwise")])
+    ("debug", "tensorwise"),
+    pytest.param("debug_moe", "tensorwise", marks=pytest.mark.extended),
+    pytest.param("debug", "rowwise", marks=pytest.mark.extended)])
 def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, flavor, recipe):
     job = (*STEPS, "--model.flavor", flavor)
     reference = reference_run(*job).losses
@@ -91,7 +93,7 @@ CHECKPOINT = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.inte
     (FLOAT8, (*FLOAT8, "--parallelism.tensor_parallel_degree", "2"), 1e-3),
     # FP8 -> float32 and back: the same weights, the other arithmetic (float8's rounding)
     (FLOAT8, (), 0.01),  # measured 7.5e-5 and 4.0e-4
-    ((), FLOAT8, 0.01),
+    pytest.param((), FLOAT8, 0.01, marks=pytest.mark.extended),
 ])
 def test_checkpoints_move_between_float8_and_high_precision(tmp_path, saved, resumed, rel):
     """A Float8Linear holds the same weight Parameter as the Linear it replaces: an FP8 run's

@@ -28,6 +28,21 @@ def test_compare_small(op):
     assert result["ours_tok_s"] > 0 and result["theirs_tok_s"] > 0
 
 
+@pytest.mark.extended  # four trainer runs; the recipes' own tests run in the default suite
+@pytest.mark.once_per_ci
+def test_gpu_check_fp8_rows_run_the_float8_recipes(tmp_path, capsys):
+    """--fp8 adds each FP8 flavor's rowwise and tensorwise rows (on CPU: the debug flavor,
+    emulated) and their tokens/s ratio to the BF16 row; the runs log their float8 Linears."""
+    assert gpu_check.main(["--cpu-smoke", "--fp8", "--skip-kernels", "--out",
+                           str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for recipe in gpu_check.FP8_RECIPES:
+        assert f"debug fp8 {recipe} / debug bf16: tokens/s x" in out
+        log = (tmp_path / f"debug_fp8_{recipe}.log").read_text()
+        assert f"Float8 training: 17 Linear modules compute in float8 (recipe {recipe}, " \
+               "emulated)" in log
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
 def test_gpu_check_exits_cleanly_without_cuda(capsys):
     assert gpu_check.main([]) == 0
