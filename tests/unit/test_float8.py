@@ -206,3 +206,21 @@ def test_fsdp_gathers_float8_weights_with_precomputed_scales(one_rank_mesh):
     for local in locals_:
         expected = torch.finfo(E4M3).max / local._tensor.abs().max().double()
         assert local._precomputed_scale.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_each_kinds_high_precision_modules_are_its_mixers_submodules():
+    """A name in a kind's table entry that its mixer lacks would keep nothing in high
+    precision: every one names a submodule holding Linear modules (MoE with its optional
+    shared-expert gate on)."""
+    from titan_hybrid.model.layer_kinds import LAYER_KINDS
+
+    args = copy.deepcopy(hybrid_flavors["debug"])
+    args.moe.shared_expert_gate = True
+    named = [kind for kind in LAYER_KINDS.values() if kind.high_precision_modules]
+    assert {kind.name for kind in named} >= {"moe", "dsa", "compressed_sparse_attention",
+                                              "heavily_compressed_attention"}
+    for kind in named:
+        mixer = kind.build(args.section(kind), args.dim, args.norm_eps)
+        for name in kind.high_precision_modules:
+            module = mixer.get_submodule(name)
+            assert any(isinstance(m, nn.Linear) for m in module.modules()), (kind.name, name)
