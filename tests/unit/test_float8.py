@@ -135,11 +135,22 @@ def test_the_job_option_reads_torchtitans_words():
                              Fields(recipe_name="rowwise", emulate=True, filter_fqns=["wq"]))
     assert section == Float8Section(enable=True, recipe_name="rowwise", emulate=True,
                                     filter_fqns=("wq",))
+    experts = float8_section(["quantize.grouped_mm.float8"], Fields(emulate=True),
+                             "layers.2,layers.4")
+    assert experts == Float8Section(emulate=True, grouped_mm=True,
+                                    grouped_mm_fqns=("layers.2", "layers.4"))
+    model = built("debug_moe")
+    assert apply_float8(model, experts) == ["layers.2.moe.experts", "layers.4.moe.experts"]
+    assert type(model.layers["2"].moe.experts).__name__ == "GroupedExperts"  # its class, extended
+    assert all(type(module).__name__ == "Linear" for module in model.modules()
+               if isinstance(module, nn.Linear))
 
 
 @pytest.mark.parametrize("converters, fields, message", [
     (["quantize.linear.fp4"], {}, r"model.converters \['quantize.linear.fp4'\]: titan_hybrid "
                                   "converts"),
+    (["quantize.grouped_mm.float8"], {},
+     "'quantize.grouped_mm.float8' runs emulated only"),
     (["quantize.linear.float8"], {"recipe_name": "blockwise"},
      "recipe_name 'blockwise' is not one of"),
     (["quantize.linear.float8"], {"recipe_name": "rowwise", "enable_fsdp_float8_all_gather": True},
@@ -224,3 +235,34 @@ def test_each_kinds_high_precision_modules_are_its_mixers_submodules():
         for name in kind.high_precision_modules:
             module = mixer.get_submodule(name)
             assert any(isinstance(m, nn.Linear) for m in module.modules()), (kind.name, name)
+
+
+def test_the_float8_grouped_gemm_computes_each_experts_rowwise_float8_products():
+    """Forward and both gradients equal, expert by expert, the float64 products of operands
+    quantized rowwise along each GEMM's contraction (power-of-2 scales, e4m3), the weight
+    gradient's scaled over each expert's own rows; an empty expert gets a zero gradient."""
+    from titan_hybrid.ops.float8_grouped_mm import float8_grouped_mm
+
+    torch.manual_seed(0)
+    counts = [5, 0, 11, 16]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts), 32, requires_grad=True)
+    b = torch.randn(len(counts), 32, 48, requires_grad=True)
+    out = float8_grouped_mm(a, b, offs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    def q(t, dim):
+        return quantized(t, E4M3, dim, power_of_2=True)
+
+    rows = 0
+    for expert, count in enumerate(counts):
+        a_e, g_e, b_e = a[rows:rows + count], grad[rows:rows + count], b[expert]
+        if count:
+            assert relative(out[rows:rows + count], q(a_e, -1) @ q(b_e, 0)) <= 1e-6
+            assert relative(a.grad[rows:rows + count], q(g_e, -1) @ q(b_e.t(), 0)) <= 1e-6
+            assert relative(b.grad[expert], q(a_e.t(), -1) @ q(g_e, 0)) <= 1e-6
+            assert relative(b.grad[expert], a_e.t().double() @ g_e.double()) >= 0.01
+        else:
+            assert torch.equal(b.grad[expert], torch.zeros_like(b.grad[expert]))
+        rows += count

@@ -218,9 +218,15 @@ class GroupedExperts(nn.Module):
         x, fc1, fc2 = (t.to(dtype) for t in (x_sorted_XD.contiguous(), self.fc1, self.fc2))
         offs_E = tokens_per_expert.cumsum(0, dtype=torch.int32)
         # x @ fc1[e].t() for every expert's block: mat_b is fc1 seen as [E, dim, fc1 rows].
-        hidden = F.grouped_mm(x, fc1.transpose(-2, -1), offs=offs_E)
-        return F.grouped_mm(expert_activation(hidden, self.activation), fc2.transpose(-2, -1),
-                            offs=offs_E)
+        hidden = self.grouped_mm(x, fc1.transpose(-2, -1), offs_E)
+        return self.grouped_mm(expert_activation(hidden, self.activation),
+                               fc2.transpose(-2, -1), offs_E)
+
+    def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+        """One of the experts' two grouped GEMMs (FP8 training extends the class with its
+        float8 one: training/float8.py)."""
+        return F.grouped_mm(x, weights, offs=offs)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.fc1, std=init_std, a=-3 * init_std, b=3 * init_std)

@@ -22,7 +22,7 @@ from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
-from titan_hybrid.training.float8 import apply_float8
+from titan_hybrid.training.float8 import apply_float8, float8_summary
 from titan_hybrid.training.run_config import RunConfig
 
 
@@ -73,9 +73,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
     sequence_parallel = not run.parallelism.disable_sequence_parallel
     converted = apply_float8(model, run.float8)  # the same Parameters: the plan holds
     if converted:
-        logger.info(f"Float8 training: {len(converted)} Linear modules compute in float8 "
-                    f"(recipe {run.float8.recipe_name or 'tensorwise'}"
-                    f"{', emulated' if run.float8.emulate else ''})")
+        logger.info(float8_summary(run.float8, converted))
     plan = ParallelPlan(layouts=tensor_parallel_layouts(model))
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.

@@ -29,19 +29,24 @@ import torch
 from torch import nn
 
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.ops.float8_grouped_mm import float8_grouped_mm
+from titan_hybrid.parallel.data_parallel import routed_experts
+from titan_hybrid.parallel.module_classes import extend_class
 from titan_hybrid.training.run_config import Float8Section
 
 LINEAR_FLOAT8 = "quantize.linear.float8"
+GROUPED_FLOAT8 = "quantize.grouped_mm.float8"
 LINEAR_MX = "quantize.linear.mx"
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FLOAT8_ALIGNMENT = 16  # float8 GEMMs need both widths a multiple of 16
 
 
-def float8_section(converters, float8_fields) -> Float8Section:
-    """The section from a job's `model.converters` and `quantize.linear.float8` fields (any
-    object with those attributes, or None); ValueError naming a field we cannot run."""
+def float8_section(converters, float8_fields, grouped_fqns=()) -> Float8Section:
+    """The section from a job's `model.converters`, its `quantize.linear.float8` fields (any
+    object with those attributes, or None) and `quantize.grouped_mm.float8.fqns` (a list, or
+    torchtitan's comma-separated string); ValueError naming a field we cannot run."""
     converters = list(converters or [])
-    known = (LINEAR_FLOAT8, LINEAR_MX)
+    known = (LINEAR_FLOAT8, GROUPED_FLOAT8, LINEAR_MX)
     unknown = [name for name in converters if name not in known]
     if unknown:
         raise ValueError(f"model.converters {unknown}: titan_hybrid converts {list(known)}")
@@ -49,12 +54,21 @@ def float8_section(converters, float8_fields) -> Float8Section:
         check_mx_hardware()
         raise ValueError(f"model.converters '{LINEAR_MX}': MXFP8 training is not wired into "
                          "titan_hybrid yet; use 'quantize.linear.float8'")
-    if LINEAR_FLOAT8 not in converters:
+    linear, grouped = LINEAR_FLOAT8 in converters, GROUPED_FLOAT8 in converters
+    if not (linear or grouped):
         return Float8Section()
     values = {f.name: getattr(float8_fields, f.name) for f in dataclasses.fields(Float8Section)
-              if f.name != "enable" and hasattr(float8_fields, f.name)}
+              if f.name not in ("enable", "grouped_mm", "grouped_mm_fqns")
+              and hasattr(float8_fields, f.name)}
     values["filter_fqns"] = tuple(values.get("filter_fqns") or ())
-    section = Float8Section(enable=True, **values)
+    if isinstance(grouped_fqns, str):
+        grouped_fqns = [name for name in grouped_fqns.split(",") if name]
+    section = Float8Section(enable=linear, grouped_mm=grouped,
+                            grouped_mm_fqns=tuple(grouped_fqns or ()), **values)
+    if grouped and not section.emulate:
+        raise ValueError(f"model.converters '{GROUPED_FLOAT8}' runs emulated only (set "
+                         "quantize.linear.float8.emulate): the GPU's float8 grouped GEMM is "
+                         "not wired into titan_hybrid yet")
     if section.recipe_name is not None and section.recipe_name not in RECIPES:
         raise ValueError(f"quantize.linear.float8.recipe_name '{section.recipe_name}' is not "
                          f"one of {RECIPES}")
@@ -83,7 +97,7 @@ def check_float8(section: Float8Section) -> None:
     """ValueError when the job's float8 training cannot run here: torchao is missing, or the
     float8 GEMMs need an SM89+ GPU and `emulate` is off."""
     if not section.enable:
-        return
+        return  # the grouped GEMMs are titan_hybrid's own, and emulated
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -147,17 +161,41 @@ def torchao_float8_config(section: Float8Section):
 
 
 def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
-    """Swap the model's float8 Linear modules for torchao's Float8Linear, in place (on the meta
-    device, before any parallelism, as torchtitan converts); the FQNs swapped."""
+    """Swap the model's float8 Linear modules for torchao's Float8Linear, and give its routed
+    experts the float8 grouped GEMM, in place (on the meta device, before any parallelism, as
+    torchtitan converts); the FQNs converted."""
+    converted = []
+    if section.grouped_mm:
+        for fqn, experts in routed_experts(model).items():
+            if not section.grouped_mm_fqns or any(n in fqn for n in section.grouped_mm_fqns):
+                extend_class(experts, Float8GroupedMatmuls)
+                converted.append(fqn)
     if not section.enable:
-        return []
+        return converted
     from torchao.float8 import convert_to_float8_training
 
     precisions = linear_precisions(model, section)
     convert_to_float8_training(model, config=torchao_float8_config(section),
                                module_filter_fn=lambda module, fqn: (
                                    fqn in precisions and precisions[fqn] is None))
-    return [fqn for fqn, reason in precisions.items() if reason is None]
+    return converted + [fqn for fqn, reason in precisions.items() if reason is None]
+
+
+def float8_summary(section: Float8Section, converted: list[str]) -> str:
+    """The start-up line: how many modules compute in float8, and how."""
+    parts = ([f"Linear {section.recipe_name or 'tensorwise'}"] if section.enable else []) + (
+        ["routed experts rowwise"] if section.grouped_mm else [])
+    return (f"Float8 training: {len(converted)} modules compute in float8 ("
+            f"{', '.join(parts)}{', emulated' if section.emulate else ''})")
+
+
+class Float8GroupedMatmuls:
+    """Mixed into the routed experts' class (parallel/module_classes.py): their grouped GEMMs
+    in float8, rowwise (ops/float8_grouped_mm.py)."""
+
+    def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+        return float8_grouped_mm(x, weights, offs)
 
 
 def precompute_float8_scales(model_parts: list[nn.Module]) -> None:

@@ -143,6 +143,11 @@ class Float8Section:
     filter_fqns: tuple[str, ...] = ()
     enable_fsdp_float8_all_gather: bool = False
     precompute_float8_dynamic_scale_for_fsdp: bool = False
+    # `quantize.grouped_mm.float8` (when `model.converters` names it): the routed experts'
+    # grouped GEMMs in float8 (rowwise), those whose FQN contains one of `grouped_mm_fqns`, or
+    # all of them when it is empty
+    grouped_mm: bool = False
+    grouped_mm_fqns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

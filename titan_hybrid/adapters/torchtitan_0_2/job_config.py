@@ -159,7 +159,8 @@ def run_config(job: TitanJobConfig) -> RunConfig:
         lr_scheduler=section_from(LRSchedulerSection, job.lr_scheduler),
         metrics=section_from(MetricsSection, job.metrics),
         hybrid=hybrid,
-        float8=float8_section(job.model.converters, job.quantize.linear.float8),
+        float8=float8_section(job.model.converters, job.quantize.linear.float8,
+                              job.quantize.grouped_mm.float8.fqns),
     )
 
 
