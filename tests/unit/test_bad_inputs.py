@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.launch import REPO_ROOT
 from titan_hybrid import launch
@@ -78,7 +79,21 @@ BAD_INPUTS = [
     (("--nproc", "0"), "--nproc (NGPU)=0 must be >= 1"),
     (("--compile.enable", "--compile.components", "model,optimizer"),
      "compile.components ['optimizer']"),
+    # (float8 GEMMs without a GPU that has them: the case after the list)
+    (("--model.converters", "quantize.linear.float8",
+      "--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.float8.emulate",
+      "--quantize.linear.float8.enable_fsdp_float8_all_gather"),
+     "enable_fsdp_float8_all_gather needs tensorwise scaling"),
+    (("--nproc", "2", "--parallelism.pipeline_parallel_degree", "2",
+      "--model.converters", "quantize.fp4"), "model.converters ['quantize.fp4']"),
 ]
+
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    BAD_INPUTS.append((("--model.converters", "quantize.linear.float8"),
+                       "quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
+                       "8.9 or later (Ada, Hopper, Blackwell); set "
+                       "quantize.linear.float8.emulate"))
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])

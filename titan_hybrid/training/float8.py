@@ -24,6 +24,8 @@ MXFP8 needs a Blackwell GPU (compute capability 10.x or later) and is refused el
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
 
 import torch
 from torch import nn
@@ -84,6 +86,25 @@ def float8_section(converters, float8_fields, grouped_fqns=()) -> Float8Section:
     return section
 
 
+# Loggers that torchao's import writes to: it tries its C++ extensions, built for another torch
+# than ours, and registers an Enum with torch's pytree (nothing titan_hybrid uses either way).
+_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def torchao_float8():
+    """torchao.float8, imported without its import-time warnings (a user's error message stays
+    one line)."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        return importlib.import_module("torchao.float8")
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def check_mx_hardware() -> None:
     """ValueError unless a Blackwell GPU (compute capability 10.x or later) is here."""
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
@@ -99,7 +120,7 @@ def check_float8(section: Float8Section) -> None:
     if not section.enable:
         return  # the grouped GEMMs are titan_hybrid's own, and emulated
     try:
-        import torchao.float8  # noqa: F401
+        torchao_float8()
     except ImportError:
         raise ValueError(f"model.converters '{LINEAR_FLOAT8}' needs torchao: pip install "
                          "'titan_hybrid[fp8]'") from None
@@ -150,8 +171,7 @@ def linear_precisions(model: nn.Module, section: Float8Section) -> dict[str, str
 
 
 def torchao_float8_config(section: Float8Section):
-    from torchao.float8 import Float8LinearConfig
-
+    Float8LinearConfig = torchao_float8().Float8LinearConfig
     if section.recipe_name is None:
         return Float8LinearConfig(
             enable_fsdp_float8_all_gather=section.enable_fsdp_float8_all_gather,
@@ -172,8 +192,7 @@ def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
                 converted.append(fqn)
     if not section.enable:
         return converted
-    from torchao.float8 import convert_to_float8_training
-
+    convert_to_float8_training = torchao_float8().convert_to_float8_training
     precisions = linear_precisions(model, section)
     convert_to_float8_training(model, config=torchao_float8_config(section),
                                module_filter_fn=lambda module, fqn: (
@@ -202,7 +221,5 @@ def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
     """After an optimizer step, the scales of every float8 weight FSDP gathers, in one
     all-reduce (instead of one per weight as each is gathered): torchao's
     precompute_float8_dynamic_scale_for_fsdp."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
     for part in model_parts:
-        precompute_float8_dynamic_scale_for_fsdp(part)
+        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(part)
