@@ -28,8 +28,10 @@ UNDER_0_3 = {
 }
 CASES = [(args, UNDER_0_3.get(" ".join(args), message)) for args, message in BAD_INPUTS]
 CASES += [
-    (("--model.converters", "float8"), "model.converters has no meaning under torchtitan 0.3"),
-    (("--quantize.linear.float8.enable",), "quantize.linear.float8.enable has no meaning"),
+    (("--model.converters", "float8"), "model.converters ['float8']: titan_hybrid converts"),
+    (("--quantize.linear.mx.recipe_name", "mxfp8_cublas"),
+     "quantize.linear.mx.recipe_name has no meaning under torchtitan 0.3: titan_hybrid's FP8 is "
+     "quantize.linear.float8"),
     (("--parallelism.pipeline_parallel_expert_parallel_overlap",),
      "use --parallelism.expert_parallel_overlap"),
     (("--training.stepz", "3"), "unknown flag: --training.stepz (did you mean "
@@ -129,7 +131,9 @@ VALUES = {
     "checkpoint.load_step": "4", "compile.backend": "aot_eager", "debug.seed": "7",
     "hybrid.flavor": "debug_moe", "hybrid.loss_curve_file": "curve.jsonl",
     "hybrid.pattern": "M*G-", "hybrid.model_config": str(REPO_ROOT / "tests" / "torchtitan_0_3" / "hf_nemotron_h"), "job.dump_folder": "out",
-    "model.flavor": "debug_moe",
+    "model.flavor": "debug_moe", "model.converters": "quantize.linear.float8",
+    "quantize.linear.float8.recipe_name": "rowwise",
+    "quantize.linear.float8.filter_fqns": "layers.0",
     "model.hf_assets_path": str(REPO_ROOT / "titan_hybrid" / "assets" / "pydoc_bpe"),
     "parallelism.context_parallel_degree": "2",
     "parallelism.context_parallel_linear_mode": "chunkwise",
@@ -146,7 +150,7 @@ VALUES = {
     "experimental.custom_import": "titan_hybrid.torchtitan_plugin",
     "job.custom_config_module": "titan_hybrid.torchtitan_plugin", "model.name": "hybrid",
 }
-REFUSED_UNDER_0_3 = {"model.converters"}  # the README's example of a flag 0.3 has no use for
+REFUSED_UNDER_0_3 = {"fault_tolerance.enable"}  # the README's example of a flag 0.3 has no use for
 
 
 @pytest.mark.parametrize("flag", README_FLAGS)
@@ -175,4 +179,6 @@ def test_every_flag_the_readme_documents_works_under_0_3(flag):
     if value is None:
         assert target is (flag not in NEGATED_UNDER_0_3)
     else:
-        assert str(target) == value or target == type(target)(value), (target, value)
+        assert (str(target) == value or (isinstance(target, (list, tuple))
+                                          and list(target) == value.split(","))
+                or target == type(target)(value)), (target, value)

@@ -22,6 +22,7 @@ RENAMED_UNDER_0_3 = {
     "job.save_config_file": "debug.save_config_file",
     "model.hf_assets_path": "hf_assets_path",
     "model.flavor": "hybrid.flavor",
+    "model.converters": "quantize.converters",  # 0.3's model spec has no converters
     "training.dataset": "dataloader.dataset",
     "training.dataset_path": "dataloader.dataset_path",
     "parallelism.enable_async_tensor_parallel": "compile.enable_async_tensor_parallel",
@@ -41,8 +42,8 @@ NOT_NEEDED_UNDER_0_3 = ("job.description", "job.custom_config_module",
                         "experimental.custom_import", "model.name")
 # Fields (or whole sections, ending in ".") that mean nothing under 0.3, and why.
 NO_MEANING_UNDER_0_3 = {
-    "model.converters": "its quantization is part of a model spec, and titan_hybrid's has none",
-    "quantize.": "its quantization is part of a model spec, and titan_hybrid's has none",
+    "quantize.linear.mx.": "titan_hybrid's FP8 is quantize.linear.float8",
+    "quantize.grouped_mm.mx.": "titan_hybrid's FP8 is quantize.grouped_mm.float8",
     "model.print_after_conversion": "titan_hybrid's model spec converts nothing",
     "model.tokenizer_path": "use --hf_assets_path",
     "memory_estimation.": "torchtitan 0.3 has no memory estimation",

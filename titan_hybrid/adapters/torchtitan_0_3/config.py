@@ -13,17 +13,19 @@ titan_hybrid's own options are fields of the sections below (`--hybrid.pattern`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchtitan.config import ParallelismConfig
 
 from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
+from titan_hybrid.training.float8 import float8_section
 from titan_hybrid.training.run_config import (
     ActivationCheckpointSection,
     CheckpointSection,
     CompileSection,
     DataSection,
+    Float8Section,
     HybridSection,
     LRSchedulerSection,
     MetricsSection,
@@ -56,6 +58,47 @@ class HybridOptions:
     (its family's config gives the model args)."""
     load_layers_by_order: bool = False
     """Read a checkpoint of another pattern layer by layer of each kind."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridFloat8Linear:
+    """`--quantize.linear.float8.*`: torchtitan 0.2's fields (training/float8.py)."""
+
+    recipe_name: str | None = None
+    """tensorwise (None: the default), rowwise or rowwise_with_gw_hp."""
+    emulate: bool = False
+    """The float8 GEMMs as casts to float8 and back around a high-precision matmul (CPU)."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Modules whose FQN contains one of these stay in high precision."""
+    enable_fsdp_float8_all_gather: bool = False
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridQuantizedLinear:
+    float8: HybridFloat8Linear = field(default_factory=HybridFloat8Linear)
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridFloat8GroupedMM:
+    fqns: list[str] = field(default_factory=list)
+    """The routed experts whose FQN contains one of these (empty: all of them)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridQuantizedGroupedMM:
+    float8: HybridFloat8GroupedMM = field(default_factory=HybridFloat8GroupedMM)
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridQuantize:
+    """FP8 training in torchtitan 0.2's words: `converters` is 0.2's `model.converters` (0.3's
+    model spec has no converters; a TOML job's `model.converters` lands here)."""
+
+    converters: list[str] = field(default_factory=list)
+    """quantize.linear.float8 and / or quantize.grouped_mm.float8."""
+    linear: HybridQuantizedLinear = field(default_factory=HybridQuantizedLinear)
+    grouped_mm: HybridQuantizedGroupedMM = field(default_factory=HybridQuantizedGroupedMM)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +139,7 @@ def run_from_parts(model: HybridModelArgs, *, flavor: str, dump_folder: str, tra
                    parallelism, compile_config, ac_config, seed: int | None = None,
                    dataloader=None, hf_assets_path: str = "pydoc_bpe", checkpoint=None,
                    validator=None, optimizer=None, lr_scheduler=None, metrics=None,
-                   hybrid=None) -> RunConfig:
+                   hybrid=None, quantize=None) -> RunConfig:
     """The RunConfig from torchtitan 0.3's config sections; those a stock trainer does not hand
     a ModelSpec's functions (None) take titan_hybrid's defaults."""
     validation = ValidationSection()
@@ -127,6 +170,8 @@ def run_from_parts(model: HybridModelArgs, *, flavor: str, dump_folder: str, tra
         lr_scheduler=section_from(LRSchedulerSection, lr_scheduler),
         metrics=section_from(MetricsSection, metrics),
         hybrid=section_from(HybridSection, hybrid),
+        float8=(Float8Section() if quantize is None else float8_section(
+            quantize.converters, quantize.linear.float8, quantize.grouped_mm.float8.fqns)),
     )
 
 
@@ -190,4 +235,5 @@ def run_config(config) -> RunConfig:
         ac_config=config.activation_checkpoint, seed=config.debug.seed,
         dataloader=config.dataloader, hf_assets_path=config.hf_assets_path,
         checkpoint=config.checkpoint, validator=config.validator, optimizer=config.optimizer,
-        lr_scheduler=config.lr_scheduler, metrics=config.metrics, hybrid=hybrid)
+        lr_scheduler=config.lr_scheduler, metrics=config.metrics, hybrid=hybrid,
+        quantize=config.quantize)

@@ -42,6 +42,7 @@ from titan_hybrid.adapters.torchtitan_0_3.config import (
     HybridActivationCheckpoint,
     HybridOptions,
     HybridParallelismConfig,
+    HybridQuantize,
     run_config,
 )
 from titan_hybrid.adapters.torchtitan_0_3.model_spec import HybridBuild, HybridModelConfig
@@ -55,6 +56,7 @@ from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
 from titan_hybrid.training.errors import reported_at_once
+from titan_hybrid.training.float8 import precompute_float8_scales
 from titan_hybrid.training.preflight import check_run
 
 
@@ -89,6 +91,7 @@ class HybridTrainer(Trainer):
         metrics: HybridMetricsProcessor.Config = field(
             default_factory=HybridMetricsProcessor.Config)
         checkpoint: HybridCheckpointConfig = field(default_factory=HybridCheckpointConfig)
+        quantize: HybridQuantize = field(default_factory=HybridQuantize)
 
         def __post_init__(self):
             Trainer.Config.__post_init__(self)
@@ -115,6 +118,9 @@ class HybridTrainer(Trainer):
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             super().__init__(config)
         self.document_masking = run.hybrid.document_masking
+        if run.float8.precompute_float8_dynamic_scale_for_fsdp:
+            self.optimizers.register_step_post_hook(
+                lambda *args, **kwargs: precompute_float8_scales(self.model_parts))
         self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
