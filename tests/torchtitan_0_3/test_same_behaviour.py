@@ -84,3 +84,24 @@ def test_hf_load_and_save_through_torchtitans_checkpointer_in_a_users_job(
     assert sorted(written) == sorted(original) and len(original) == 44
     for key, tensor in original.items():
         assert torch.equal(written[key], tensor), key
+
+
+def test_float8_training_takes_the_same_words_under_0_3(tmp_path, tmp_path_factory):
+    """FP8 under 0.3: torchtitan's own command with the quantize section (0.3's model spec has
+    no converters: `--quantize.converters`), and titan_hybrid's launcher with 0.2's
+    `--model.converters`, convert the same modules and give the same curve, float8's rounding
+    away from the high-precision one."""
+    high = one_process_curve(tmp_path_factory, "hybrid", (*SMALL, *CURVE))
+    stock = torchtitan_run(tmp_path / "stock", *SMALL, *CURVE, "--quantize.converters",
+                           "quantize.linear.float8", "--quantize.linear.float8.emulate")
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    assert "Float8 training: 17 modules compute in float8 (Linear tensorwise, emulated)" in (
+        stock.stdout + stock.stderr)
+    ours = run_train(tmp_path / "ours", "--model.converters", "quantize.linear.float8",
+                     "--quantize.linear.float8.emulate")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    stock_curve = [r["loss"] for r in curve(tmp_path / "stock" / "curve.jsonl")]
+    assert [r["loss"] for r in curve(tmp_path / "ours" / "curve.jsonl")] == stock_curve
+    assert stock_curve != [r["loss"] for r in high]
+    for ours_loss, reference in zip(stock_curve, high, strict=True):
+        assert ours_loss == pytest.approx(reference["loss"], rel=0.04)

@@ -1,7 +1,9 @@
 """FP8 training through torchao, in torchtitan's words: `model.converters` names
 "quantize.linear.float8" (and its section `[quantize.linear.float8]`: `recipe_name`,
 `emulate`, `filter_fqns`, `enable_fsdp_float8_all_gather`,
-`precompute_float8_dynamic_scale_for_fsdp`); "quantize.linear.mx" asks for MXFP8.
+`precompute_float8_dynamic_scale_for_fsdp`); "quantize.grouped_mm.float8" (its `fqns`) runs
+the routed experts' grouped GEMMs in float8 too (ops/float8_grouped_mm.py, rowwise; emulated
+only so far); "quantize.linear.mx" asks for MXFP8.
 
 Under it the model's nn.Linear modules become torchao's Float8Linear (the same weight
 Parameters: checkpoints, TP layouts and FSDP units do not change), except Megatron's
