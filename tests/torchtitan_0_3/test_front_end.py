@@ -122,7 +122,7 @@ def test_the_readmes_run_train_command_runs_under_0_3_with_the_one_process_curve
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
 
 
-README_FLAGS = sorted(set(re.findall(r"(?<![\w-])--([a-z_]+\.[a-z_.]+)", (REPO_ROOT / "README.md")
+README_FLAGS = sorted(set(re.findall(r"(?<![\w-])--([a-z_]+\.[a-z0-9_.]+)", (REPO_ROOT / "README.md")
                                       .read_text())) - {"job.config_file"})
 # A value for each flag the README shows with one (booleans are bare flags).
 VALUES = {
