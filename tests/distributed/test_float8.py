@@ -28,8 +28,11 @@ WITH_EXPERTS = ("--model.converters", "quantize.linear.float8,quantize.grouped_m
 
 @pytest.mark.parametrize("flavor, recipe, float8", [
     ("debug", "tensorwise", FLOAT8),
-    pytest.param("debug_moe", "tensorwise", WITH_EXPERTS, marks=pytest.mark.extended),
-    pytest.param("debug", "rowwise", FLOAT8, marks=pytest.mark.extended)])
+    # torchao's and our float8 casts are the same under every torch: the first CI leg only
+    pytest.param("debug_moe", "tensorwise", WITH_EXPERTS,
+                 marks=[pytest.mark.extended, pytest.mark.once_per_ci]),
+    pytest.param("debug", "rowwise", FLOAT8,
+                 marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
 def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, flavor, recipe,
                                                      float8):
     job = (*STEPS, "--model.flavor", flavor)
