@@ -26,8 +26,9 @@ WITH_EXPERTS = ("--model.converters", "quantize.linear.float8,quantize.grouped_m
                 "--quantize.linear.float8.emulate")
 
 
+# 50 steps each: out of the default suite (12 minutes), in every CI leg's extended run
 @pytest.mark.parametrize("flavor, recipe, float8", [
-    ("debug", "tensorwise", FLOAT8),
+    pytest.param("debug", "tensorwise", FLOAT8, marks=pytest.mark.extended),
     # torchao's and our float8 casts are the same under every torch: the first CI leg only
     pytest.param("debug_moe", "tensorwise", WITH_EXPERTS,
                  marks=[pytest.mark.extended, pytest.mark.once_per_ci]),
@@ -75,6 +76,7 @@ def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tm
         assert ours == pytest.approx(reference, rel=1e-3)
 
 
+@pytest.mark.extended
 def test_float8_composes_with_activation_checkpointing_and_compile(reference_run, tmp_path):
     """Activation checkpointing (whole layers, or per op) recomputes the same float8 casts:
     bitwise the same curve. Compiled layers compute the emulated casts in other fused kernels:

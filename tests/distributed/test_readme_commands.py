@@ -24,7 +24,7 @@ COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.s
 
 
 def test_the_readme_shows_the_commands_this_file_runs():
-    assert len(COMMANDS) == 3, COMMANDS
+    assert len(COMMANDS) == 4, COMMANDS
 
 
 # The README's text is the same under every torch (the trainer's runs under each are other
