@@ -41,6 +41,7 @@ def test_gpu_check_fp8_rows_run_the_float8_recipes(tmp_path, capsys):
         log = (tmp_path / f"debug_fp8_{recipe}.log").read_text()
         assert (f"Float8 training: 17 modules compute in float8 (Linear {recipe}, emulated)"
                 in log)
+        assert "in high precision as the LM head: output" in log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")

@@ -17,6 +17,7 @@ from titan_hybrid.model.model import HybridModel
 from titan_hybrid.training.float8 import (
     apply_float8,
     float8_section,
+    float8_summary,
     linear_precisions,
 )
 from titan_hybrid.training.run_config import Float8Section
@@ -99,13 +100,14 @@ def test_megatrons_high_precision_modules_stay_linear():
     model = built("debug_v4_all_moe", pattern="MC-MHEMWE+-D-")
     section = Float8Section(enable=True, emulate=True, filter_fqns=("layers.10.mlp",))
     precisions = linear_precisions(model, section)
-    assert precisions["output"] == "the LM head"
-    assert precisions["layers.5.moe.router.gate"] == "kept by its layer kind (mixture of experts)"
-    assert precisions["layers.11.dsa.indexer.wk"].startswith("kept by its layer kind")
+    assert precisions["output"] == "as the LM head"
+    assert (precisions["layers.5.moe.router.gate"]
+            == "as its layer kind (mixture of experts) keeps it")
+    assert precisions["layers.11.dsa.indexer.wk"].startswith("as its layer kind (DeepSeek")
     assert precisions["layers.1.compressed_sparse_attention.compressor.indexer.q_b_proj"]
     assert precisions["layers.4.heavily_compressed_attention.compressor.kv_proj"]
     assert (precisions["layers.10.mlp.fc1"]
-            == "quantize.linear.float8.filter_fqns ['layers.10.mlp']")
+            == "as quantize.linear.float8.filter_fqns ['layers.10.mlp'] names it")
     for fqn in ("layers.0.mamba.in_proj", "layers.9.mla.kv_b_proj", "layers.11.dsa.o_proj",
                 "layers.7.window_attention.q_b_proj", "layers.5.moe.shared_expert.fc1"):
         assert precisions[fqn] is None, fqn
@@ -116,9 +118,16 @@ def test_megatrons_high_precision_modules_stay_linear():
         if fqn in precisions:
             assert (type(module).__name__ == "Float8Linear") == (precisions[fqn] is None), fqn
     assert all(param is weights[name] for name, param in model.named_parameters())
+    summary = float8_summary(model, section, converted).splitlines()
+    assert summary[0] == (f"Float8 training: {len(converted)} modules compute in float8 "
+                          "(Linear tensorwise, emulated)")
+    assert "  in high precision as the LM head: output" in summary
+    assert ("  in high precision as its layer kind (mixture of experts) keeps it: "
+            "layers.5.moe.router.gate, layers.8.moe.router.gate") in summary
+    assert any(line.endswith("and 3 more") for line in summary)  # CSA's six compressor Linears
 
     odd = linear_precisions(built("debug"), section)  # GDN's in_proj: 768 + 4 beta + 4 alpha
-    assert odd["layers.6.gdn.in_proj"] == "widths (256, 776) are not multiples of 16"
+    assert odd["layers.6.gdn.in_proj"] == "as its widths (256, 776) are not multiples of 16"
     assert odd["layers.2.attention.wq"] is None and odd["layers.6.gdn.out_proj"] is None
 
 

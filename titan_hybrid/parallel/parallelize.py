@@ -73,7 +73,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
     sequence_parallel = not run.parallelism.disable_sequence_parallel
     converted = apply_float8(model, run.float8)  # the same Parameters: the plan holds
     if converted:
-        logger.info(float8_summary(run.float8, converted))
+        logger.info(float8_summary(model, run.float8, converted))
     plan = ParallelPlan(layouts=tensor_parallel_layouts(model))
     if parallel_dims.tp_enabled:
         # Loss parallel needs plain logits; MoE / MTP outputs are tuples with scalars.

@@ -141,15 +141,15 @@ def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str
     modules."""
     for prefix, kind in kind_exceptions.items():
         if fqn == prefix or fqn.startswith(prefix + "."):
-            return f"kept by its layer kind ({kind})"
+            return f"as its layer kind ({kind}) keeps it"
     if fqn == "output":
-        return "the LM head"
+        return "as the LM head"
     user = [name for name in filter_fqns if name in fqn]
     if user:
-        return f"quantize.linear.float8.filter_fqns {user}"
+        return f"as quantize.linear.float8.filter_fqns {user} names it"
     widths = (module.in_features, module.out_features)
     if any(width % FLOAT8_ALIGNMENT for width in widths):
-        return f"widths {widths} are not multiples of {FLOAT8_ALIGNMENT}"
+        return f"as its widths {widths} are not multiples of {FLOAT8_ALIGNMENT}"
     return None
 
 
@@ -202,12 +202,21 @@ def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
     return converted + [fqn for fqn, reason in precisions.items() if reason is None]
 
 
-def float8_summary(section: Float8Section, converted: list[str]) -> str:
-    """The start-up line: how many modules compute in float8, and how."""
+def float8_summary(model: nn.Module, section: Float8Section, converted: list[str]) -> str:
+    """The start-up lines: how many modules compute in float8, and how; then the Linear
+    modules kept in high precision, by reason (a few FQNs each)."""
     parts = ([f"Linear {section.recipe_name or 'tensorwise'}"] if section.enable else []) + (
         ["routed experts rowwise"] if section.grouped_mm else [])
-    return (f"Float8 training: {len(converted)} modules compute in float8 ("
-            f"{', '.join(parts)}{', emulated' if section.emulate else ''})")
+    lines = [f"Float8 training: {len(converted)} modules compute in float8 ("
+             f"{', '.join(parts)}{', emulated' if section.emulate else ''})"]
+    kept: dict[str, list[str]] = {}
+    for fqn, reason in (linear_precisions(model, section) if section.enable else {}).items():
+        if reason is not None:
+            kept.setdefault(reason, []).append(fqn)
+    for reason, fqns in kept.items():
+        more = f" and {len(fqns) - 3} more" if len(fqns) > 3 else ""
+        lines.append(f"  in high precision {reason}: {', '.join(fqns[:3])}{more}")
+    return "\n".join(lines)
 
 
 class Float8GroupedMatmuls:
