@@ -53,8 +53,10 @@ def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, fl
 @pytest.mark.parametrize("layout, same_first_steps", [
     ((), 2),  # FSDP2 over both processes
     # ... gathering the weights in float8, their scales computed after each optimizer step
-    (("--quantize.linear.float8.enable_fsdp_float8_all_gather",
-      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"), 2),
+    # (tests/unit/test_float8.py checks the gather's float8 bytes and scales in the default run)
+    pytest.param(("--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                  "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"), 2,
+                 marks=pytest.mark.extended),
     (("--parallelism.tensor_parallel_degree", "2"), 0),
 ])
 def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tmp_path,
@@ -99,7 +101,8 @@ CHECKPOINT = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.inte
 
 @pytest.mark.parametrize("saved, resumed, nproc, rel", [
     # FP8 -> FP8 under TP2: the uninterrupted FP8 curve, within the layouts' bound
-    (FLOAT8, (*FLOAT8, "--parallelism.tensor_parallel_degree", "2"), 2, 1e-3),
+    pytest.param(FLOAT8, (*FLOAT8, "--parallelism.tensor_parallel_degree", "2"), 2, 1e-3,
+                 marks=pytest.mark.extended),
     # FP8 -> float32 and back: the same weights, the other arithmetic (float8's rounding)
     (FLOAT8, (), 1, 0.01),  # measured 7.5e-5 and 4.0e-4
     pytest.param((), FLOAT8, 1, 0.01, marks=pytest.mark.extended),
