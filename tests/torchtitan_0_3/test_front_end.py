@@ -132,7 +132,7 @@ VALUES = {
     "hybrid.flavor": "debug_moe", "hybrid.loss_curve_file": "curve.jsonl",
     "hybrid.pattern": "M*G-", "hybrid.model_config": str(REPO_ROOT / "tests" / "torchtitan_0_3" / "hf_nemotron_h"), "job.dump_folder": "out",
     "model.flavor": "debug_moe", "model.converters": "quantize.linear.float8",
-    "quantize.linear.float8.recipe_name": "rowwise",
+    "quantize.linear.float8.recipe_name": "rowwise", "quantize.converters": "quantize.linear.float8",
     "quantize.linear.float8.filter_fqns": "layers.0",
     "model.hf_assets_path": str(REPO_ROOT / "titan_hybrid" / "assets" / "pydoc_bpe"),
     "parallelism.context_parallel_degree": "2",
