@@ -79,3 +79,18 @@ def reference_run(tmp_path_factory):
         return done[key]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh():
+    """A one-rank gloo process group (unless one exists) and its CPU device mesh: FSDP2 and
+    DTensor on one process, for the unit tests of what parallel code builds."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()

@@ -181,28 +181,15 @@ def test_mxfp8_is_refused_by_name_off_blackwell():
         float8_section(["quantize.linear.mx"], Fields())
 
 
-@pytest.fixture(scope="module")
-def one_rank_mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if created:
-        dist.destroy_process_group()
-
-
 def test_fsdp_gathers_float8_weights_with_precomputed_scales(one_rank_mesh):
     """enable_fsdp_float8_all_gather: FSDP2 gathers each float8 Linear's weight as float8
     bytes and a scale (torchao's weight subclass); after an optimizer step,
-    precompute_float8_scales sets every such scale to e4m3's largest value over the weight's
-    largest magnitude, which the next gather uses."""
+    float8_scales_step_hook's hook sets every such scale to e4m3's largest value over the
+    weight's largest magnitude, which the next gather uses."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from titan_hybrid.parallel.data_parallel import apply_data_parallel
-    from titan_hybrid.training.float8 import precompute_float8_scales
+    from titan_hybrid.training.float8 import float8_scales_step_hook
 
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M*-", dim=64)
     model = HybridModel(args)
@@ -219,7 +206,7 @@ def test_fsdp_gathers_float8_weights_with_precomputed_scales(one_rank_mesh):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randint(0, args.vocab_size, (2, 16))).square().mean().backward()
     optimizer.step()
-    precompute_float8_scales([model])
+    float8_scales_step_hook([model])()
     # FSDP's first forward (its lazy init) gives each parameter its local tensor again; the
     # DTensor's own (to_local() hands out a view), where torchao sets the scale
     locals_ = [model.get_submodule(fqn).weight._local_tensor for fqn in converted]

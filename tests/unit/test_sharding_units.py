@@ -5,24 +5,12 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridLayer, HybridModel, HybridStack
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES, apply_data_parallel
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if created:
-        dist.destroy_process_group()
 
 
 def unit_params(module):
@@ -33,11 +21,11 @@ def unit_params(module):
 
 @pytest.mark.parametrize("flavor", ["debug", "debug_moe", "debug_grouped"])
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_each_layer_and_group_is_a_unit(mesh, flavor, strategy):
+def test_each_layer_and_group_is_a_unit(one_rank_mesh, flavor, strategy):
     args = copy.deepcopy(hybrid_flavors[flavor])
     with torch.device("meta"):
         model = HybridModel(args)
-    apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.float32,
+    apply_data_parallel(model, one_rank_mesh, strategy=strategy, param_dtype=torch.float32,
                         reduce_dtype=torch.float32)
     for key, layer in model.layers.items():
         assert isinstance(layer, FSDPModule), f"layers.{key}"
@@ -59,14 +47,14 @@ def test_each_layer_and_group_is_a_unit(mesh, flavor, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_a_tied_head_is_one_unit_with_the_embedding_and_the_final_norm(mesh, strategy):
+def test_a_tied_head_is_one_unit_with_the_embedding_and_the_final_norm(one_rank_mesh, strategy):
     """FSDP would shard a weight shared by two units twice: the embedding, the final norm and
     the head are one group, whose one parameter stays the head's and the embedding's."""
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_moe"]),
                                enable_weight_tying=True)
     with torch.device("meta"):
         model = HybridModel(args)
-    apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.float32,
+    apply_data_parallel(model, one_rank_mesh, strategy=strategy, param_dtype=torch.float32,
                         reduce_dtype=torch.float32)
     group = model.tok_embeddings._get_fsdp_state()
     assert model.norm._get_fsdp_state() is group and model.output._get_fsdp_state() is group
@@ -77,11 +65,11 @@ def test_a_tied_head_is_one_unit_with_the_embedding_and_the_final_norm(mesh, str
     assert len(managed) == len(list(model.parameters()))
 
 
-def test_unknown_strategy_is_rejected(mesh):
+def test_unknown_strategy_is_rejected(one_rank_mesh):
     with torch.device("meta"):
         model = HybridModel(copy.deepcopy(hybrid_flavors["debug"]))
     with pytest.raises(ValueError, match="data_parallel_sharding_strategy 'zero3'"):
-        apply_data_parallel(model, mesh, strategy="zero3", param_dtype=torch.float32,
+        apply_data_parallel(model, one_rank_mesh, strategy="zero3", param_dtype=torch.float32,
                             reduce_dtype=torch.float32)
     assert "optim" in SHARDING_STRATEGIES
 
@@ -109,12 +97,12 @@ def _record_core_inputs(model) -> dict[str, set]:
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_bf16_policy_keeps_ssm_parameters_in_fp32(mesh, strategy):
+def test_bf16_policy_keeps_ssm_parameters_in_fp32(one_rank_mesh, strategy):
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M*G-", dim=64)
     torch.manual_seed(0)
     model = HybridModel(args)
     model.init_weights()
-    apply_data_parallel(model, mesh, strategy=strategy, param_dtype=torch.bfloat16,
+    apply_data_parallel(model, one_rank_mesh, strategy=strategy, param_dtype=torch.bfloat16,
                         reduce_dtype=torch.float32)
     seen = _record_core_inputs(model)
     out = model(torch.randint(0, args.vocab_size, (2, 32)))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -228,9 +229,14 @@ class Float8GroupedMatmuls:
         return float8_grouped_mm(x, weights, offs)
 
 
-def precompute_float8_scales(model_parts: list[nn.Module]) -> None:
-    """After an optimizer step, the scales of every float8 weight FSDP gathers, in one
-    all-reduce (instead of one per weight as each is gathered): torchao's
-    precompute_float8_dynamic_scale_for_fsdp."""
-    for part in model_parts:
-        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(part)
+def float8_scales_step_hook(model_parts: list[nn.Module]) -> Callable[..., None]:
+    """The optimizer step hook that computes the scales of every float8 weight FSDP gathers,
+    in one all-reduce (instead of one per weight as each is gathered): torchao's
+    precompute_float8_dynamic_scale_for_fsdp, looked up once."""
+    precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+
+    def after_step(*args, **kwargs) -> None:
+        for part in model_parts:
+            precompute(part)
+
+    return after_step

@@ -56,7 +56,7 @@ from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
 from titan_hybrid.training.errors import reported_at_once
-from titan_hybrid.training.float8 import precompute_float8_scales
+from titan_hybrid.training.float8 import float8_scales_step_hook
 from titan_hybrid.training.preflight import check_run
 
 
@@ -119,8 +119,7 @@ class HybridTrainer(Trainer):
             super().__init__(config)
         self.document_masking = run.hybrid.document_masking
         if run.float8.precompute_float8_dynamic_scale_for_fsdp:
-            self.optimizers.register_step_post_hook(
-                lambda *args, **kwargs: precompute_float8_scales(self.model_parts))
+            self.optimizers.register_step_post_hook(float8_scales_step_hook(self.model_parts))
         self.checkpointer = self._hybrid_checkpointer(self.checkpointer)
         self.divergence_guard = DivergenceGuard(self.model_parts,
                                                 self.gradient_accumulation_steps)
