@@ -17,7 +17,8 @@
    mixer replaced by attention (`--hybrid.pattern`, same layer count and MLP / MoE positions),
    and the ratios against it.
 3. With --fp8: the FP8 flavors among them (nemotron_h_1b, hybrid_moe_2b; debug on CPU) again
-   in float8 (`model.converters = ["quantize.linear.float8"]`), rowwise and tensorwise, each
+   in float8 (`model.converters = ["quantize.linear.float8"]`, with
+   "quantize.grouped_mm.float8" where it has routed experts), rowwise and tensorwise, each
    with its tokens/s ratio to the flavor's BF16 row (emulated float8 on CPU: a smoke run, not
    a speed).
    Each run's full log is written to --out.
@@ -104,7 +105,10 @@ def trainer_command(flavor: str, *, batch: int, seq_len: int, steps: int, dump_f
     if compile_ is not None:
         command.append("--compile.enable" if compile_ else "--compile.no-enable")
     if float8 is not None:
-        command += ["--model.converters", "quantize.linear.float8",
+        # the routed experts' grouped GEMMs in float8 too, where the flavor has them
+        converters = "quantize.linear.float8" + (
+            ",quantize.grouped_mm.float8" if "E" in hybrid_flavors[flavor].pattern else "")
+        command += ["--model.converters", converters,
                     "--quantize.linear.float8.recipe_name", float8]
         if emulate:
             command.append("--quantize.linear.float8.emulate")

@@ -140,3 +140,17 @@ def test_float8_experts_under_expert_parallelism_give_the_one_process_curve(refe
     assert "routed experts rowwise" in result.output
     for ours, reference in zip(result.losses, single, strict=True):
         assert ours == pytest.approx(reference, rel=1e-3)
+
+
+def test_experts_on_the_float8_kernel_follow_the_emulated_curve(reference_run, tmp_path):
+    """Without `emulate` the experts' grouped GEMMs take float8 operands (the CPU's float8
+    kernel here, a GPU's float8 units there): the same rounding as the emulated run, the sums
+    perhaps in another order (measured bitwise equal on torch 2.11 and 2.13's CPU kernels)."""
+    job = (*STEPS, "--training.steps", "6", "--model.flavor", "debug_moe",
+           "--model.converters", "quantize.grouped_mm.float8")
+    emulated = reference_run(*job, "--quantize.linear.float8.emulate").losses
+    result = run_training(tmp_path, *job).check()
+    assert "Float8 training: 2 modules compute in float8 (routed experts rowwise)\n" in (
+        result.output)
+    for ours, reference in zip(result.losses, emulated, strict=True):
+        assert ours == pytest.approx(reference, rel=1e-4)

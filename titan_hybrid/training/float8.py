@@ -2,8 +2,8 @@
 "quantize.linear.float8" (and its section `[quantize.linear.float8]`: `recipe_name`,
 `emulate`, `filter_fqns`, `enable_fsdp_float8_all_gather`,
 `precompute_float8_dynamic_scale_for_fsdp`); "quantize.grouped_mm.float8" (its `fqns`) runs
-the routed experts' grouped GEMMs in float8 too (ops/float8_grouped_mm.py, rowwise; emulated
-only so far); "quantize.linear.mx" asks for MXFP8.
+the routed experts' grouped GEMMs in float8 too (ops/float8_grouped_mm.py, rowwise);
+"quantize.linear.mx" asks for MXFP8.
 
 Under it the model's nn.Linear modules become torchao's Float8Linear (the same weight
 Parameters: checkpoints, TP layouts and FSDP units do not change), except Megatron's
@@ -20,6 +20,8 @@ The recipes are torchao's: "tensorwise" (one scale per tensor; the default), "ro
 "rowwise_with_gw_hp" (one scale per row; the latter keeps the weight-gradient GEMM in high
 precision). `emulate` runs the float8 GEMMs as casts to float8 and back around a
 high-precision matmul: the CPU path (and the tests'), whose rounding is the float8 recipe's.
+Without it, the Linear modules need an SM89+ GPU; the grouped GEMMs run on its float8 units, or
+on the CPU's float8 kernel.
 MXFP8 needs a Blackwell GPU (compute capability 10.x or later) and is refused elsewhere.
 """
 
@@ -70,10 +72,6 @@ def float8_section(converters, float8_fields, grouped_fqns=()) -> Float8Section:
         grouped_fqns = [name for name in grouped_fqns.split(",") if name]
     section = Float8Section(enable=linear, grouped_mm=grouped,
                             grouped_mm_fqns=tuple(grouped_fqns or ()), **values)
-    if grouped and not section.emulate:
-        raise ValueError(f"model.converters '{GROUPED_FLOAT8}' runs emulated only (set "
-                         "quantize.linear.float8.emulate): the GPU's float8 grouped GEMM is "
-                         "not wired into titan_hybrid yet")
     if section.recipe_name is not None and section.recipe_name not in RECIPES:
         raise ValueError(f"quantize.linear.float8.recipe_name '{section.recipe_name}' is not "
                          f"one of {RECIPES}")
@@ -119,20 +117,28 @@ def check_mx_hardware() -> None:
 
 def check_float8(section: Float8Section) -> None:
     """ValueError when the job's float8 training cannot run here: torchao is missing, or the
-    float8 GEMMs need an SM89+ GPU and `emulate` is off."""
-    if not section.enable:
-        return  # the grouped GEMMs are titan_hybrid's own, and emulated
-    try:
-        torchao_float8()
-    except ImportError:
-        raise ValueError(f"model.converters '{LINEAR_FLOAT8}' needs torchao: pip install "
-                         "'titan_hybrid[fp8]'") from None
-    if section.emulate or (torch.cuda.is_available()
-                           and torch.cuda.get_device_capability() >= (8, 9)):
+    float8 GEMMs need an SM89+ GPU and `emulate` is off. (titan_hybrid's grouped GEMMs run on
+    the CPU's float8 kernel too; torchao's Float8Linear is run there emulated only.)"""
+    if section.enable:
+        try:
+            torchao_float8()
+        except ImportError:
+            raise ValueError(f"model.converters '{LINEAR_FLOAT8}' needs torchao: pip install "
+                             "'titan_hybrid[fp8]'") from None
+    if section.emulate or not (section.enable or section.grouped_mm):
         return
-    raise ValueError("quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
-                     "8.9 or later (Ada, Hopper, Blackwell); set quantize.linear.float8.emulate "
-                     "to run them emulated (CPU, tests)")
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability >= (8, 9):
+            return
+        raise ValueError("quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
+                         f"8.9 or later (Ada, Hopper, Blackwell), and this one is "
+                         f"{capability[0]}.{capability[1]}; set quantize.linear.float8.emulate "
+                         "to run them emulated")
+    if section.enable:
+        raise ValueError("quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
+                         "8.9 or later (Ada, Hopper, Blackwell); set "
+                         "quantize.linear.float8.emulate to run them emulated (CPU, tests)")
 
 
 def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str, str],
@@ -191,7 +197,8 @@ def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
     if section.grouped_mm:
         for fqn, experts in routed_experts(model).items():
             if not section.grouped_mm_fqns or any(n in fqn for n in section.grouped_mm_fqns):
-                extend_class(experts, Float8GroupedMatmuls)
+                extend_class(experts, EmulatedFloat8GroupedMatmuls if section.emulate
+                             else Float8GroupedMatmuls)
                 converted.append(fqn)
     if not section.enable:
         return converted
@@ -226,7 +233,15 @@ class Float8GroupedMatmuls:
 
     def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
                    offs: torch.Tensor) -> torch.Tensor:
-        return float8_grouped_mm(x, weights, offs)
+        return float8_grouped_mm(x, weights, offs, emulate=False)
+
+
+class EmulatedFloat8GroupedMatmuls:
+    """The same, emulated: float8's rounding, high-precision arithmetic."""
+
+    def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+        return float8_grouped_mm(x, weights, offs, emulate=True)
 
 
 def float8_scales_step_hook(model_parts: list[nn.Module]) -> Callable[..., None]:
