@@ -1,11 +1,12 @@
-"""FP8 training in the real trainer (torchao's Float8Linear, emulated on CPU): 50 steps of the
+"""FP8 training in the real trainer (torchao's Float8Linear and MXFP8Linear, emulated on CPU): 50 steps of the
 debug hybrid and of the MoE hybrid follow the float32 curve within float8's rounding, and the
 2-process layouts give the FP8 one-process curve.
 
 Measured (float32 parameters, emulated tensorwise float8, 50 steps, 2 x 64 tokens a step):
 debug 2.1% at most on one step, 0.30% on average, mean loss 0.03% apart; debug_moe with its
-experts' grouped GEMMs in float8 too 1.6%, 0.37%, 0.14%; rowwise on debug 1.3%, 0.20%, 0.06%. The bounds below leave room for other torches'
-rounding: 4% on a step, 0.6% on average, 0.3% on the mean loss.
+experts' grouped GEMMs in float8 too 1.6%, 0.37%, 0.14%; rowwise on debug 1.3%, 0.20%, 0.06%;
+MXFP8 (emulated, floor scales) on debug 1.5%, 0.34%, 0.05%. The bounds below leave room for
+other torches' rounding: 4% on a step, 0.6% on average, 0.3% on the mean loss.
 """
 
 from __future__ import annotations
@@ -21,25 +22,28 @@ STEPS = ("--training.steps", "50", "--training.seq_len", "64", "--training.local
          "2", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
          "--checkpoint.interval", "1000")
 FLOAT8 = ("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate")
+# MXFP8, emulated (the GPU recipes need Blackwell)
+MXFP8 = ("--model.converters", "quantize.linear.mx", "--quantize.linear.mx.recipe_name",
+         "mxfp8_emulated")
 # ... and the routed experts' grouped GEMMs (rowwise)
 WITH_EXPERTS = ("--model.converters", "quantize.linear.float8,quantize.grouped_mm.float8",
                 "--quantize.linear.float8.emulate")
 
 
 # 50 steps each: out of the default suite (12 minutes), in every CI leg's extended run
-@pytest.mark.parametrize("flavor, recipe, float8", [
-    pytest.param("debug", "tensorwise", FLOAT8, marks=pytest.mark.extended),
+ROWWISE = (*FLOAT8, "--quantize.linear.float8.recipe_name", "rowwise")
+
+
+@pytest.mark.parametrize("flavor, float8", [
+    pytest.param("debug", FLOAT8, marks=pytest.mark.extended),
     # torchao's and our float8 casts are the same under every torch: the first CI leg only
-    pytest.param("debug_moe", "tensorwise", WITH_EXPERTS,
-                 marks=[pytest.mark.extended, pytest.mark.once_per_ci]),
-    pytest.param("debug", "rowwise", FLOAT8,
-                 marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
-def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, flavor, recipe,
-                                                     float8):
+    pytest.param("debug_moe", WITH_EXPERTS, marks=[pytest.mark.extended, pytest.mark.once_per_ci]),
+    pytest.param("debug", ROWWISE, marks=[pytest.mark.extended, pytest.mark.once_per_ci]),
+    pytest.param("debug", MXFP8, marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
+def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, flavor, float8):
     job = (*STEPS, "--model.flavor", flavor)
     reference = reference_run(*job).losses
-    result = run_training(tmp_path, *job, *float8,
-                          "--quantize.linear.float8.recipe_name", recipe).check()
+    result = run_training(tmp_path, *job, *float8).check()
     assert "Float8 training:" in result.output
     assert result.losses != reference  # float8 rounds
     steps = [abs(ours - theirs) / theirs for ours, theirs in zip(result.losses, reference,
@@ -50,16 +54,19 @@ def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, fl
     assert abs(statistics.mean(result.losses) - mean_loss) / mean_loss <= 0.003
 
 
-@pytest.mark.parametrize("layout, same_first_steps", [
-    ((), 2),  # FSDP2 over both processes
+@pytest.mark.parametrize("float8, layout, same_first_steps", [
+    (FLOAT8, (), 2),  # FSDP2 over both processes
     # ... gathering the weights in float8, their scales computed after each optimizer step
     # (tests/unit/test_float8.py checks the gather's float8 bytes and scales in the default run)
-    pytest.param(("--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                  "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"), 2,
+    pytest.param(FLOAT8, ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                          "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
+                 2, marks=pytest.mark.extended),
+    (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), 0),
+    (MXFP8, (), 1),  # measured 1.4e-6 at step 2, 5.1e-5 at most
+    pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), 1,
                  marks=pytest.mark.extended),
-    (("--parallelism.tensor_parallel_degree", "2"), 0),
 ])
-def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tmp_path,
+def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tmp_path, float8,
                                                                layout, same_first_steps):
     """FSDP2 gathers the whole weights and each rank quantizes the activations of the same
     microbatch the one process accumulates: the first two steps are bitwise equal, also when
@@ -68,8 +75,9 @@ def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tm
     rounding then turns the float32 reduction order's differences in the updated weights into
     more: measured 1.6e-4 at most over 8 steps. TP's ranks scale their own shards of the
     weights (the tensorwise scale of a shard, not of the whole tensor): 9e-6 apart from the
-    first step, 2.9e-4 at most. Bound: 1e-3."""
-    job = (*STEPS, "--training.steps", "8", "--training.global_batch_size", "4", *FLOAT8)
+    first step, 2.9e-4 at most. MXFP8's 32-wide blocks are the same on a TP shard as in the
+    whole weight: measured 1.0e-4 (the reductions' order). Bound: 1e-3."""
+    job = (*STEPS, "--training.steps", "8", "--training.global_batch_size", "4", *float8)
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, *layout, nproc=2).check()
     assert len(result.losses) == len(single) == 8
@@ -106,6 +114,10 @@ CHECKPOINT = ("--training.steps", "8", "--checkpoint.enable", "--checkpoint.inte
     # FP8 -> float32 and back: the same weights, the other arithmetic (float8's rounding)
     (FLOAT8, (), 1, 0.01),  # measured 7.5e-5 and 4.0e-4
     pytest.param((), FLOAT8, 1, 0.01, marks=pytest.mark.extended),
+    # MXFP8 -> float32 and back, and MXFP8 under TP2
+    pytest.param(MXFP8, (), 1, 0.01, marks=pytest.mark.extended),
+    pytest.param((), (*MXFP8, "--parallelism.tensor_parallel_degree", "2"), 2, 0.01,
+                 marks=pytest.mark.extended),
     # FP8 -> bfloat16 under FSDP2 (the same tokens a step: 2 ranks x 1 row): measured 5.4e-4
     pytest.param(FLOAT8, ("--training.mixed_precision_param", "bfloat16",
                           "--training.local_batch_size", "1"), 2, 0.01,

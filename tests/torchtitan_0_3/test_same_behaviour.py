@@ -90,7 +90,7 @@ def test_float8_training_takes_the_same_words_under_0_3(tmp_path, tmp_path_facto
     """FP8 under 0.3: torchtitan's own command with the quantize section (0.3's model spec has
     no converters: `--quantize.converters`), and titan_hybrid's launcher with 0.2's
     `--model.converters`, convert the same modules and give the same curve, float8's rounding
-    away from the high-precision one."""
+    away from the high-precision one; `quantize.linear.mx` (emulated) trains in MXFP8."""
     high = one_process_curve(tmp_path_factory, "hybrid", (*SMALL, *CURVE))
     stock = torchtitan_run(tmp_path / "stock", *SMALL, *CURVE, "--quantize.converters",
                            "quantize.linear.float8", "--quantize.linear.float8.emulate")
@@ -104,4 +104,12 @@ def test_float8_training_takes_the_same_words_under_0_3(tmp_path, tmp_path_facto
     assert [r["loss"] for r in curve(tmp_path / "ours" / "curve.jsonl")] == stock_curve
     assert stock_curve != [r["loss"] for r in high]
     for ours_loss, reference in zip(stock_curve, high, strict=True):
+        assert ours_loss == pytest.approx(reference["loss"], rel=0.04)
+    mx = torchtitan_run(tmp_path / "mx", *SMALL, *CURVE, "--quantize.converters",
+                        "quantize.linear.mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
+    assert mx.returncode == 0, mx.stderr[-3000:]
+    assert "compute in float8 (Linear mxfp8_emulated)" in mx.stdout + mx.stderr
+    mx_curve = [r["loss"] for r in curve(tmp_path / "mx" / "curve.jsonl")]
+    assert mx_curve != stock_curve
+    for ours_loss, reference in zip(mx_curve, high, strict=True):
         assert ours_loss == pytest.approx(reference["loss"], rel=0.04)

@@ -86,6 +86,11 @@ BAD_INPUTS = [
      "enable_fsdp_float8_all_gather needs tensorwise scaling"),
     (("--nproc", "2", "--parallelism.pipeline_parallel_degree", "2",
       "--model.converters", "quantize.fp4"), "model.converters ['quantize.fp4']"),
+    (("--model.converters", "quantize.linear.mx", "--quantize.linear.mx.recipe_name",
+      "mxfp8_emulated", "--training.seq_len", "48"),
+     "training.seq_len=48 gives 48 tokens a row on each context-parallel rank, and MXFP8"),
+    (("--model.converters", "quantize.linear.mx", "--quantize.linear.mx.recipe_name", "nvfp4"),
+     "quantize.linear.mx.recipe_name 'nvfp4' is not one of"),
 ]
 
 
@@ -94,6 +99,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
                        "quantize.linear.float8: float8 GEMMs need a GPU of compute capability "
                        "8.9 or later (Ada, Hopper, Blackwell); set "
                        "quantize.linear.float8.emulate"))
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0):
+    BAD_INPUTS.append((("--model.converters", "quantize.linear.mx"),
+                       "model.converters 'quantize.linear.mx': MXFP8 needs a Blackwell GPU"))
+if not torch.cuda.is_available():
+    BAD_INPUTS.append((("--model.converters", "quantize.linear.mx", "--compile.enable",
+                        "--quantize.linear.mx.recipe_name", "mxfp8_emulated"),
+                       "compile.enable=True with MXFP8 (quantize.linear.mx) needs a GPU"))
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])

@@ -168,17 +168,6 @@ def test_what_we_cannot_run_is_refused_by_field(converters, fields, message):
         float8_section(converters, Fields(**fields))
 
 
-def test_mxfp8_is_refused_by_name_off_blackwell():
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    if capability is not None and capability >= (10, 0):
-        message = "MXFP8 training is not wired into titan_hybrid yet"
-    else:
-        message = ("MXFP8 needs a Blackwell GPU \\(compute capability 10.x or later\\), and this "
-                   f"machine has {'no GPU' if capability is None else 'compute capability'}")
-    with pytest.raises(ValueError, match=message):
-        float8_section(["quantize.linear.mx"], Fields())
-
-
 def test_fsdp_gathers_float8_weights_with_precomputed_scales(one_rank_mesh):
     """enable_fsdp_float8_all_gather: FSDP2 gathers each float8 Linear's weight as float8
     bytes and a scale (torchao's weight subclass); after an optimizer step,

@@ -3,7 +3,8 @@
 `emulate`, `filter_fqns`, `enable_fsdp_float8_all_gather`,
 `precompute_float8_dynamic_scale_for_fsdp`); "quantize.grouped_mm.float8" (its `fqns`) runs
 the routed experts' grouped GEMMs in float8 too (ops/float8_grouped_mm.py, rowwise);
-"quantize.linear.mx" asks for MXFP8.
+"quantize.linear.mx" (its section: `recipe_name`, `filter_fqns`) computes the Linear modules in
+MXFP8 instead, with torchao's MXFP8Linear (`convert_to_mxfp8`).
 
 Under it the model's nn.Linear modules become torchao's Float8Linear (the same weight
 Parameters: checkpoints, TP layouts and FSDP units do not change), except Megatron's
@@ -22,7 +23,8 @@ precision). `emulate` runs the float8 GEMMs as casts to float8 and back around a
 high-precision matmul: the CPU path (and the tests'), whose rounding is the float8 recipe's.
 Without it, the Linear modules need an SM89+ GPU; the grouped GEMMs run on its float8 units, or
 on the CPU's float8 kernel.
-MXFP8 needs a Blackwell GPU (compute capability 10.x or later) and is refused elsewhere.
+MXFP8's GPU recipes need a Blackwell GPU (compute capability 10.x or later) and are refused
+elsewhere; its emulated recipes run anywhere (widths and each row's tokens by 32).
 """
 
 from __future__ import annotations
@@ -45,23 +47,30 @@ LINEAR_FLOAT8 = "quantize.linear.float8"
 GROUPED_FLOAT8 = "quantize.grouped_mm.float8"
 LINEAR_MX = "quantize.linear.mx"
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# torchao's MXFP8 recipe names (the ones torchtitan 0.2 passes on): the scales rounded down
+# (floor) or up (rceil) to a power of 2; emulated: MXFP8's rounding around high-precision GEMMs
+MX_RECIPES = ("mxfp8_cublas", "mxfp8_cublas_rceil", "mxfp8_emulated", "mxfp8_emulated_rceil")
+MX_BLOCK = 32  # MXFP8 scales blocks of 32 along each GEMM's contraction
 FLOAT8_ALIGNMENT = 16  # float8 GEMMs need both widths a multiple of 16
 
 
-def float8_section(converters, float8_fields, grouped_fqns=()) -> Float8Section:
+def float8_section(converters, float8_fields, grouped_fqns=(), mx_fields=None) -> Float8Section:
     """The section from a job's `model.converters`, its `quantize.linear.float8` fields (any
-    object with those attributes, or None) and `quantize.grouped_mm.float8.fqns` (a list, or
-    torchtitan's comma-separated string); ValueError naming a field we cannot run."""
+    object with those attributes, or None), `quantize.grouped_mm.float8.fqns` (a list, or
+    torchtitan's comma-separated string) and `quantize.linear.mx` fields (`recipe_name`,
+    `filter_fqns`); ValueError naming a field we cannot run."""
     converters = list(converters or [])
     known = (LINEAR_FLOAT8, GROUPED_FLOAT8, LINEAR_MX)
     unknown = [name for name in converters if name not in known]
     if unknown:
         raise ValueError(f"model.converters {unknown}: titan_hybrid converts {list(known)}")
-    if LINEAR_MX in converters:
-        check_mx_hardware()
-        raise ValueError(f"model.converters '{LINEAR_MX}': MXFP8 training is not wired into "
-                         "titan_hybrid yet; use 'quantize.linear.float8'")
     linear, grouped = LINEAR_FLOAT8 in converters, GROUPED_FLOAT8 in converters
+    if LINEAR_MX in converters:
+        if linear:
+            raise ValueError(f"model.converters names both '{LINEAR_FLOAT8}' and '{LINEAR_MX}': "
+                             "a Linear computes in one of them; choose one")
+        float8 = float8_section([GROUPED_FLOAT8] if grouped else [], float8_fields, grouped_fqns)
+        return dataclasses.replace(float8, **mx_options(mx_fields))
     if not (linear or grouped):
         return Float8Section()
     values = {f.name: getattr(float8_fields, f.name) for f in dataclasses.fields(Float8Section)
@@ -87,23 +96,46 @@ def float8_section(converters, float8_fields, grouped_fqns=()) -> Float8Section:
     return section
 
 
+def mx_options(mx_fields) -> dict:
+    """The MXFP8 Linear fields of the section from `quantize.linear.mx`'s (torchtitan 0.2's
+    recipe names; the non-emulated ones need a Blackwell GPU)."""
+    recipe = getattr(mx_fields, "recipe_name", None) or MX_RECIPES[0]
+    if recipe not in MX_RECIPES:
+        raise ValueError(f"quantize.linear.mx.recipe_name '{recipe}' is not one of {MX_RECIPES}")
+    if not recipe.startswith("mxfp8_emulated"):
+        check_mx_hardware()
+    return dict(enable=True, mx_recipe_name=recipe,
+                filter_fqns=tuple(getattr(mx_fields, "filter_fqns", None) or ()))
+
+
 # Loggers that torchao's import writes to: it tries its C++ extensions, built for another torch
 # than ours, and registers an Enum with torch's pytree (nothing titan_hybrid uses either way).
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
-def torchao_float8():
-    """torchao.float8, imported without its import-time warnings (a user's error message stays
+def torchao_module(name: str = "torchao.float8"):
+    """A torchao module, imported without its import-time warnings (a user's error message stays
     one line)."""
     loggers = [logging.getLogger(name) for name in _IMPORT_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        return importlib.import_module("torchao.float8")
+        return importlib.import_module(name)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def torchao_float8():
+    return torchao_module("torchao.float8")
+
+
+# torchao's MXFP8 training Linear (an nn.Linear computing its three GEMMs in MXFP8), and the
+# options its recipes set
+TORCHAO_MXFP8 = ("torchao.prototype.moe_training.mxfp8_linear",
+                 "torchao.quantization.quantize_.common.kernel_preference",
+                 "torchao.prototype.mx_formats")
 
 
 def check_mx_hardware() -> None:
@@ -121,10 +153,14 @@ def check_float8(section: Float8Section) -> None:
     the CPU's float8 kernel too; torchao's Float8Linear is run there emulated only.)"""
     if section.enable:
         try:
-            torchao_float8()
+            for name in TORCHAO_MXFP8 if section.mx_recipe_name else ("torchao.float8",):
+                torchao_module(name)
         except ImportError:
-            raise ValueError(f"model.converters '{LINEAR_FLOAT8}' needs torchao: pip install "
-                             "'titan_hybrid[fp8]'") from None
+            converter = LINEAR_MX if section.mx_recipe_name else LINEAR_FLOAT8
+            raise ValueError(f"model.converters '{converter}' needs torchao (0.18 for MXFP8): "
+                             "pip install 'titan_hybrid[fp8]'") from None
+    if section.mx_recipe_name:  # its hardware was checked with its recipe
+        section = dataclasses.replace(section, enable=False)
     if section.emulate or not (section.enable or section.grouped_mm):
         return
     if torch.cuda.is_available():
@@ -142,10 +178,11 @@ def check_float8(section: Float8Section) -> None:
 
 
 def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str, str],
-                          filter_fqns: tuple[str, ...]) -> str | None:
+                          filter_fqns: tuple[str, ...], *, filter_field: str = LINEAR_FLOAT8,
+                          alignment: int = FLOAT8_ALIGNMENT) -> str | None:
     """Why the nn.Linear `module` at `fqn` stays in high precision (None: it computes in
     float8). `kind_exceptions`: {FQN prefix: layer kind} of the kinds' high-precision
-    modules."""
+    modules; `alignment`: what both widths must be multiples of (MXFP8's 32-wide blocks)."""
     for prefix, kind in kind_exceptions.items():
         if fqn == prefix or fqn.startswith(prefix + "."):
             return f"as its layer kind ({kind}) keeps it"
@@ -153,10 +190,10 @@ def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str
         return "as the LM head"
     user = [name for name in filter_fqns if name in fqn]
     if user:
-        return f"as quantize.linear.float8.filter_fqns {user} names it"
+        return f"as {filter_field}.filter_fqns {user} names it"
     widths = (module.in_features, module.out_features)
-    if any(width % FLOAT8_ALIGNMENT for width in widths):
-        return f"as its widths {widths} are not multiples of {FLOAT8_ALIGNMENT}"
+    if any(width % alignment for width in widths):
+        return f"as its widths {widths} are not multiples of {alignment}"
     return None
 
 
@@ -175,7 +212,10 @@ def linear_precisions(model: nn.Module, section: Float8Section) -> dict[str, str
     """Every nn.Linear of the model by FQN -> why it stays in high precision, or None when it
     computes in float8."""
     exceptions = kind_exceptions(model)
-    return {fqn: high_precision_reason(fqn, module, exceptions, section.filter_fqns)
+    field, alignment = ((LINEAR_MX, MX_BLOCK) if section.mx_recipe_name
+                        else (LINEAR_FLOAT8, FLOAT8_ALIGNMENT))
+    return {fqn: high_precision_reason(fqn, module, exceptions, section.filter_fqns,
+                                       filter_field=field, alignment=alignment)
             for fqn, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
@@ -202,18 +242,45 @@ def apply_float8(model: nn.Module, section: Float8Section) -> list[str]:
                 converted.append(fqn)
     if not section.enable:
         return converted
-    convert_to_float8_training = torchao_float8().convert_to_float8_training
     precisions = linear_precisions(model, section)
+    if section.mx_recipe_name:
+        return converted + convert_to_mxfp8(model, precisions, section.mx_recipe_name)
+    convert_to_float8_training = torchao_float8().convert_to_float8_training
     convert_to_float8_training(model, config=torchao_float8_config(section),
                                module_filter_fn=lambda module, fqn: (
                                    fqn in precisions and precisions[fqn] is None))
     return converted + [fqn for fqn, reason in precisions.items() if reason is None]
 
 
+def convert_to_mxfp8(model: nn.Module, precisions: dict[str, str | None],
+                     recipe: str) -> list[str]:
+    """Swap the Linear modules that `precisions` leaves to float8 for torchao's MXFP8Linear
+    over the same Parameters, in place; their FQNs."""
+    mxfp8_linear, kernel_preference, mx_formats = (torchao_module(name) for name in TORCHAO_MXFP8)
+    emulated, rounding = recipe.startswith("mxfp8_emulated"), recipe.endswith("_rceil")
+    options = dict(
+        kernel_preference=kernel_preference.KernelPreference[
+            "EMULATED" if emulated else "AUTO"],
+        scale_calculation_mode=mx_formats.ScaleCalculationMode[
+            "RCEIL" if rounding else "FLOOR"])
+    converted = [fqn for fqn, reason in precisions.items() if reason is None]
+    for fqn in converted:
+        linear = model.get_submodule(fqn)
+        parent_fqn, _, name = fqn.rpartition(".")
+        swapped = mxfp8_linear.MXFP8Linear(linear.in_features, linear.out_features,
+                                           bias=linear.bias is not None, device="meta",
+                                           **options)
+        for parameter_name, parameter in linear.named_parameters(recurse=False):
+            swapped.register_parameter(parameter_name, parameter)
+        model.get_submodule(parent_fqn).register_module(name, swapped)
+    return converted
+
+
 def float8_summary(model: nn.Module, section: Float8Section, converted: list[str]) -> str:
     """The start-up lines: how many modules compute in float8, and how; then the Linear
     modules kept in high precision, by reason (a few FQNs each)."""
-    parts = ([f"Linear {section.recipe_name or 'tensorwise'}"] if section.enable else []) + (
+    linear = section.mx_recipe_name or section.recipe_name or "tensorwise"
+    parts = ([f"Linear {linear}"] if section.enable else []) + (
         ["routed experts rowwise"] if section.grouped_mm else [])
     lines = [f"Float8 training: {len(converted)} modules compute in float8 ("
              f"{', '.join(parts)}{', emulated' if section.emulate else ''})"]

@@ -19,7 +19,7 @@ from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.training.float8 import check_float8
+from titan_hybrid.training.float8 import MX_BLOCK, check_float8
 from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.training.run_config import RunConfig
 from titan_hybrid.training.validation import validate_validation_config
@@ -109,6 +109,16 @@ def check_run(run: RunConfig, world_size: int) -> None:
     check_checkpoint(run.checkpoint)
     check_metrics(run.metrics)
     check_float8(run.float8)
+    if run.float8.mx_recipe_name:
+        row_tokens = run.training.seq_len // run.parallelism.context_parallel_degree
+        _require(row_tokens % MX_BLOCK == 0, "training.seq_len", run.training.seq_len,
+                 f"gives {row_tokens} tokens a row on each context-parallel rank, and MXFP8 "
+                 f"(quantize.linear.mx) scales the weight gradients' {MX_BLOCK}-token blocks: "
+                 f"make it a multiple of {MX_BLOCK} per rank")
+        # inductor's CPU code generator has no float8_e8m0fnu (MXFP8's scales); its GPU one has
+        _require(not run.compile.enable or torch.cuda.is_available(), "compile.enable", True,
+                 "with MXFP8 (quantize.linear.mx) needs a GPU: torch.compile's CPU code has no "
+                 "e8m0 scales")
     check_activation_checkpoint(
         run.activation_checkpoint,
         model_compile_enabled=run.compile.enable and "model" in run.compile.components)

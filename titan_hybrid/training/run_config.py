@@ -148,6 +148,9 @@ class Float8Section:
     # all of them when it is empty
     grouped_mm: bool = False
     grouped_mm_fqns: tuple[str, ...] = ()
+    # `quantize.linear.mx` (when `model.converters` names it): the Linear modules in MXFP8 by
+    # this torchao recipe name, not in float8 (`enable` is set; `filter_fqns` are mx's)
+    mx_recipe_name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def run_config(job: TitanJobConfig) -> RunConfig:
         metrics=section_from(MetricsSection, job.metrics),
         hybrid=hybrid,
         float8=float8_section(job.model.converters, job.quantize.linear.float8,
-                              job.quantize.grouped_mm.float8.fqns),
+                              job.quantize.grouped_mm.float8.fqns, job.quantize.linear.mx),
     )
 
 

@@ -75,8 +75,19 @@ class HybridFloat8Linear:
 
 
 @dataclass(kw_only=True, slots=True)
+class HybridMXLinear:
+    """`--quantize.linear.mx.*`: torchtitan 0.2's fields (training/float8.py)."""
+
+    recipe_name: str = "mxfp8_cublas"
+    """mxfp8_cublas, mxfp8_cublas_rceil (Blackwell), mxfp8_emulated or mxfp8_emulated_rceil."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Modules whose FQN contains one of these stay in high precision."""
+
+
+@dataclass(kw_only=True, slots=True)
 class HybridQuantizedLinear:
     float8: HybridFloat8Linear = field(default_factory=HybridFloat8Linear)
+    mx: HybridMXLinear = field(default_factory=HybridMXLinear)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +107,7 @@ class HybridQuantize:
     model spec has no converters; a TOML job's `model.converters` lands here)."""
 
     converters: list[str] = field(default_factory=list)
-    """quantize.linear.float8 and / or quantize.grouped_mm.float8."""
+    """quantize.linear.float8 or quantize.linear.mx, and / or quantize.grouped_mm.float8."""
     linear: HybridQuantizedLinear = field(default_factory=HybridQuantizedLinear)
     grouped_mm: HybridQuantizedGroupedMM = field(default_factory=HybridQuantizedGroupedMM)
 
@@ -171,7 +182,8 @@ def run_from_parts(model: HybridModelArgs, *, flavor: str, dump_folder: str, tra
         metrics=section_from(MetricsSection, metrics),
         hybrid=section_from(HybridSection, hybrid),
         float8=(Float8Section() if quantize is None else float8_section(
-            quantize.converters, quantize.linear.float8, quantize.grouped_mm.float8.fqns)),
+            quantize.converters, quantize.linear.float8, quantize.grouped_mm.float8.fqns,
+            quantize.linear.mx)),
     )
 
 
