@@ -29,9 +29,9 @@ UNDER_0_3 = {
 CASES = [(args, UNDER_0_3.get(" ".join(args), message)) for args, message in BAD_INPUTS]
 CASES += [
     (("--model.converters", "float8"), "model.converters ['float8']: titan_hybrid converts"),
-    (("--quantize.linear.mx.recipe_name", "mxfp8_cublas"),
-     "quantize.linear.mx.recipe_name has no meaning under torchtitan 0.3: titan_hybrid's FP8 is "
-     "quantize.linear.float8"),
+    (("--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "cuda"),
+     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice has no meaning under torchtitan 0.3: "
+     "torchao's MXFP8Linear picks its cast kernels"),
     (("--parallelism.pipeline_parallel_expert_parallel_overlap",),
      "use --parallelism.expert_parallel_overlap"),
     (("--training.stepz", "3"), "unknown flag: --training.stepz (did you mean "
@@ -134,6 +134,7 @@ VALUES = {
     "model.flavor": "debug_moe", "model.converters": "quantize.linear.float8",
     "quantize.linear.float8.recipe_name": "rowwise", "quantize.converters": "quantize.linear.float8",
     "quantize.linear.float8.filter_fqns": "layers.0",
+    "quantize.linear.mx.recipe_name": "mxfp8_emulated",
     "model.hf_assets_path": str(REPO_ROOT / "titan_hybrid" / "assets" / "pydoc_bpe"),
     "parallelism.context_parallel_degree": "2",
     "parallelism.context_parallel_linear_mode": "chunkwise",

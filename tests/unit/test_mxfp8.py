@@ -120,3 +120,9 @@ def test_mxfp8_is_refused_by_name_off_blackwell():
 def test_what_we_cannot_run_is_refused_by_field(converters, recipe, message):
     with pytest.raises(ValueError, match=message):
         float8_section(converters, Fields(emulate=True), (), Fields(recipe_name=recipe))
+
+
+def test_torchtitans_cast_kernel_choice_is_refused_as_without_effect():
+    with pytest.raises(ValueError, match="mxfp8_dim1_cast_kernel_choice 'cuda' has no effect"):
+        float8_section(["quantize.linear.mx"], None, (),
+                       Fields(recipe_name="mxfp8_emulated", mxfp8_dim1_cast_kernel_choice="cuda"))

@@ -42,7 +42,8 @@ NOT_NEEDED_UNDER_0_3 = ("job.description", "job.custom_config_module",
                         "experimental.custom_import", "model.name")
 # Fields (or whole sections, ending in ".") that mean nothing under 0.3, and why.
 NO_MEANING_UNDER_0_3 = {
-    "quantize.linear.mx.": "titan_hybrid's FP8 is quantize.linear.float8",
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": "torchao's MXFP8Linear picks its "
+                                                       "cast kernels",
     "quantize.grouped_mm.mx.": "titan_hybrid's FP8 is quantize.grouped_mm.float8",
     "model.print_after_conversion": "titan_hybrid's model spec converts nothing",
     "model.tokenizer_path": "use --hf_assets_path",

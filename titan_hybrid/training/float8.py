@@ -102,6 +102,10 @@ def mx_options(mx_fields) -> dict:
     recipe = getattr(mx_fields, "recipe_name", None) or MX_RECIPES[0]
     if recipe not in MX_RECIPES:
         raise ValueError(f"quantize.linear.mx.recipe_name '{recipe}' is not one of {MX_RECIPES}")
+    kernel_choice = getattr(mx_fields, "mxfp8_dim1_cast_kernel_choice", "triton")
+    if kernel_choice != "triton":  # torchtitan 0.2's field, its default
+        raise ValueError(f"quantize.linear.mx.mxfp8_dim1_cast_kernel_choice '{kernel_choice}' "
+                         "has no effect: torchao's MXFP8Linear picks its cast kernels")
     if not recipe.startswith("mxfp8_emulated"):
         check_mx_hardware()
     return dict(enable=True, mx_recipe_name=recipe,
