@@ -63,7 +63,7 @@ def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, fl
                  2, marks=pytest.mark.extended),
     (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), 0),
     (MXFP8, (), 1),  # measured 1.4e-6 at step 2, 5.1e-5 at most
-    pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), 1,
+    pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), 0,
                  marks=pytest.mark.extended),
 ])
 def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tmp_path, float8,
