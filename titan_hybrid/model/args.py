@@ -21,6 +21,7 @@ from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GDNArgs
+from titan_hybrid.model.kda import KDAArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mamba import MambaArgs
@@ -30,7 +31,7 @@ from titan_hybrid.model.moe import MoEArgs
 from titan_hybrid.model.pattern import HybridPattern, parse_hybrid_pattern
 
 __all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
-           "DeepseekV4CompressedAttentionArgs", "GDNArgs", "HybridModelArgs", "MLAArgs", "MLPArgs",
+           "DeepseekV4CompressedAttentionArgs", "GDNArgs", "HybridModelArgs", "KDAArgs", "MLAArgs", "MLPArgs",
            "MambaArgs", "MoEArgs", "hybrid_flavors", "resolve_model_args"]
 
 
@@ -77,6 +78,7 @@ class HybridModelArgs:
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
+    kda: KDAArgs = field(default_factory=KDAArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
@@ -171,6 +173,7 @@ def _debug() -> HybridModelArgs:
         mlp=MLPArgs(hidden_dim=512),
         mamba=MambaArgs(d_state=32, head_dim=32, n_groups=2, chunk_size=64),
         gdn=GDNArgs(key_head_dim=64, value_head_dim=64, n_key_heads=2, n_value_heads=4),
+        kda=KDAArgs(head_dim=32, n_heads=4),
         moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, shared_expert_hidden_dim=256),
     )
 
@@ -203,6 +206,7 @@ def _gpu_sized(pattern: str) -> HybridModelArgs:
         mlp=MLPArgs(hidden_dim=8192),
         mamba=MambaArgs(d_state=128, head_dim=64, n_groups=8, chunk_size=128),
         gdn=GDNArgs(key_head_dim=128, value_head_dim=128, n_key_heads=8, n_value_heads=16),
+        kda=KDAArgs(head_dim=128, n_heads=16),
         moe=MoEArgs(num_experts=16, top_k=2, hidden_dim=1024, shared_expert_hidden_dim=2048),
     )
 
@@ -220,6 +224,7 @@ hybrid_flavors = FlavorRegistry({
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
     # Multi-latent attention (DeepSeek-V3) and DeepSeek sparse attention (V3.2) hybrids.
     "debug_mla": dataclasses.replace(_debug(), pattern="M+-M+-"),
+    "debug_kda": dataclasses.replace(_debug(), pattern="MK-*K-"),
     "debug_dsa": dataclasses.replace(_debug(), pattern="MD-MD-"),
     # DeepSeek-V4's sliding-window attention hybrid.
     "debug_v4": dataclasses.replace(_debug(), pattern="MW-MW-"),

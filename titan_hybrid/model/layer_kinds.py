@@ -19,6 +19,7 @@ from titan_hybrid.model import (
     deepseek_v4_hca,
     dsa,
     gdn,
+    kda,
     mamba,
     mla,
     mlp,
@@ -27,7 +28,7 @@ from titan_hybrid.model import (
 from titan_hybrid.model.layer_kind import LayerKind
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, attention.KIND, mla.KIND, dsa.KIND,
+    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, kda.KIND, attention.KIND, mla.KIND, dsa.KIND,
                                    deepseek_v4.KIND, deepseek_v4_csa.KIND, deepseek_v4_hca.KIND, mlp.KIND,
                                    moe.KIND)
 }

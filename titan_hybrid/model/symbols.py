@@ -26,6 +26,9 @@ class LayerSymbol:
 SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
     LayerSymbol(symbol="M", name="mamba", title="Mamba2", namespace=MIXER),
     LayerSymbol(symbol="G", name="gdn", title="gated DeltaNet", namespace=SELF_ATTENTION),
+    # Megatron builds `K` like `G`, a TransformerLayer whose self_attention is the mixer
+    # (hybrid_layer_allocation.py, hybrid_block.py of its dev branch), outside the MLA family.
+    LayerSymbol(symbol="K", name="kda", title="Kimi delta attention", namespace=SELF_ATTENTION),
     LayerSymbol(symbol="*", name="attention", title="self-attention", namespace=SELF_ATTENTION),
     LayerSymbol(symbol="+", name="mla", title="multi-latent attention",
                 namespace=SELF_ATTENTION),
