@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tests.triton_kernels import kernels_on
 from titan_hybrid.model.args import GDNArgs, MambaArgs
 from titan_hybrid.model.gdn import GatedDeltaNet
+from titan_hybrid.model.kda import KDAArgs, KimiDeltaAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.parallel.context_parallel_chunkwise import (
@@ -75,12 +76,29 @@ def gdn_inputs(dtype, seq_len=48, seed=0):
                                        for t in (qkv, alpha, beta, *params)]
 
 
+def kda_inputs(dtype, seq_len=48, seed=0):
+    torch.manual_seed(seed)
+    mixer = KimiDeltaAttention(dim=32, args=KDAArgs(head_dim=8, n_heads=4))
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.5, out_std=0.5)
+    mixer.to(dtype)
+    qkv, f = torch.randn(2, seq_len, 96, dtype=dtype), torch.randn(2, seq_len, 32, dtype=dtype)
+    beta = torch.randn(2, seq_len, 4, dtype=dtype)
+    conv_weight = torch.cat([mixer.get_submodule(f"{name}_conv1d").weight for name in "qkv"])
+    params = [conv_weight.squeeze(1).detach(), mixer.A_log.detach(), mixer.dt_bias.detach()]
+    return mixer.conv_and_delta_rule, [t.clone().requires_grad_()
+                                       for t in (qkv, f, beta, *params)]
+
+
 # Each kind: its inputs, its chunkwise wrapper, and the names of (output, *inputs).
 KINDS = {
     "mamba": (mamba_inputs, ChunkwiseConvAndScan,
               ["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias"]),
     "gdn": (gdn_inputs, ChunkwiseConvAndDeltaRule,
             ["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"]),
+    # KDA's transition is GDN's with a decay per key channel: the same wrapper
+    "kda": (kda_inputs, ChunkwiseConvAndDeltaRule,
+            ["o", "qkv", "f", "beta", "conv_weight", "A_log", "dt_bias"]),
 }
 
 

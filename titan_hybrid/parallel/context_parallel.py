@@ -7,7 +7,7 @@ sequence get their core wrapped:
   DSA's indexer keys), with their positions / documents, are all-gathered over the CP group;
   local queries attend to them under the exact causal, in-document mask, which compares row
   positions rather than tensor indices, so the zigzag order needs no special case;
-- Mamba2 and GDN, `context_parallel_linear_mode` "head_a2a": an all-to-all trades the
+- Mamba2, GDN and KDA, `context_parallel_linear_mode` "head_a2a": an all-to-all trades the
   sequence shard of every head for the whole sequence of 1/cp of the heads; the conv and the
   scan then run on complete sequences, restored to row order, and a second all-to-all trades
   back. The per-head parameters (conv channels, A_log, D, dt_bias) are sliced to the rank's
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca, gdn, mamba
+from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca, gdn, kda, mamba
 from titan_hybrid.model.layer_kind import ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
@@ -219,6 +219,36 @@ class ContextParallelConvAndDeltaRule(nn.Module):
         return exchange.to_sequence(o)
 
 
+class ContextParallelKDAConvAndDeltaRule(nn.Module):
+    """KDA's core (model/kda.py): GDN's exchange with one head count for q, k and v, and the
+    forget gate's pre-activation per key channel in place of GDN's alpha per head."""
+
+    def __init__(self, core: nn.Module, group) -> None:
+        super().__init__()
+        self.core, self.group = core, group
+
+    def forward(self, qkv, f, beta, conv_weight, A_log, dt_bias, layout):
+        head_dim = self.core.args.head_dim
+        exchange = _SequenceToHeads(_require_positions(layout), self.group)
+        n_heads = A_log.shape[0]
+
+        def channels(rank: int) -> torch.Tensor:  # [q | k | v | f | beta] of the rank
+            heads, _ = heads_of_rank(n_heads, n_heads, exchange.cp, rank)
+            return _channels([(head_dim, heads, n_heads)] * 4 + [(1, heads, n_heads)])
+
+        received = exchange.to_heads(torch.cat((qkv, f, beta), -1),
+                                     [channels(r) for r in range(exchange.cp)])
+        heads, _ = heads_of_rank(n_heads, n_heads, exchange.cp, exchange.rank)
+        width = len(heads) * head_dim
+        conv_channels = channels(exchange.rank)[:3 * width].to(qkv.device)
+        gate_channels = torch.arange(heads.start * head_dim, heads.stop * head_dim,
+                                     device=qkv.device)
+        o = self.core(received[..., :3 * width], received[..., 3 * width:4 * width],
+                      received[..., 4 * width:], conv_weight[conv_channels],
+                      A_log[heads.start:heads.stop], dt_bias[gate_channels], exchange.layout)
+        return exchange.to_sequence(o)
+
+
 # The wrapper of the sequence-mixing core of each kind without a gather rule, by the kind's
 # ContextParallelRule, for each `context_parallel_linear_mode`: Mamba2 and GDN exchange heads
 # for sequence (head_a2a) or pass states between sequence pieces (chunkwise,
@@ -228,6 +258,7 @@ class ContextParallelConvAndDeltaRule(nn.Module):
 CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ContextParallelConvAndScan,
     gdn.KIND.context_parallel: ContextParallelConvAndDeltaRule,
+    kda.KIND.context_parallel: ContextParallelKDAConvAndDeltaRule,
     deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
     deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
     deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
@@ -235,6 +266,7 @@ CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
 CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
     mamba.KIND.context_parallel: ChunkwiseConvAndScan,
     gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
+    kda.KIND.context_parallel: ChunkwiseConvAndDeltaRule,  # the same transition, per channel
     deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
     deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
     deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
