@@ -24,6 +24,7 @@ from titan_hybrid.model.args import (
     DeepseekV4SparseAttentionArgs,
     DSAArgs,
     GDNArgs,
+    KDAArgs,
     MambaArgs,
     MLAArgs,
     MLPArgs,
@@ -50,6 +51,7 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
         mlp=MLPArgs(hidden_dim=24),
         mamba=MambaArgs(d_state=4, head_dim=8, n_groups=mamba_groups, chunk_size=8),
         gdn=GDNArgs(key_head_dim=8, value_head_dim=6, n_key_heads=2, n_value_heads=4),
+        kda=KDAArgs(head_dim=8, n_heads=4),
         # a 6-token window over 8-token pieces: most windows reach into the piece before
         window_attention=DeepseekV4AttentionArgs(n_heads=4, head_dim=8, rope_head_dim=4,
                                                  q_lora_rank=16, o_groups=2, o_lora_rank=6,

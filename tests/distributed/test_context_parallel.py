@@ -22,9 +22,9 @@ def _check(results):
 
 def test_cp2_layers_match_one_device():
     """Mamba (4 heads, 2 groups per rank pair), GDN, attention and MLP; MLA and DSA (6 of up
-    to 32 keys per query, with the indexer's loss); plain and packed rows."""
-    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-", nproc=2)
-    assert list(results) == ["M*G-M", "M+-D-"]
+    to 32 keys per query, with the indexer's loss); KDA; plain and packed rows."""
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MK-*K-", nproc=2)
+    assert list(results) == ["M*G-M", "M+-D-", "MK-*K-"]
     _check(results)
 
 
@@ -84,14 +84,14 @@ def test_trainer_pp2_x_cp2_matches_one_process(tmp_path, reference_run):
 # ---- chunkwise state passing (--parallelism.context_parallel_linear_mode chunkwise)
 
 def test_cp2_chunkwise_layers_match_one_device():
-    """Mamba and GDN with state passing between pieces, next to attention, MLA and DSA;
+    """Mamba, GDN and KDA with state passing between pieces, next to attention, MLA and DSA;
     packed rows zigzagged as a whole, so documents start inside pieces, exactly at a piece's
     start, and span several pieces and both ranks."""
-    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-,MC-MH-W-", "--linear-mode",
-                         "chunkwise", nproc=2)
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-,MC-MH-W-,MK-*K-",
+                         "--linear-mode", "chunkwise", nproc=2)
     # MW-: DeepSeek-V4's window key halo; MC-MH-W-: its compressors' rows gathered (blocks
-    # straddling pieces, C's top-k and trained indexer).
-    assert list(results) == ["M*G-M", "M+-D-", "MW-", "MC-MH-W-"]
+    # straddling pieces, C's top-k and trained indexer); MK-*K-: KDA's state passing.
+    assert list(results) == ["M*G-M", "M+-D-", "MW-", "MC-MH-W-", "MK-*K-"]
     _check(results)
 
 
@@ -127,7 +127,7 @@ def test_trainer_cp2_chunkwise_matches_one_process(tmp_path, reference_run):
     single = reference_run(*ODD_HEADS)
     cp = run_training(tmp_path, *ODD_HEADS, *CHUNKWISE,
                       "--parallelism.context_parallel_degree", "2", nproc=2).check()
-    assert "Mamba2 / GDN: chunkwise" in cp.output
+    assert "Mamba2 / GDN / KDA: chunkwise" in cp.output
     _assert_same_curve(single, cp)
 
 

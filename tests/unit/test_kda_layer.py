@@ -133,3 +133,23 @@ def test_full_rank_gates_are_megatrons_layout():
     x = torch.randn(1, 70, DIM, dtype=torch.float64)
     torch.testing.assert_close(full(x), low(x), atol=1e-12, rtol=1e-10)
     assert full.f_proj.weight.shape == (HEADS * HEAD_DIM, DIM)
+
+
+@pytest.mark.parametrize("gate_lower_bound", [0.0, -5.0])
+def test_the_layer_compiles_as_one_graph(gate_lower_bound):
+    """fullgraph (aot_eager), forward and backward equal to eager bit for bit; with the op's
+    strided gradients flowing back through the gate."""
+    torch.manual_seed(3)
+    layer = KimiDeltaAttention(dim=DIM, args=KDAArgs(head_dim=HEAD_DIM, n_heads=HEADS,
+                                                     gate_lower_bound=gate_lower_bound))
+    with torch.no_grad():
+        layer.init_weights(init_std=0.1, out_std=0.1)
+    x = torch.randn(2, 70, DIM)
+    eager = run(layer, x)
+    eager_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    compiled = run(torch.compile(layer, backend="aot_eager", fullgraph=True), x)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    for param, grad in zip(layer.parameters(), eager_grads):
+        assert torch.equal(param.grad, grad)

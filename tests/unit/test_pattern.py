@@ -23,7 +23,7 @@ def _raises(pattern, *fragments):
 
 def test_symbol_names():
     assert {symbol: spec.name for symbol, spec in SYMBOLS.items()} == {
-        "M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa",
+        "M": "mamba", "G": "gdn", "K": "kda", "*": "attention", "+": "mla", "D": "dsa",
         "W": "window_attention", "C": "compressed_sparse_attention",
         "H": "heavily_compressed_attention", "-": "mlp", "E": "moe"}
 
@@ -180,6 +180,9 @@ def test_self_attention_cannot_share_a_model_with_the_mla_family(pattern, char, 
     # the DeepSeek-V4 kinds share the self_attention namespace
     ("[CH]", "H", 2, "C", 1, "self_attention", "[CH]"),
     ("M[MW-C]", "C", 5, "W", 3, "self_attention", "[MW-C]"),
+    # KDA is built like GDN: a self_attention layer
+    ("[KG]", "G", 2, "K", 1, "self_attention", "[KG]"),
+    ("[M*K]", "K", 3, "*", 2, "self_attention", "[M*K]"),
 ])
 def test_a_group_holds_one_layer_per_checkpoint_namespace(pattern, char, pos, first,
                                                           first_pos, namespace, group):
@@ -189,8 +192,11 @@ def test_a_group_holds_one_layer_per_checkpoint_namespace(pattern, char, pos, fi
             f"'{namespace}'")
 
 
+# KDA (outside the MLA family) mixes with * and with + / D (Kimi Linear, GLM-5.3-Flash), and
+# takes an MTP depth
 @pytest.mark.parametrize("pattern", ["[M*-]", "[MGE]", "[M+E]", "M[M*]-", "G[M*]E-/*E",
-                                     "[MD-]|[G-]/+-"])
+                                     "[MD-]|[G-]/+-", "MK-*K-", "KKK+E/+E", "[KE]D-/K-",
+                                     "MK*G-"])
 def test_groups_of_one_layer_per_namespace_pass(pattern):
     parse_hybrid_pattern(pattern)
 

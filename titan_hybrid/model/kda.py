@@ -76,6 +76,13 @@ class SigmoidGatedHeadRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """softplus as elementwise primitives (transformers' form: x itself above 20). F.softplus's
+    backward declares other output strides to the compiler than its CPU kernel gives when the
+    incoming gradient is strided (the op's is), which breaks torch.compile's backward."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+
+
 class KDAConvAndDeltaRule(ConvAndDeltaRule):
     """GDN's time-axis part (model/gdn.py: one causal conv over [q | k | v], SiLU, the delta
     rule) with KDA's gate: the forget gate's pre-activation f [B, T, H*K] stands in for GDN's
@@ -83,14 +90,16 @@ class KDAConvAndDeltaRule(ConvAndDeltaRule):
 
     def delta_rule_inputs(self, qkv_BTC, f_BTC, beta_BTH, A_log, dt_bias):
         """(q, k [B, T, H, K], v [B, T, H, K], log-decay g [B, T, H, K], beta [B, T, H])."""
-        q, k, v = (x.unflatten(-1, (-1, self.args.head_dim)) for x in qkv_BTC.chunk(3, -1))
+        # reshape, not a view: under compile the op's gradients may come back strided
+        heads = (*qkv_BTC.shape[:-1], -1, self.args.head_dim)
+        q, k, v = (x.reshape(heads) for x in qkv_BTC.chunk(3, -1))
         # fp32: exp of long cumulative sums of these is taken inside the op
-        f = (upcast(f_BTC) + upcast(dt_bias)).unflatten(-1, q.shape[-2:])
+        f = (upcast(f_BTC) + upcast(dt_bias)).reshape(heads)
         A = torch.exp(upcast(A_log))[:, None]  # [H, 1]
         if self.args.gate_lower_bound < 0:
             g = self.args.gate_lower_bound * torch.sigmoid(A * f)
         else:
-            g = -A * F.softplus(f)
+            g = -A * _softplus(f)
         return q, k, v, g, torch.sigmoid(upcast(beta_BTH))
 
     @staticmethod

@@ -88,7 +88,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         linear_mode = run.parallelism.context_parallel_linear_mode
         apply_context_parallel(model, parallel_dims.get_mesh("cp").get_group(), linear_mode)
         logger.info(f"Applied context parallel over {parallel_dims.cp} ranks (zigzag; Mamba2 "
-                    f"/ GDN: {linear_mode})")
+                    f"/ GDN / KDA: {linear_mode})")
     if parallel_dims.ep_enabled:
         plan.expert_dispatchers = apply_expert_parallel(model, expert_meshes(parallel_dims)[0])
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
