@@ -196,6 +196,15 @@ gated_delta_rule_fwd = Launcher(
 gated_delta_rule_bwd = Launcher(
     "fla", _GATED_DELTA, "chunk_gated_delta_rule_bwd",
     keywords=("q", "k", "v", "g", "beta", "A", "do", "dht") + _DELTA_OPTIONS)
+# ... and what its ChunkKDAFunction calls (the gate and beta computed outside, l2norm apart).
+# Forward -> (o, final_state, g cumulative (base 2), Aqk, Akk, then the residuals it recomputes
+# in backward: None); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log, ddt_bias).
+_KDA_OPTIONS = ("scale", "initial_state", "cu_seqlens", "chunk_indices", "chunk_size")
+kda_fwd = Launcher("fla", "fla.ops.kda.chunk_fwd", "chunk_kda_fwd",
+                   keywords=("q", "k", "v", "g", "beta", "output_final_state") + _KDA_OPTIONS)
+kda_bwd = Launcher("fla", "fla.ops.kda.chunk_bwd", "chunk_kda_bwd",
+                   keywords=("q", "k", "v", "beta", "Aqk", "Akk", "do", "dht", "g")
+                   + _KDA_OPTIONS)
 l2norm_fwd = Launcher("fla", _L2NORM, "l2norm_fwd", ("x",))
 l2norm_bwd = Launcher("fla", _L2NORM, "l2norm_bwd", ("y", "rstd", "dy"))
 prepare_chunk_indices = Launcher("fla", "fla.ops.utils.index", "prepare_chunk_indices",
@@ -209,7 +218,7 @@ causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function
     "return_dinitial_states", "silu_activation"))
 
 LAUNCHERS = (ssd_scan_fwd, ssd_scan_bwd, gated_rms_norm_fwd, gated_rms_norm_bwd,
-             gated_delta_rule_fwd, gated_delta_rule_bwd, l2norm_fwd, l2norm_bwd,
+             gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, l2norm_fwd, l2norm_bwd,
              prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 
 

@@ -54,14 +54,18 @@ import math
 import torch
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.delta_rule_documents import (
+    chunk_indices,
+    document_masks,
+    exp_where,
+    l2norm,
+    one_row,
+    rows_as_documents,
+    states_of_documents,
+)
 from titan_hybrid.ops.kernels import use_kernel
 
 CHUNK_SIZE = 64
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    # eps inside the sqrt (as fla): an all-zero vector, e.g. padding, maps to zero, not NaN
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
 def _num_seqs(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
@@ -143,39 +147,6 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
                                        use_qk_l2norm_in_kernel, chunk_size)
 
 
-def _exp_where(log_decay: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """exp(log_decay) where `keep`, exactly 0 elsewhere: -inf before exp, not a product after,
-    so an entry that would overflow can give neither inf nor (inf * 0) NaN, also in backward."""
-    if keep is None:
-        return log_decay.exp()
-    return log_decay.masked_fill(~keep, -math.inf).exp()
-
-
-def _document_masks(seq_idx_BT: torch.Tensor, n_chunks: int, chunk_size: int):
-    """Which terms of the chunk equations survive document starts (module docstring), for
-    `seq_idx` [B, T] cut into n_chunks chunks. Returns, shaped to broadcast over heads:
-    same_doc_JB1QQ (pairs j <= i of one document), from_entering_JB1Q (tokens S0 reaches),
-    in_last_JB1Q (tokens of the chunk's last document) and carries_JB111 (no start inside)."""
-    B, T = seq_idx_BT.shape
-    Q = chunk_size
-    # Count the starts rather than compare ids: a later document reusing an id stays apart.
-    # The position before the row counts as its first document (number 0).
-    starts_BT = seq_idx_BT[:, 1:] != seq_idx_BT[:, :-1]
-    doc_BT = torch.cat((starts_BT.new_zeros(B, 1), starts_BT), 1).cumsum(1)
-    # Padding tokens (zeros: they change no state) join the row's last document.
-    doc_BT = torch.cat((doc_BT, doc_BT[:, -1:].expand(B, n_chunks * Q - T)), 1)
-    doc_JBQ = doc_BT.view(B, n_chunks, Q).transpose(0, 1)
-    last_JB = doc_JBQ[..., -1]
-    entering_JB = torch.cat((last_JB.new_zeros(1, B), last_JB[:-1]))  # S0's document
-    causal_QQ = torch.ones(Q, Q, dtype=torch.bool, device=seq_idx_BT.device).tril()
-    same_doc_JBQQ = (doc_JBQ[..., :, None] == doc_JBQ[..., None, :]) & causal_QQ
-    from_entering_JBQ = doc_JBQ == entering_JB[..., None]
-    in_last_JBQ = doc_JBQ == last_JB[..., None]
-    carries_JB = last_JB == entering_JB
-    return (same_doc_JBQQ[:, :, None], from_entering_JBQ[:, :, None], in_last_JBQ[:, :, None],
-            carries_JB[:, :, None, None, None])
-
-
 def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                             cu_seqlens, seq_idx, use_qk_l2norm_in_kernel, chunk_size):
     n_seqs = _num_seqs(q, v, cu_seqlens, initial_state, seq_idx)
@@ -188,7 +159,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), v.dtype
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q = q * scale
 
     # Every sequence is padded to whole chunks with zeros: a zero token (g = 0, k = 0, beta = 0)
@@ -220,11 +191,11 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
         pairs_QQ = torch.ones(Q, Q, dtype=torch.bool, device=q.device).tril()
         from_entering = in_last = carries = None  # every term survives
     else:
-        pairs_QQ, from_entering, in_last, carries = _document_masks(seq_idx, n_chunks, Q)
+        pairs_QQ, from_entering, in_last, carries = document_masks(seq_idx, n_chunks, Q)
     # exp(G_i - G_j) is a decay (<= 1) only for i >= j; above the diagonal it can overflow, so
-    # it is masked before exp (_exp_where)
+    # it is masked before exp (exp_where)
     log_decay_JBHQQ = G_JBHQ[..., :, None] - G_JBHQ[..., None, :]
-    decay_JBHQQ = _exp_where(log_decay_JBHQQ, pairs_QQ)
+    decay_JBHQQ = exp_where(log_decay_JBHQQ, pairs_QQ)
     A_JBHQQ = (k_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ * beta_JBHQ[..., None]
     # (I + A)^-1 by a triangular solve (backward stable; a Neumann series would cancel badly).
     # unitriangular: the diagonal is taken as 1 and only the strict lower part of A is read.
@@ -236,12 +207,12 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final
     # before the exp's backward, another rounding of dg, and runs without documents would no
     # longer repeat their earlier loss curves bit for bit.
     W_JBHQV = T_JBHQQ @ (v_JBHQV * beta_JBHQ[..., None])
-    KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * _exp_where(G_JBHQ, from_entering))[..., None])
+    KC_JBHQK = T_JBHQQ @ (k_JBHQK * (beta_JBHQ * exp_where(G_JBHQ, from_entering))[..., None])
     P_JBHQQ = (q_JBHQK @ k_JBHQK.transpose(-1, -2)) * decay_JBHQQ
-    q_dec_JBHQK = q_JBHQK * _exp_where(G_JBHQ, from_entering)[..., None]
-    decay_out_JBHQ = _exp_where(G_JBHQ[..., -1:] - G_JBHQ, in_last)  # each token to the exit
+    q_dec_JBHQK = q_JBHQK * exp_where(G_JBHQ, from_entering)[..., None]
+    decay_out_JBHQ = exp_where(G_JBHQ[..., -1:] - G_JBHQ, in_last)  # each token to the exit
     k_dec_JBHKQ = (k_JBHQK * decay_out_JBHQ[..., None]).transpose(-1, -2)
-    gamma_JBH11 = _exp_where(G_JBHQ[..., -1, None, None], carries)
+    gamma_JBH11 = exp_where(G_JBHQ[..., -1, None, None], carries)
 
     if initial_state is None:
         initial_state = q.new_zeros(n_seqs, H, K, V)
@@ -287,7 +258,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     S_BHKV = (q.new_zeros(n_seqs, H, K, v.shape[-1]) if initial_state is None
               else initial_state.to(q.dtype))
     outs = []
@@ -314,38 +285,6 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # op is opaque to torch.compile): every op input and output keeps its [B, T] shape.
 
 
-def _chunk_indices(cu_seqlens):
-    if cu_seqlens is None:
-        return None
-    return kernel_packages.prepare_chunk_indices(cu_seqlens, CHUNK_SIZE)
-
-
-def _rows_as_documents(seq_idx_BT: torch.Tensor):
-    """The B rows laid end to end as N documents (each row's first token starts one):
-    (cu_seqlens [N+1] int64, first_B, last_B), first_B / last_B the numbers among the N of
-    each row's first and last document."""
-    B, T = seq_idx_BT.shape
-    starts_BT = torch.ones(B, T, dtype=torch.bool, device=seq_idx_BT.device)
-    starts_BT[:, 1:] = seq_idx_BT[:, 1:] != seq_idx_BT[:, :-1]
-    boundaries = starts_BT.flatten().nonzero().flatten()
-    cu_seqlens = torch.cat((boundaries, boundaries.new_tensor([B * T])))
-    docs_in_row_B = starts_BT.sum(1)
-    docs_through_row_B = docs_in_row_B.cumsum(0)
-    return cu_seqlens, docs_through_row_B - docs_in_row_B, docs_through_row_B - 1
-
-
-def _one_row(*tensors_BT):
-    """[B, T, ...] -> [1, B*T, ...] (None stays None)."""
-    return [None if x is None else x.flatten(0, 1)[None] for x in tensors_BT]
-
-
-def _states_of_documents(states_B, index_B, n_docs):
-    """Row states placed at their documents among n_docs, zeros for the others."""
-    if states_B is None:
-        return None
-    return states_B.new_zeros((n_docs,) + states_B.shape[1:]).index_copy(0, index_B, states_B)
-
-
 @torch.library.custom_op("titan_hybrid::fla_gated_delta_fwd", mutates_args=())
 def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
@@ -356,9 +295,9 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
     B, T = q.shape[:2]
     if seq_idx is not None:
-        cu_seqlens, first_doc_B, last_doc_B = _rows_as_documents(seq_idx)
-        initial_state = _states_of_documents(initial_state, first_doc_B, cu_seqlens.numel() - 1)
-        q, k, v, g, beta = _one_row(q, k, v, g, beta)
+        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
+        initial_state = states_of_documents(initial_state, first_doc_B, cu_seqlens.numel() - 1)
+        q, k, v, g, beta = one_row(q, k, v, g, beta)
     residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
     if use_qk_l2norm:
         q, q_rstd = kernel_packages.l2norm_fwd(q)
@@ -367,7 +306,7 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     g_cum, o, A, final_state, _, _ = kernel_packages.gated_delta_rule_fwd(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+        chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
     if seq_idx is not None:  # back to rows
         o, g_cum, A = (x.view(B, T, *x.shape[2:]) for x in (o, g_cum, A))
         if use_qk_l2norm:
@@ -404,19 +343,19 @@ def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tenso
     v_used, beta_used, initial_used = v, beta, initial_state
     B, T = q.shape[:2]
     if seq_idx is not None:
-        cu_seqlens, first_doc_B, last_doc_B = _rows_as_documents(seq_idx)
+        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
         n_docs = cu_seqlens.numel() - 1
-        initial_used = _states_of_documents(initial_state, first_doc_B, n_docs)
+        initial_used = states_of_documents(initial_state, first_doc_B, n_docs)
         # only each row's last document reaches the row's final state
-        dfinal_state = _states_of_documents(dfinal_state, last_doc_B, n_docs)
-        q_used, k_used, v_used, beta_used, g_cum, A, do = _one_row(
+        dfinal_state = states_of_documents(dfinal_state, last_doc_B, n_docs)
+        q_used, k_used, v_used, beta_used, g_cum, A, do = one_row(
             q_used, k_used, v, beta, g_cum, A, do)
         if use_qk_l2norm:
-            q_rstd, k_rstd = _one_row(q_rstd, k_rstd)
+            q_rstd, k_rstd = one_row(q_rstd, k_rstd)
     dq, dk, dv, dbeta, dg, dh0, _, _ = kernel_packages.gated_delta_rule_bwd(
         q=q_used, k=k_used, v=v_used, g=g_cum, beta=beta_used, A=A, scale=scale,
         initial_state=initial_used, do=do.contiguous(), dht=dfinal_state,
-        cu_seqlens=cu_seqlens, chunk_indices=_chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
     if use_qk_l2norm:
         dq = kernel_packages.l2norm_bwd(q_used, q_rstd, dq)
         dk = kernel_packages.l2norm_bwd(k_used, k_rstd, dk)

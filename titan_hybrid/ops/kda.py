@@ -39,9 +39,20 @@ import math
 
 import torch
 
-from titan_hybrid.ops.gated_delta import _document_masks, _exp_where, _l2norm
+from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.delta_rule_documents import (
+    FLA_CHUNK_SIZE,
+    chunk_indices,
+    document_masks,
+    exp_where,
+    l2norm,
+    one_row,
+    rows_as_documents,
+    states_of_documents,
+)
+from titan_hybrid.ops.kernels import use_kernel
 
-CHUNK_SIZE = 64
+CHUNK_SIZE = FLA_CHUNK_SIZE
 SUB_CHUNK_SIZE = 16
 
 
@@ -64,7 +75,20 @@ def _check(q, k, v, g, beta, initial_state, seq_idx) -> None:
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, *, seq_idx=None):
     """q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H]; g is the log-decay (<= 0) per key
-    channel. Returns (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] or None)."""
+    channel. Returns (o [B,T,H,V] in v's dtype, final_state [B,H,K,V] or None). fla's Triton
+    kernels when `titan_hybrid.ops.kernels.use_kernel` says so (CUDA tensors with fla
+    installed and probed, or inside `force_kernels()`), else `chunk_kda_torch`."""
+    _check(q, k, v, g, beta, initial_state, seq_idx)
+    if use_kernel(v, "fla"):
+        # fla's dots need one dtype for q, k and v; its states and decays are float32
+        q, k = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous()
+        o, final_state, *_ = _kda_fwd(
+            q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(),
+            q.shape[-1] ** -0.5 if scale is None else float(scale),
+            None if initial_state is None else initial_state.float().contiguous(),
+            output_final_state, None if seq_idx is None else seq_idx.contiguous(),
+            use_qk_l2norm_in_kernel)
+        return o, (final_state if output_final_state else None)
     return chunk_kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, seq_idx=seq_idx)
@@ -93,7 +117,7 @@ def _decayed_products(x_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size):
     # Pairs in one sub-chunk: [..., N, S, S, K] decays, -inf above the diagonal before exp.
     x_NSK, k_NSK, G_NSK = (t.unflatten(-2, (N, S)) for t in (x_JBHQK, k_JBHQK, G_JBHQK))
     causal_SS = torch.ones(S, S, dtype=torch.bool, device=x_JBHQK.device).tril()
-    decay_NSSK = _exp_where(G_NSK[..., :, None, :] - G_NSK[..., None, :, :],
+    decay_NSSK = exp_where(G_NSK[..., :, None, :] - G_NSK[..., None, :, :],
                             causal_SS[..., None])
     within_NSS = torch.einsum("...ik,...jk,...ijk->...ij", x_NSK, k_NSK, decay_NSSK)
     out = _block_diagonal(within_NSS)
@@ -103,7 +127,7 @@ def _decayed_products(x_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size):
     G_end_NK = G_NSK[..., -1, :]  # [..., N, K]
     row_sub_Q = torch.arange(Q, device=x_JBHQK.device) // S
     after_NQ = row_sub_Q[None, :] > torch.arange(N, device=x_JBHQK.device)[:, None]
-    left_NQK = x_JBHQK[..., None, :, :] * _exp_where(
+    left_NQK = x_JBHQK[..., None, :, :] * exp_where(
         G_JBHQK[..., None, :, :] - G_end_NK[..., :, None, :], after_NQ[..., None])
     right_NSK = k_NSK * (G_end_NK[..., :, None, :] - G_NSK).exp()
     across_NQS = left_NQK @ right_NSK.transpose(-1, -2)  # column block n of the [Q, Q]
@@ -126,7 +150,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_i
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), v.dtype
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q = q * scale
 
     # Padded to whole chunks with zero tokens (g = 0, k = 0, beta = 0: the state unchanged).
@@ -143,7 +167,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_i
     if seq_idx is None:
         same_doc = from_entering = in_last = carries = None  # every term survives
     else:
-        same_doc, from_entering, in_last, carries = _document_masks(seq_idx, n_chunks, Q)
+        same_doc, from_entering, in_last, carries = document_masks(seq_idx, n_chunks, Q)
         from_entering, in_last = from_entering[..., None], in_last[..., None]
     A_JBHQQ = _decayed_products(k_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size) * beta_JBHQ[..., None]
     P_JBHQQ = _decayed_products(q_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size)
@@ -188,7 +212,7 @@ def recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     S_BHKV = (q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None
               else initial_state.to(q.dtype))
     outs = []
@@ -203,3 +227,124 @@ def recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
         outs.append(torch.einsum("bhkv,bhk->bhv", S_BHKV, q[:, t] * scale))
     o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)
     return o.to(v.dtype), (S_BHKV if output_final_state else None)
+
+
+# ---- fla's KDA kernels as torch.library custom ops (opaque to torch.compile), as
+# gated_delta.py wraps fla's gated delta rule: the forward and backward are fla's chunk_kda_fwd
+# / chunk_kda_bwd with l2norm_fwd / _bwd (internals, checked on fla 0.6.0:
+# titan_hybrid.compat.kernel_packages), called as its ChunkKDAFunction calls them with the gate
+# and beta computed outside; its residuals (l2-normalised q and k with their reciprocal norms,
+# the chunk-local cumulative decay in base 2, the intra-chunk matrices Aqk and Akk) are extra
+# outputs of the forward op. With seq_idx [B, T] the ops lay the rows end to end as documents
+# (cu_seqlens) inside, every op input and output keeping its [B, T] shape.
+
+@torch.library.custom_op("titan_hybrid::fla_kda_fwd", mutates_args=())
+def _kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+             output_final_state: bool, seq_idx: torch.Tensor | None,
+             use_qk_l2norm: bool) -> list[torch.Tensor]:
+    def empty():  # a custom op's outputs may not alias each other
+        return q.new_empty(0)
+
+    B, T = q.shape[:2]
+    cu_seqlens = None
+    if seq_idx is not None:
+        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
+        initial_state = states_of_documents(initial_state, first_doc_B, cu_seqlens.numel() - 1)
+        q, k, v, g, beta = one_row(q, k, v, g, beta)
+    residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
+    if use_qk_l2norm:
+        q, q_rstd = kernel_packages.l2norm_fwd(q)
+        k, k_rstd = kernel_packages.l2norm_fwd(k)
+        residuals = [q, k, q_rstd, k_rstd]
+    o, final_state, g_cum, Aqk, Akk, *_ = kernel_packages.kda_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+    if seq_idx is not None:  # back to rows
+        o, g_cum, Aqk, Akk = (x.view(B, T, *x.shape[2:]) for x in (o, g_cum, Aqk, Akk))
+        if use_qk_l2norm:
+            residuals = [x.view(B, T, *x.shape[2:]) for x in residuals]
+        if final_state is not None:
+            final_state = final_state.index_select(0, last_doc_B)
+    return [o.to(v.dtype), empty() if final_state is None else final_state, *residuals, g_cum,
+            Aqk, Akk]
+
+
+@_kda_fwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, seq_idx, use_qk_l2norm):
+    B, T, H, K = q.shape
+    final_state = (q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
+                   if output_final_state else q.new_empty(0))
+    if use_qk_l2norm:
+        rstd = q.new_empty(B, T, H, dtype=torch.float32)
+        residuals = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
+    else:
+        residuals = [q.new_empty(0) for _ in range(4)]
+    return [torch.empty_like(v), final_state, *residuals, torch.empty_like(g, dtype=torch.float32),
+            k.new_empty(B, T, H, CHUNK_SIZE), k.new_empty(B, T, H, CHUNK_SIZE)]
+
+
+@torch.library.custom_op("titan_hybrid::fla_kda_bwd", mutates_args=())
+def _kda_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+             initial_state: torch.Tensor | None, q_normed: torch.Tensor, k_normed: torch.Tensor,
+             q_rstd: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor, Aqk: torch.Tensor,
+             Akk: torch.Tensor, scale: float, seq_idx: torch.Tensor | None,
+             use_qk_l2norm: bool) -> list[torch.Tensor]:
+    q_used, k_used = (q_normed, k_normed) if use_qk_l2norm else (q, k)
+    v_used, beta_used, initial_used, cu_seqlens = v, beta, initial_state, None
+    B, T = q.shape[:2]
+    if seq_idx is not None:
+        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
+        n_docs = cu_seqlens.numel() - 1
+        initial_used = states_of_documents(initial_state, first_doc_B, n_docs)
+        # only each row's last document reaches the row's final state
+        dfinal_state = states_of_documents(dfinal_state, last_doc_B, n_docs)
+        q_used, k_used, v_used, beta_used, g_cum, Aqk, Akk, do = one_row(
+            q_used, k_used, v, beta, g_cum, Aqk, Akk, do)
+        if use_qk_l2norm:
+            q_rstd, k_rstd = one_row(q_rstd, k_rstd)
+    dq, dk, dv, dbeta, dg, dh0, *_ = kernel_packages.kda_bwd(
+        q=q_used, k=k_used, v=v_used, beta=beta_used, Aqk=Aqk, Akk=Akk, scale=scale,
+        initial_state=initial_used, do=do.contiguous(), dht=dfinal_state, g=g_cum,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+    if use_qk_l2norm:
+        dq = kernel_packages.l2norm_bwd(q_used, q_rstd, dq)
+        dk = kernel_packages.l2norm_bwd(k_used, k_rstd, dk)
+    if seq_idx is not None:
+        dq, dk, dv, dg, dbeta = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv, dg, dbeta))
+        if dh0 is not None:
+            dh0 = dh0.index_select(0, first_doc_B)
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
+    return grads + [q.new_empty(0) if dh0 is None else dh0.to(initial_state.dtype)]
+
+
+@_kda_bwd.register_fake
+def _(do, dfinal_state, q, k, v, beta, g, initial_state, *_):
+    dh0 = q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return [torch.empty_like(t) for t in (q, k, v, g, beta)] + [dh0]
+
+
+def _kda_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, seq_idx,
+     ctx.use_qk_l2norm) = inputs
+    _, _, q_normed, k_normed, q_rstd, k_rstd, g_cum, Aqk, Akk = output
+    ctx.save_for_backward(q, k, v, beta, g, initial_state, seq_idx, q_normed, k_normed, q_rstd,
+                          k_rstd, g_cum, Aqk, Akk)
+
+
+def _kda_backward(ctx, output_grads):
+    do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are unused
+    if not ctx.output_final_state:  # autograd passes zeros of the empty placeholder's shape
+        dfinal_state = None
+    (q, k, v, beta, g, initial_state, seq_idx, q_normed, k_normed, q_rstd, k_rstd, g_cum, Aqk,
+     Akk) = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dh0 = _kda_bwd(
+        do, dfinal_state, q, k, v, beta, g, initial_state, q_normed, k_normed, q_rstd, k_rstd,
+        g_cum, Aqk, Akk, ctx.scale, seq_idx, ctx.use_qk_l2norm)
+    return (dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None,
+            None)
+
+
+_kda_fwd.register_autograd(_kda_backward, setup_context=_kda_setup_context)
