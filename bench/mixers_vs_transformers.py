@@ -15,6 +15,9 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
   * Gated delta rule: `titan_hybrid.ops.gated_delta.chunk_gated_delta_rule` vs transformers'
     Qwen3-Next `torch_chunk_gated_delta_rule` (its fla fallback), B=2, H=8, K=V=128, chunk 64,
     q/k L2-normalised in the kernel.
+  * Kimi delta attention (issue 37, `K`): `titan_hybrid.ops.kda.chunk_kda` vs transformers'
+    Kimi Linear `chunk_kimi_delta_attention` (its fla fallback), the gated delta rule's shapes
+    with a log-decay per key channel.
   Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
   * MLA / DSA layers (issue 17): `titan_hybrid.model.mla.MultiLatentAttention` vs
     transformers' `DeepseekV3Attention` (SDPA), and `model.dsa.DeepSeekSparseAttention` (indexer
@@ -85,6 +88,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 from transformers.models.deepseek_v32 import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
+from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 from transformers.models.nemotron_h.modeling_nemotron_h import (
     NemotronHMamba2Mixer,
     mamba2_chunk_scan,
@@ -108,6 +112,7 @@ from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mla import MultiLatentAttention
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
+from titan_hybrid.ops.kda import chunk_kda
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
 
 hf_logging.set_verbosity_error()  # silence "falling back to its reference PyTorch implementation"
@@ -119,6 +124,8 @@ OPS = {  # op -> (label, baseline)
     "mixer": ("Mamba2 mixer", "transformers NemotronH torch path (NemotronHMamba2Mixer)"),
     "gdn": ("gated delta rule",
             "transformers Qwen3-Next torch path (torch_chunk_gated_delta_rule)"),
+    "kda": ("Kimi delta attention (KDA) rule",
+            "transformers Kimi Linear torch path (chunk_kimi_delta_attention)"),
     "mla": ("MLA layer", "transformers DeepseekV3Attention (sdpa)"),
     "dsa": ("DSA layer", "transformers DeepseekV32Attention (eager, dense mask)"),
     "v4": ("DeepSeek-V4 sliding-window attention layer",
@@ -278,6 +285,17 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
             return lambda: rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
         return {"ours": (gdn_fn(chunk_gated_delta_rule), leaves),
                 "theirs": (gdn_fn(torch_chunk_gated_delta_rule), leaves)}
+    if op == "kda":  # the gated delta rule's shapes, with a log-decay per key channel
+        shape = (batch, T, GDN_HEADS, GDN_DIM)
+        q, k, v = rnd(*shape), rnd(*shape), rnd(*shape)
+        g = F.logsigmoid(rnd(*shape, shift=3.0))
+        beta = torch.sigmoid(rnd(batch, T, GDN_HEADS))
+        leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+        def kda_fn(rule):
+            return lambda: rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
+        return {"ours": (kda_fn(chunk_kda), leaves),
+                "theirs": (kda_fn(chunk_kimi_delta_attention), leaves)}
     if op in ("mla", "dsa"):
         return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     if op in ("v4", "v4_csa", "v4_hca"):
@@ -365,7 +383,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 8192],
                         help="sequence lengths for the SSD scan and the Mamba2 mixer")
     parser.add_argument("--gdn-seq-lens", type=int, nargs="+", default=[512, 2048],
-                        help="sequence lengths for the gated delta rule")
+                        help="sequence lengths for the gated delta rule and KDA")
     parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the MLA, DSA and V4 layers")
     parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS),
@@ -386,7 +404,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs; fp32, forward + backward")
     rows = []
     for op, seq_lens in (("ssd", args.seq_lens), ("mixer", args.seq_lens),
-                         ("gdn", args.gdn_seq_lens), ("mla", args.mla_seq_lens),
+                         ("gdn", args.gdn_seq_lens), ("kda", args.gdn_seq_lens),
+                         ("mla", args.mla_seq_lens),
                          ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
                          ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens)):
         if op not in args.ops:
