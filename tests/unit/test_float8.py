@@ -273,3 +273,21 @@ def test_the_float8_grouped_gemm_compiles_as_one_graph():
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(a, b), (a, b))
     for ours, reference in zip(compiled, eager):
         assert torch.equal(ours, reference)
+
+
+def test_kda_keeps_its_projections_in_high_precision_when_asked():
+    """kda.high_precision_projections (Megatron's kda_disable_fp8): every Linear of the K
+    layers stays in high precision, for that reason; otherwise they compute in float8."""
+    section = Float8Section(enable=True, emulate=True)
+    for keep in (False, True):
+        model = built("debug_kda")
+        model.model_args.kda.high_precision_projections = keep
+        precisions = linear_precisions(model, section)
+        kda = {fqn: reason for fqn, reason in precisions.items() if ".kda." in fqn}
+        assert len(kda) == 2 * 9  # two K layers: q, k, v, f_a, f_b, g_a, g_b, b, o
+        wide = {fqn: reason for fqn, reason in kda.items() if not fqn.endswith("b_proj")
+                or fqn.endswith(("f_b_proj", "g_b_proj"))}
+        if keep:
+            assert set(wide.values()) == {"as its layer kind (Kimi delta attention) keeps it"}
+        else:
+            assert set(wide.values()) == {None}

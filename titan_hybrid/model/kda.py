@@ -40,6 +40,9 @@ from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.ops.kda import CHUNK_SIZE, chunk_kda
 
 CONVOLVED = ("q", "k", "v")
+# every Linear of either gate layout (a name the layout lacks matches nothing)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "f_proj", "g_a_proj",
+               "g_b_proj", "g_proj", "b_proj", "o_proj")
 
 
 @dataclass
@@ -55,6 +58,9 @@ class KDAArgs:
     gate_lower_bound: float = 0.0
     # The output norm's epsilon; 0: the model's norm_eps.
     norm_eps: float = 0.0
+    # Under FP8 training, keep every projection of the layer in high precision (Megatron's
+    # kda_disable_fp8, from its KDA pull request 7054).
+    high_precision_projections: bool = False
 
 
 class SigmoidGatedHeadRMSNorm(nn.Module):
@@ -181,12 +187,13 @@ def _validate(args: KDAArgs, dim: int) -> None:
 
 
 def _core_flops(args: KDAArgs, dim: int, seq_len: int) -> int:
-    """The chunked delta rule per head per token, forward (ops/kda.py): the intra-chunk
-    products q k^T, k k^T with the decays inside the channel sums and their products with the
-    values (2 * Q * 3K), the state's update and read-out (2 * 3 * K * K)."""
+    """The chunked delta rule per head per token, forward (ops/kda.py's matmuls): the
+    intra-chunk products k k^T, q k^T with the decays inside the channel sums and the WY
+    solution's products (2 * Q * (3K + 2V)), the state's update and read-out (2 * 3 * K * V);
+    K = V = head_dim."""
     chunk = min(CHUNK_SIZE, seq_len)
     k = args.head_dim
-    return args.n_heads * (2 * chunk * 3 * k + 6 * k * k)
+    return args.n_heads * (2 * chunk * 5 * k + 6 * k * k)
 
 
 KIND = LayerKind(
@@ -194,6 +201,8 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: KimiDeltaAttention(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "dt_bias"),
+    optional_high_precision_modules=lambda args: PROJECTIONS if args.high_precision_projections
+    else (),
     tensor_parallel_sizes=lambda args, dim: [("kda.n_heads", args.n_heads)],
     context_parallel=ContextParallelRule(
         core="conv_and_delta_rule",

@@ -139,6 +139,9 @@ class LayerKind:
     # (Megatron's exceptions: routers and gates, indexers and compressors, whose top-k and
     # softmax choices float8 rounding would move); training/float8.py.
     high_precision_modules: tuple[str, ...] = ()
+    # ... and those its section keeps in high precision when asked to (KDA's
+    # high_precision_projections, Megatron's kda_disable_fp8): (section) -> submodule names
+    optional_high_precision_modules: Callable[[Any], tuple[str, ...]] = lambda section: ()
     # Mixer parameters a token does not use (MoE: the routed experts beyond its top_k), which
     # the FLOPs leave out of 6 * parameters.
     inactive_params: Callable[[Any, int], int] = _all_active  # (section, dim)

@@ -202,12 +202,15 @@ def high_precision_reason(fqn: str, module: nn.Module, kind_exceptions: dict[str
 
 
 def kind_exceptions(model: nn.Module) -> dict[str, str]:
-    """{FQN of a module its layer kind keeps in high precision: the kind's title}."""
+    """{FQN of a module its layer kind keeps in high precision: the kind's title}. `model`: a
+    HybridModel (or a pipeline stage of one)."""
     found = {}
     for name, layer in model.named_modules():
         if isinstance(layer, HybridLayer):
             mixer = f"{name}.{layer.kind.name}" if name else layer.kind.name
-            for module in layer.kind.high_precision_modules:
+            section = model.model_args.section(layer.kind)
+            for module in (*layer.kind.high_precision_modules,
+                           *layer.kind.optional_high_precision_modules(section)):
                 found[f"{mixer}.{module}"] = layer.kind.title
     return found
 
