@@ -14,6 +14,7 @@ MoE layers (group-limited sigmoid routing, routed scaling) are not our `E`, so p
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,13 @@ from titan_hybrid.model.moe import KIND as MOE
 ARCHITECTURES = {MLA.name: ("DeepseekV3ForCausalLM", "deepseek_v3"),
                  DSA.name: ("DeepseekV32ForCausalLM", "deepseek_v32")}
 ATTENTION_KINDS = [kind for kind in LAYER_KINDS.values() if kind.name in ARCHITECTURES]
+
+
+class Reshaped(NamedTuple):
+    """An HF tensor that is our flat parameter `key` in another shape (Kimi Linear's A_log,
+    [1, 1, heads, 1] for our [heads])."""
+    key: str
+    hf_shape: tuple[int, ...]
 
 
 def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
@@ -89,7 +97,7 @@ def _attention_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[s
     return list(layer.state_dict())
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice | SharedCopy]:
+def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice | SharedCopy | Reshaped]:
     """HF key -> our key, one expert's slice of our experts' parameter, or a copy of a tensor
     our model shares; the gate / up halves of an MLP or expert map to our fc1 with a suffix _w
     / _v (the split state dict's components).
@@ -193,24 +201,29 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
         state_dict, self._halved = _halves(state_dict)
         layers = held_layers(state_dict)
         used: set[str] = set()
-        for hf_key, ours in _key_map(self.model_args).items():
-            key = ours.key if isinstance(ours, (ExpertSlice, SharedCopy)) else ours
+        for hf_key, ours in self.key_map().items():
+            key = ours if isinstance(ours, str) else ours.key
             if key not in state_dict:
                 check_present(state_dict, key, hf_key, layers)
                 continue
             used.add(key)
             if isinstance(ours, SharedCopy):  # its own memory: a read of it is checked
                 hf_state_dict[hf_key] = state_dict[key].detach().clone()
+            elif isinstance(ours, Reshaped):  # a view: a load lands in place
+                hf_state_dict[hf_key] = state_dict[key].view(ours.hf_shape)
             elif not isinstance(ours, ExpertSlice):
                 hf_state_dict[hf_key] = state_dict[key]
             elif (view := expert_slice(state_dict[key], ours.expert)) is not None:
                 hf_state_dict[hf_key] = view
                 self._experts_handed_out[hf_key] = (view, {key: state_dict[key]})
-        check_all_used(state_dict, used, "model tensor(s)", "HF DeepSeek-V3 / V3.2 format")
+        check_all_used(state_dict, used, "model tensor(s)", f"HF {self.FORMAT_NAME} format")
         return hf_state_dict
 
+    def key_map(self) -> dict:
+        return _key_map(self.model_args)
+
     def from_hf(self, hf_state_dict: dict) -> dict:
-        key_map = _key_map(self.model_args)
+        key_map = self.key_map()
         check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
         state_dict, experts = {}, {}
         for hf_key, ours in key_map.items():
@@ -219,6 +232,9 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
             value = hf_state_dict[hf_key]
             if isinstance(ours, SharedCopy):
                 check_copy(hf_state_dict, hf_key, ours)
+                continue
+            if isinstance(ours, Reshaped):
+                state_dict[ours.key] = value.reshape(-1)
                 continue
             if not isinstance(ours, ExpertSlice):
                 state_dict[ours] = value

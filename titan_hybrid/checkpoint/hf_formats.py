@@ -10,6 +10,7 @@ its layer kinds belong to.
     Qwen3-Next           by hf_format only: hf_qwen3_next.py
     OLMo Hybrid          by hf_format only: hf_olmo_hybrid.py
     Granite 4.0-H        by hf_format only: hf_granite.py
+    Kimi Linear          by hf_format only: hf_kimi_linear.py
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
@@ -41,6 +42,11 @@ from titan_hybrid.checkpoint.hf_granite import (
     GraniteStateDictAdapter,
     check_granite_compatible,
     granite_config,
+)
+from titan_hybrid.checkpoint.hf_kimi_linear import (
+    KimiLinearStateDictAdapter,
+    check_kimi_linear_compatible,
+    kimi_linear_config,
 )
 from titan_hybrid.checkpoint.hf_nemotron_h import (
     NemotronHStateDictAdapter,
@@ -86,8 +92,11 @@ GRANITE = HFFormat(GraniteStateDictAdapter, check_granite_compatible, granite_co
 QWEN3_NEXT = HFFormat(Qwen3NextStateDictAdapter, check_qwen3_next_compatible, qwen3_next_config)
 OLMO_HYBRID = HFFormat(OlmoHybridStateDictAdapter, check_olmo_hybrid_compatible,
                        olmo_hybrid_config)
+KIMI_LINEAR = HFFormat(KimiLinearStateDictAdapter, check_kimi_linear_compatible,
+                      kimi_linear_config, ties_embeddings=False)
 FORMATS = {"nemotron_h": NEMOTRON_H, "deepseek": DEEPSEEK, "bamba": BAMBA, "qwen3_5": QWEN3_5,
-           "granite": GRANITE, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID}
+           "granite": GRANITE, "qwen3_next": QWEN3_NEXT, "olmo_hybrid": OLMO_HYBRID,
+           "kimi_linear": KIMI_LINEAR}
 
 
 def hf_format_of(args: HybridModelArgs) -> HFFormat:
@@ -106,7 +115,7 @@ def check_hf_compatible(args: HybridModelArgs) -> HFFormat:
     try:
         hf_format.check(args)
         if args.enable_weight_tying and not hf_format.ties_embeddings:
-            raise ValueError("enable_weight_tying=True: DeepSeek's LM head has its own weight")
+            raise ValueError("enable_weight_tying=True: this format's LM head has its own weight")
     except ValueError as error:
         raise ValueError(f"{error} ({RULE})") from None
     return hf_format

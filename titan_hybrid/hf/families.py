@@ -22,6 +22,7 @@ from titan_hybrid.checkpoint.hf_formats import (
     BAMBA,
     DEEPSEEK,
     GRANITE,
+    KIMI_LINEAR,
     NEMOTRON_H,
     OLMO_HYBRID,
     QWEN3_5,
@@ -29,6 +30,7 @@ from titan_hybrid.checkpoint.hf_formats import (
     HFFormat,
 )
 from titan_hybrid.checkpoint.hf_granite import model_args_from_granite_config
+from titan_hybrid.checkpoint.hf_kimi_linear import model_args_from_kimi_linear_config
 from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
 from titan_hybrid.checkpoint.hf_olmo_hybrid import model_args_from_olmo_hybrid_config
 from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
@@ -85,6 +87,7 @@ FAMILIES = (
     Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config,
            mtp_marker=lambda args: "mtp.fc.weight", mtp_count_field="num_nextn_predict_layers"),
     Family(("olmo_hybrid",), OLMO_HYBRID, model_args_from_olmo_hybrid_config),
+    Family(("kimi_linear",), KIMI_LINEAR, model_args_from_kimi_linear_config),
 )
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.

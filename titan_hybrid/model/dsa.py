@@ -319,6 +319,9 @@ class DeepSeekSparseAttention(MultiLatentAttention):
 
 def _validate(args: DSAArgs, dim: int) -> None:
     validate_mla(args, dim, "dsa")
+    if not args.rotary:
+        raise ValueError("dsa: rotary=False is not supported: DeepSeek-V3.2's indexer rotates "
+                         "its keys (an unrotated DSA, GLM-5.3-Flash's, is not built yet)")
     if args.q_lora_rank is None:
         raise ValueError("dsa: q_lora_rank=None is not supported: the indexer's queries read the "
                          "low-rank query latent (as DeepSeek-V3.2's)")

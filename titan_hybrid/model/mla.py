@@ -50,6 +50,9 @@ class MLAArgs:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    # False: no position encoding at all (Kimi Linear's MLA, whose KDA layers carry the
+    # positions): the "rotary" slices stay as they are, one key slice shared by all heads.
+    rotary: bool = True
 
     @property
     def qk_head_dim(self) -> int:
@@ -187,9 +190,10 @@ class MultiLatentAttention(nn.Module):
             [args.qk_nope_head_dim, args.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x_BTD).split(
             [args.kv_lora_rank, args.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rotary_pairs(q_rope, cos, sin, interleaved=args.rope_interleave)
-        k_rope = apply_rotary_pairs(k_rope[:, :, None], cos, sin,
-                                    interleaved=args.rope_interleave)[:, :, 0]
+        if args.rotary:
+            q_rope = apply_rotary_pairs(q_rope, cos, sin, interleaved=args.rope_interleave)
+            k_rope = apply_rotary_pairs(k_rope[:, :, None], cos, sin,
+                                        interleaved=args.rope_interleave)[:, :, 0]
         return torch.cat((q_nope, q_rope), dim=-1), self.kv_a_layernorm(latent), k_rope
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:

@@ -1,0 +1,236 @@
+"""Hugging Face Kimi Linear interop (`kimi_linear`: KimiLinearForCausalLM): KDA (`K`) and
+MLA without position encoding (`+` with `mla.rotary=False`) decoder layers, each with a SwiGLU
+MLP (`-`) or DeepSeek-style MoE (`E`), no MTP, no tied head. The state-dict adapter, config.json
+and the model args of one.
+
+HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`) and 2j + 1
+(`post_attention_layernorm`, then `mlp.gate_proj` / `up_proj` / `down_proj` (or under
+`block_sparse_moe.` in a folder transformers saved), or the MoE's
+`block_sparse_moe.gate`, `.experts.{e}.w1` / `w3` / `w2` and `.shared_experts.*`): the names of
+Kimi's checkpoints, which transformers' conversion mapping reads (it fuses the three convs and
+the experts in memory; our KDA layer holds Kimi's names already, and its A_log is [heads] where
+the checkpoint's is [1, 1, heads, 1]). Which layers are KDA and which are dense follows the
+config's `linear_attn_config` (1-based `kda_layers` / `full_attn_layers`) or `layer_types`, and
+`mlp_layer_types` or `first_k_dense_replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
+from titan_hybrid.checkpoint.hf_deepseek import DeepSeekStateDictAdapter, Reshaped
+from titan_hybrid.model.args import HybridModelArgs, MoEArgs
+from titan_hybrid.model.kda import KIND as KDA
+from titan_hybrid.model.mla import KIND as MLA
+from titan_hybrid.model.mlp import KIND as MLP
+from titan_hybrid.model.moe import KIND as MOE
+
+NAME = "Kimi Linear"
+LINEAR, FULL = "linear_attention", "full_attention"  # transformers' layer_types words
+DENSE, SPARSE = "dense", "sparse"  # ... and mlp_layer_types'
+
+
+def check_kimi_linear_compatible(args: HybridModelArgs) -> None:
+    """ValueError naming the first field the format cannot hold."""
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
+    problems = []
+    if (len(symbols) % 2 or any(s not in (KDA.symbol, MLA.symbol) for s in symbols[0::2])
+            or any(s not in (MLP.symbol, MOE.symbol) for s in symbols[1::2])):
+        problems.append(f"hybrid.pattern '{args.pattern}' must be decoder layers of '"
+                        f"{KDA.symbol}' or '{MLA.symbol}' each followed by '{MLP.symbol}' or "
+                        f"'{MOE.symbol}'")
+    if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
+        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
+    if MLA.symbol in symbols and (args.mla.rotary or args.mla.yarn_factor != 1.0):
+        problems.append("mla.rotary=True: Kimi Linear's MLA has no position encoding")
+    kda = args.kda
+    if KDA.symbol in symbols and (not kda.low_rank_gates or kda.gate_lower_bound
+                                  or kda.norm_eps not in (0.0, args.norm_eps)):
+        problems.append(f"kda: low_rank_gates={kda.low_rank_gates}, gate_lower_bound="
+                        f"{kda.gate_lower_bound}, norm_eps={kda.norm_eps}; Kimi Linear's KDA "
+                        "has low-rank gates, no bound and the model's norm epsilon")
+    if args.mlp.activation != "swiglu":
+        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
+    experts = args.moe
+    if MOE.symbol in symbols and (
+            (experts.activation, experts.score_func, experts.score_correction_bias)
+            != ("swiglu", "sigmoid", True) or not experts.shared_expert_hidden_dim
+            or experts.shared_expert_hidden_dim % experts.hidden_dim):
+        problems.append(
+            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
+            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
+            f"{experts.shared_expert_hidden_dim}; Kimi Linear's MoE layers have SwiGLU experts, "
+            "a sigmoid router with a choice bias and shared experts of the experts' width")
+    if problems:
+        raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
+
+
+def _parameter_names(args: HybridModelArgs, kind) -> list[str]:
+    with torch.device("meta"):
+        return list(kind.build(args.section(kind), args.dim, args.norm_eps).state_dict())
+
+
+def _key_map(args: HybridModelArgs, dense: str = "mlp.") -> dict:
+    """HF key -> ours; `dense`: the dense MLPs' prefix (transformers' save_pretrained writes
+    them under `block_sparse_moe.`, reversing its rename of every layer's)."""
+    check_kimi_linear_compatible(args)
+    mapping: dict = {"model.embed_tokens.weight": "tok_embeddings.weight",
+                     "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    names = {kind.symbol: _parameter_names(args, kind) for kind in (KDA, MLA)
+             if kind in args.kinds()}
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    for j in range(len(symbols) // 2):
+        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+        kind = KDA if symbols[2 * j] == KDA.symbol else MLA
+        mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
+        for parameter in names[kind.symbol]:
+            ours = f"{mixer}{kind.name}.{parameter}"
+            mapping[f"{hf}self_attn.{parameter}"] = (
+                Reshaped(ours, (1, 1, args.kda.n_heads, 1)) if kind is KDA
+                and parameter == "A_log" else ours)
+        ffn_kind = MLP if symbols[2 * j + 1] == MLP.symbol else MOE
+        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
+        if ffn_kind is MLP:
+            mapping[f"{hf}{dense}gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
+            mapping[f"{hf}{dense}up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
+            mapping[f"{hf}{dense}down_proj.weight"] = f"{ffn}mlp.fc2.weight"
+            continue
+        theirs, moe = hf + "block_sparse_moe.", f"{ffn}moe."
+        mapping[theirs + "gate.weight"] = moe + "router.gate.weight"
+        mapping[theirs + "gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
+        for part, ours in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
+                           ("down_proj", "fc2.weight")):
+            mapping[f"{theirs}shared_experts.{part}.weight"] = f"{moe}shared_expert.{ours}"
+        for expert in range(args.moe.num_experts):
+            for part, ours in (("w1", "fc1_w"), ("w3", "fc1_v"), ("w2", "fc2")):
+                mapping[f"{theirs}experts.{expert}.{part}.weight"] = ExpertSlice(
+                    f"{moe}experts.{ours}", expert)
+    return mapping
+
+
+class KimiLinearStateDictAdapter(DeepSeekStateDictAdapter):
+    """DeepSeek's adapter (every HF tensor one entry of ours, or one expert's slice, or
+    A_log's view) with Kimi Linear's names."""
+
+    FORMAT_NAME = NAME
+    dense = "mlp."  # Kimi's checkpoints' (and what an export writes)
+
+    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
+        """A folder transformers saved names its dense MLPs as its MoE layers."""
+        self.dense = ("block_sparse_moe." if any(
+            key.endswith("block_sparse_moe.gate_proj.weight") for key in stored) else "mlp.")
+
+    def key_map(self) -> dict:
+        return _key_map(self.model_args, self.dense)
+
+
+def kimi_linear_config(args: HybridModelArgs) -> dict:
+    """The config.json transformers' KimiLinearForCausalLM reads (Kimi's own field names)."""
+    check_kimi_linear_compatible(args)
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    mixers, ffns = symbols[0::2], symbols[1::2]
+    mla, kda = args.mla, args.kda
+    config = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "intermediate_size": args.mlp.hidden_dim, "num_hidden_layers": len(mixers),
+        "num_attention_heads": mla.n_heads, "num_key_value_heads": mla.n_heads,
+        "q_lora_rank": mla.q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim, "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
+        "model_max_length": args.max_seq_len,
+        # Kimi's padding token is its vocabulary's last (163839 of 163840); transformers'
+        # default, that very number, would be out of a smaller vocabulary
+        "pad_token_id": args.vocab_size - 1,
+        "linear_attn_config": {
+            "num_heads": kda.n_heads, "head_dim": kda.head_dim,
+            "short_conv_kernel_size": kda.conv_width,
+            "kda_layers": [i + 1 for i, s in enumerate(mixers) if s == KDA.symbol],
+            "full_attn_layers": [i + 1 for i, s in enumerate(mixers) if s == MLA.symbol]},
+        "mlp_layer_types": [DENSE if s == MLP.symbol else SPARSE for s in ffns],
+    }
+    if MOE.symbol in ffns:
+        experts = args.moe
+        config.update(
+            num_experts=experts.num_experts, num_experts_per_token=experts.top_k,
+            moe_intermediate_size=experts.hidden_dim,
+            num_shared_experts=experts.shared_expert_hidden_dim // experts.hidden_dim,
+            num_expert_group=experts.n_group, topk_group=experts.topk_group,
+            routed_scaling_factor=experts.routed_scaling_factor,
+            moe_renormalize=experts.normalizes_top_k)
+    return config
+
+
+def _first(config: dict, *names, default=None):
+    """The value of the first of `names` (a field and transformers' aliases of it) set."""
+    return next((config[name] for name in names if config.get(name) is not None), default)
+
+
+def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
+    """HybridModelArgs for a Kimi Linear config.json; ValueError naming the first setting the
+    format cannot hold."""
+    layers = config["num_hidden_layers"]
+    linear = config.get("linear_attn_config") or {}
+    mixers = config.get("layer_types")
+    if mixers is None and "kda_layers" in linear and "full_attn_layers" in linear:
+        mixers = [None] * layers
+        for layer in linear["full_attn_layers"]:
+            mixers[layer - 1] = FULL
+        for layer in linear["kda_layers"]:
+            mixers[layer - 1] = LINEAR
+    if mixers is None:  # transformers' default: full attention every fourth layer from 4
+        mixers = [FULL if i and i % 4 == 0 else LINEAR for i in range(layers)]
+    ffns = config.get("mlp_layer_types") or [
+        DENSE if i < config.get("first_k_dense_replace", 1) else SPARSE for i in range(layers)]
+    for field, values, allowed in (("layer_types", mixers, (LINEAR, FULL)),
+                                   ("mlp_layer_types", ffns, (DENSE, SPARSE))):
+        if len(values) != layers or any(value not in allowed for value in values):
+            raise ValueError(f"{field}={values} must give each of the {layers} layers one of "
+                             f"{allowed}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (expected "
+                         "'silu')")
+    heads = config["num_attention_heads"]
+    if _first(config, "num_key_value_heads", default=heads) != heads:
+        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} must equal "
+                         f"num_attention_heads={heads} (MLA shares one latent per head)")
+    base = HybridModelArgs()
+    experts = base.moe
+    if SPARSE in ffns:
+        hidden = config["moe_intermediate_size"]
+        experts = MoEArgs(
+            num_experts=_first(config, "num_experts", "num_local_experts"),
+            top_k=_first(config, "num_experts_per_token", "num_experts_per_tok"),
+            hidden_dim=hidden,
+            shared_expert_hidden_dim=_first(config, "num_shared_experts", "n_shared_experts",
+                                            default=1) * hidden,
+            score_func="sigmoid", score_correction_bias=True,
+            n_group=_first(config, "num_expert_group", "n_group", default=1),
+            topk_group=_first(config, "topk_group", default=1),
+            routed_scaling_factor=_first(config, "routed_scaling_factor", default=2.446),
+            norm_topk_prob=_first(config, "moe_renormalize", "norm_topk_prob", default=True))
+    pattern = "".join((KDA.symbol if mixer == LINEAR else MLA.symbol)
+                      + (MLP.symbol if ffn == DENSE else MOE.symbol)
+                      for mixer, ffn in zip(mixers, ffns))
+    mla = dataclasses.replace(
+        base.mla, n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+        rotary=False)
+    kda = dataclasses.replace(
+        base.kda, head_dim=_first(linear, "head_dim", default=config.get("linear_head_dim", 128)),
+        n_heads=_first(linear, "num_heads", default=config.get("linear_num_heads", 32)),
+        conv_width=_first(linear, "short_conv_kernel_size",
+                          default=config.get("linear_conv_kernel_dim", 4)))
+    return dataclasses.replace(
+        base, hf_format="kimi_linear", pattern=pattern, moe=experts, mla=mla, kda=kda,
+        dim=config["hidden_size"], vocab_size=config["vocab_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        max_seq_len=_first(config, "model_max_length", "max_position_embeddings",
+                           default=base.max_seq_len),
+        mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
+                                activation="swiglu"))
