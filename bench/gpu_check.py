@@ -4,7 +4,7 @@
         [--steps 20] [--skip-kernels] [--compile | --no-compile] [--fp8]
         [--out outputs/gpu_check]
 
-1. Kernel check (bench/kernel_check.py): the SSD scan, gated RMS norm, gated delta rule and
+1. Kernel check (bench/kernel_check.py): the SSD scan, gated RMS norm, gated delta rule, KDA and
    causal conv1d kernels through our ops, float32 and bfloat16, one shape each, forward and
    input gradients against the torch paths, plus one torch.compile(fullgraph=True) case; a
    line per case with its time, and the total. A kernel package that is not usable here is
@@ -51,7 +51,8 @@ import torch
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
-GPU_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b", "mla_hybrid_1b", "dsa_hybrid_1b"]
+GPU_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b", "mla_hybrid_1b", "dsa_hybrid_1b",
+               "kda_hybrid_1b"]
 FP8_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b"]
 FP8_RECIPES = ["rowwise", "tensorwise"]
 # torchtitan 0.2.2's MetricsProcessor.log line (components/metrics.py), colours off:

@@ -4,7 +4,7 @@ Each case calls an op's public function on CUDA tensors (where it takes the kern
 path on the same inputs, and compares the outputs and the gradients of every floating-point input
 (relative Frobenius error, tolerances as in the triton_interpreter tests: float32 dots run in tf32
 on the GPU). The shapes are the GPU flavors' (head dim 64, state 128, chunks of 128 for the SSD
-scan; 128-dim gated-delta heads; 512-channel norm groups), small in batch and length.
+scan; 128-dim gated-delta and KDA heads; 512-channel norm groups), small in batch and length.
 
 Autotuning, the cost of a cold start: a forward + backward of the SSD scan autotunes 14 of
 mamba_ssm's kernels over 110 configs (6 to 11 each), every config compiled and timed: the ~100 s
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_torch
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm, gated_group_rms_norm_torch
+from titan_hybrid.ops.kda import chunk_kda, chunk_kda_torch
 from titan_hybrid.ops.kernels import force_kernels, probe_kernels
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined, ssd_chunked_torch
 
@@ -80,6 +81,17 @@ def _gdn(dtype, gen):  # the GDN mixer's call: seq_idx, l2norm of q and k in the
             dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=True))
 
 
+def _kda(dtype, gen):  # the KDA mixer's call: a log-decay per key channel in float32
+    b, t, h, d = 2, 200, 2, 128
+    seq_idx = torch.zeros(b, t, dtype=torch.int32, device=DEVICE)
+    seq_idx[0, 90:] = 1
+    return (dict(q=_rand(gen, b, t, h, d, dtype=dtype), k=_rand(gen, b, t, h, d, dtype=dtype),
+                 v=_rand(gen, b, t, h, d, dtype=dtype),
+                 g=-F.softplus(_rand(gen, b, t, h, d)),
+                 beta=torch.sigmoid(_rand(gen, b, t, h))),
+            dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=True))
+
+
 def _conv(dtype, gen):  # width 4, 8-aligned channels: the shapes the CUDA kernel takes
     seq_idx = torch.zeros(2, 100, dtype=torch.int32, device=DEVICE)
     seq_idx[:, 60:] = 1
@@ -94,6 +106,8 @@ CASES = (
          ("gated_rms_norm_fwd", "gated_rms_norm_bwd"), EXACT),
     Case("gated delta rule", "fla", chunk_gated_delta_rule, chunk_gated_delta_rule_torch, _gdn,
          ("fla_gated_delta_fwd", "fla_gated_delta_bwd"), TF32),
+    Case("Kimi delta attention", "fla", chunk_kda, chunk_kda_torch, _kda,
+         ("fla_kda_fwd", "fla_kda_bwd"), TF32),
     # the torch path computes in bfloat16 for bfloat16 inputs, the kernel in float32
     Case("causal conv1d", "causal_conv1d", causal_depthwise_conv1d, causal_depthwise_conv1d_torch,
          _conv, ("causal_conv1d_fwd", "causal_conv1d_bwd"),

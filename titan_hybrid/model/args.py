@@ -253,6 +253,8 @@ hybrid_flavors = FlavorRegistry({
     # nemotron_h_1b's layers with MLA (DSA) in place of attention: ~1.5B parameters.
     "mla_hybrid_1b": _gpu_sized("M-M+-M-M-M+-M-M-M+-M-M-M-"),
     "dsa_hybrid_1b": _gpu_sized("M-MD-M-M-MD-M-M-MD-M-M-M-"),
+    # nemotron_h_1b's layers with KDA (16 heads of 128) in place of Mamba2.
+    "kda_hybrid_1b": _gpu_sized("K-K*-K-K-K*-K-K-K*-K-K-K-"),
 })
 
 
