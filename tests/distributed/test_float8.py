@@ -62,7 +62,8 @@ def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, fl
                           "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
                  2, marks=pytest.mark.extended),
     (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), 0),
-    (MXFP8, (), 1),  # measured 1.4e-6 at step 2, 5.1e-5 at most
+    # measured 1.4e-6 at step 2, 5.1e-5 at most (tests/unit/test_mxfp8.py checks the GEMMs)
+    pytest.param(MXFP8, (), 1, marks=pytest.mark.extended),
     pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), 0,
                  marks=pytest.mark.extended),
 ])

@@ -118,7 +118,7 @@ def _decayed_products(x_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size):
     x_NSK, k_NSK, G_NSK = (t.unflatten(-2, (N, S)) for t in (x_JBHQK, k_JBHQK, G_JBHQK))
     causal_SS = torch.ones(S, S, dtype=torch.bool, device=x_JBHQK.device).tril()
     decay_NSSK = exp_where(G_NSK[..., :, None, :] - G_NSK[..., None, :, :],
-                            causal_SS[..., None])
+                           causal_SS[..., None])
     within_NSS = torch.einsum("...ik,...jk,...ijk->...ij", x_NSK, k_NSK, decay_NSSK)
     out = _block_diagonal(within_NSS)
     if N == 1:
