@@ -52,6 +52,24 @@ class Reshaped(NamedTuple):
     hf_shape: tuple[int, ...]
 
 
+def feed_forward_problems(args: HybridModelArgs, has_experts: bool, whose: str) -> list[str]:
+    """What DeepSeek's MLP and MoE layers (Kimi Linear's too) cannot hold of the model's."""
+    problems = []
+    if args.mlp.activation != "swiglu":
+        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
+    experts = args.moe
+    if has_experts and (
+            (experts.activation, experts.score_func, experts.score_correction_bias)
+            != ("swiglu", "sigmoid", True) or not experts.shared_expert_hidden_dim
+            or experts.shared_expert_hidden_dim % experts.hidden_dim):
+        problems.append(
+            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
+            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
+            f"{experts.shared_expert_hidden_dim}; {whose} MoE layers have SwiGLU experts, a "
+            "sigmoid router with a choice bias and shared experts of the experts' width")
+    return problems
+
+
 def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
     """The attention kind (MLA or DSA) of a model the format can hold; ValueError naming
     the first field it cannot."""
@@ -74,18 +92,7 @@ def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
                                or pattern.mtp[1] not in (MLP.symbol, MOE.symbol)):
         problems.append(f"hybrid.pattern '{args.pattern}': DeepSeek's MTP layers are one "
                         "decoder layer a depth, its attention then an MLP or MoE")
-    if args.mlp.activation != "swiglu":
-        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
-    experts = args.moe
-    if MOE.symbol in ffns and (
-            (experts.activation, experts.score_func, experts.score_correction_bias)
-            != ("swiglu", "sigmoid", True) or not experts.shared_expert_hidden_dim
-            or experts.shared_expert_hidden_dim % experts.hidden_dim):
-        problems.append(
-            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
-            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
-            f"{experts.shared_expert_hidden_dim}; DeepSeek's MoE layers have SwiGLU experts, a "
-            "sigmoid router with a choice bias and shared experts of the experts' width")
+    problems += feed_forward_problems(args, MOE.symbol in ffns, "DeepSeek's")
     if problems:
         raise ValueError("model cannot use the HF DeepSeek-V3 / V3.2 format: " + "; ".join(problems))
     return attention

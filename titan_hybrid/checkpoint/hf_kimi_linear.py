@@ -21,7 +21,11 @@ import dataclasses
 import torch
 
 from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
-from titan_hybrid.checkpoint.hf_deepseek import DeepSeekStateDictAdapter, Reshaped
+from titan_hybrid.checkpoint.hf_deepseek import (
+    DeepSeekStateDictAdapter,
+    Reshaped,
+    feed_forward_problems,
+)
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.kda import KIND as KDA
 from titan_hybrid.model.mla import KIND as MLA
@@ -53,18 +57,7 @@ def check_kimi_linear_compatible(args: HybridModelArgs) -> None:
         problems.append(f"kda: low_rank_gates={kda.low_rank_gates}, gate_lower_bound="
                         f"{kda.gate_lower_bound}, norm_eps={kda.norm_eps}; Kimi Linear's KDA "
                         "has low-rank gates, no bound and the model's norm epsilon")
-    if args.mlp.activation != "swiglu":
-        problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
-    experts = args.moe
-    if MOE.symbol in symbols and (
-            (experts.activation, experts.score_func, experts.score_correction_bias)
-            != ("swiglu", "sigmoid", True) or not experts.shared_expert_hidden_dim
-            or experts.shared_expert_hidden_dim % experts.hidden_dim):
-        problems.append(
-            f"moe: activation={experts.activation!r}, score_func={experts.score_func!r}, "
-            f"score_correction_bias={experts.score_correction_bias}, shared_expert_hidden_dim="
-            f"{experts.shared_expert_hidden_dim}; Kimi Linear's MoE layers have SwiGLU experts, "
-            "a sigmoid router with a choice bias and shared experts of the experts' width")
+    problems += feed_forward_problems(args, MOE.symbol in symbols, "Kimi Linear's")
     if problems:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 

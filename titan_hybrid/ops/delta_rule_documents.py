@@ -6,6 +6,7 @@ fla's kernels."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -72,13 +73,74 @@ def rows_as_documents(seq_idx_BT: torch.Tensor):
     return cu_seqlens, docs_through_row_B - docs_in_row_B, docs_through_row_B - 1
 
 
-def one_row(*tensors_BT):
-    """[B, T, ...] -> [1, B*T, ...] (None stays None)."""
-    return [None if x is None else x.flatten(0, 1)[None] for x in tensors_BT]
-
-
 def states_of_documents(states_B, index_B, n_docs):
     """Row states placed at their documents among n_docs, zeros for the others."""
     if states_B is None:
         return None
     return states_B.new_zeros((n_docs,) + states_B.shape[1:]).index_copy(0, index_B, states_B)
+
+
+class KernelRows:
+    """What fla's kernels see of [B, T] rows (they take packed documents as `cu_seqlens` over
+    one row only): with `seq_idx`, the rows laid end to end as documents, each row's initial
+    state entering its first document and its final state leaving its last; without, the
+    rows (and `cu_seqlens`, if given) as they are. Inside the custom ops, where the
+    data-dependent document count is allowed."""
+
+    def __init__(self, shape_BT: tuple[int, int], seq_idx: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None = None) -> None:
+        self.shape_BT, self.packed = tuple(shape_BT), seq_idx is not None
+        self.cu_seqlens = cu_seqlens
+        if self.packed:
+            self.cu_seqlens, self.first_B, self.last_B = rows_as_documents(seq_idx)
+            self.n_docs = self.cu_seqlens.numel() - 1
+
+    def chunk_indices(self):
+        return chunk_indices(self.cu_seqlens)
+
+    def to_kernel(self, *tensors_BT):
+        """[B, T, ...] -> [1, B*T, ...] when packed (None stays None)."""
+        if not self.packed:
+            return list(tensors_BT)
+        return [None if x is None else x.flatten(0, 1)[None] for x in tensors_BT]
+
+    def from_kernel(self, *tensors):
+        """The kernel's [1, B*T, ...] back to [B, T, ...]."""
+        if not self.packed:
+            return list(tensors)
+        return [x.view(*self.shape_BT, *x.shape[2:]) for x in tensors]
+
+    def initial_states(self, states_B):
+        """The rows' initial states placed at their first documents (zeros for the others)."""
+        return states_of_documents(states_B, self.first_B, self.n_docs) if self.packed else states_B
+
+    def final_state_grads(self, grads_B):
+        """The gradients of the rows' final states placed at their last documents."""
+        return states_of_documents(grads_B, self.last_B, self.n_docs) if self.packed else grads_B
+
+    def final_states(self, states):
+        """The documents' final states back to the rows' (None stays None)."""
+        if not self.packed or states is None:
+            return states
+        return states.index_select(0, self.last_B)
+
+    def initial_state_grads(self, grads):
+        """The documents' initial-state gradients back to the rows' first documents'."""
+        if not self.packed or grads is None:
+            return grads
+        return grads.index_select(0, self.first_B)
+
+
+def l2norm_in_kernel(q, k, enabled: bool, empty: Callable[[], torch.Tensor]):
+    """(q, k normalised by fla's kernel when `enabled`, the residuals its backward needs:
+    [q, k normalised, their reciprocal norms], or four empty tensors)."""
+    if not enabled:
+        return q, k, [empty() for _ in range(4)]
+    q, q_rstd = kernel_packages.l2norm_fwd(q)
+    k, k_rstd = kernel_packages.l2norm_fwd(k)
+    return q, k, [q, k, q_rstd, k_rstd]
+
+
+def l2norm_in_kernel_bwd(dq, dk, q_normed, k_normed, q_rstd, k_rstd):
+    return (kernel_packages.l2norm_bwd(q_normed, q_rstd, dq),
+            kernel_packages.l2norm_bwd(k_normed, k_rstd, dk))

@@ -55,13 +55,12 @@ import torch
 
 from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.delta_rule_documents import (
-    chunk_indices,
+    KernelRows,
     document_masks,
     exp_where,
     l2norm,
-    one_row,
-    rows_as_documents,
-    states_of_documents,
+    l2norm_in_kernel,
+    l2norm_in_kernel_bwd,
 )
 from titan_hybrid.ops.kernels import use_kernel
 
@@ -293,26 +292,17 @@ def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     def empty():  # a custom op's outputs may not alias each other
         return q.new_empty(0)
 
-    B, T = q.shape[:2]
-    if seq_idx is not None:
-        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
-        initial_state = states_of_documents(initial_state, first_doc_B, cu_seqlens.numel() - 1)
-        q, k, v, g, beta = one_row(q, k, v, g, beta)
-    residuals = [empty() for _ in range(4)]  # l2-normalised q, k and their reciprocal norms
-    if use_qk_l2norm:
-        q, q_rstd = kernel_packages.l2norm_fwd(q)
-        k, k_rstd = kernel_packages.l2norm_fwd(k)
-        residuals = [q, k, q_rstd, k_rstd]
+    rows = KernelRows(q.shape[:2], seq_idx, cu_seqlens)
+    q, k, v, g, beta = rows.to_kernel(q, k, v, g, beta)
+    q, k, residuals = l2norm_in_kernel(q, k, use_qk_l2norm, empty)
     g_cum, o, A, final_state, _, _ = kernel_packages.gated_delta_rule_fwd(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
-    if seq_idx is not None:  # back to rows
-        o, g_cum, A = (x.view(B, T, *x.shape[2:]) for x in (o, g_cum, A))
-        if use_qk_l2norm:
-            residuals = [x.view(B, T, *x.shape[2:]) for x in residuals]
-        if final_state is not None:
-            final_state = final_state.index_select(0, last_doc_B)
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+        initial_state=rows.initial_states(initial_state), output_final_state=output_final_state,
+        cu_seqlens=rows.cu_seqlens, chunk_indices=rows.chunk_indices(), chunk_size=CHUNK_SIZE)
+    o, g_cum, A = rows.from_kernel(o, g_cum, A)
+    if use_qk_l2norm:
+        residuals = rows.from_kernel(*residuals)
+    final_state = rows.final_states(final_state)
     return [o, empty() if final_state is None else final_state, *residuals, g_cum, A]
 
 
@@ -339,30 +329,19 @@ def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tenso
              q_rstd: torch.Tensor, k_rstd: torch.Tensor, g_cum: torch.Tensor, A: torch.Tensor,
              scale: float, cu_seqlens: torch.Tensor | None, seq_idx: torch.Tensor | None,
              use_qk_l2norm: bool) -> list[torch.Tensor]:
-    q_used, k_used = (q_normed, k_normed) if use_qk_l2norm else (q, k)
-    v_used, beta_used, initial_used = v, beta, initial_state
-    B, T = q.shape[:2]
-    if seq_idx is not None:
-        cu_seqlens, first_doc_B, last_doc_B = rows_as_documents(seq_idx)
-        n_docs = cu_seqlens.numel() - 1
-        initial_used = states_of_documents(initial_state, first_doc_B, n_docs)
-        # only each row's last document reaches the row's final state
-        dfinal_state = states_of_documents(dfinal_state, last_doc_B, n_docs)
-        q_used, k_used, v_used, beta_used, g_cum, A, do = one_row(
-            q_used, k_used, v, beta, g_cum, A, do)
-        if use_qk_l2norm:
-            q_rstd, k_rstd = one_row(q_rstd, k_rstd)
+    rows = KernelRows(q.shape[:2], seq_idx, cu_seqlens)
+    q_used, k_used, v_used, beta_used, g_cum, A, do, q_rstd, k_rstd = rows.to_kernel(
+        *((q_normed, k_normed) if use_qk_l2norm else (q, k)), v, beta, g_cum, A, do,
+        *((q_rstd, k_rstd) if use_qk_l2norm else (None, None)))
     dq, dk, dv, dbeta, dg, dh0, _, _ = kernel_packages.gated_delta_rule_bwd(
         q=q_used, k=k_used, v=v_used, g=g_cum, beta=beta_used, A=A, scale=scale,
-        initial_state=initial_used, do=do.contiguous(), dht=dfinal_state,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK_SIZE)
+        initial_state=rows.initial_states(initial_state), do=do.contiguous(),
+        dht=rows.final_state_grads(dfinal_state), cu_seqlens=rows.cu_seqlens,
+        chunk_indices=rows.chunk_indices(), chunk_size=CHUNK_SIZE)
     if use_qk_l2norm:
-        dq = kernel_packages.l2norm_bwd(q_used, q_rstd, dq)
-        dk = kernel_packages.l2norm_bwd(k_used, k_rstd, dk)
-    if seq_idx is not None:
-        dq, dk, dv, dg, dbeta = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv, dg, dbeta))
-        if dh0 is not None:
-            dh0 = dh0.index_select(0, first_doc_B)
+        dq, dk = l2norm_in_kernel_bwd(dq, dk, q_used, k_used, q_rstd, k_rstd)
+    dq, dk, dv, dg, dbeta = rows.from_kernel(dq, dk, dv, dg, dbeta)
+    dh0 = rows.initial_state_grads(dh0)
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
     return grads + [q.new_empty(0) if dh0 is None else dh0.to(initial_state.dtype)]
 
