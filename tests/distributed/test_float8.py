@@ -155,6 +155,7 @@ def test_float8_experts_under_expert_parallelism_give_the_one_process_curve(refe
         assert ours == pytest.approx(reference, rel=1e-3)
 
 
+@pytest.mark.extended  # the op's own tests (tests/unit/test_float8.py) run by default
 def test_experts_on_the_float8_kernel_follow_the_emulated_curve(reference_run, tmp_path):
     """Without `emulate` the experts' grouped GEMMs take float8 operands (the CPU's float8
     kernel here, a GPU's float8 units there): the same rounding as the emulated run, the sums

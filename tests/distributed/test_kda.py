@@ -35,9 +35,9 @@ LAYOUTS = {
 CURVE_REL = 1e-5
 
 
-# The default suite runs FSDP2 (and TP2 in the checkpoint test below; CP2's float64 layer
-# parity in tests/distributed/test_context_parallel.py); the other layouts run in every CI
-# leg's extended run (the default suite's 12 minutes).
+# The default suite runs FSDP2 (CP2's float64 layer parity is in tests/distributed/
+# test_context_parallel.py); the other layouts and the TP2 checkpoint run in every CI leg's
+# extended run (the default suite's 12 minutes).
 DEFAULT_LAYOUTS = ("fsdp2",)
 
 
@@ -59,6 +59,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
               "--checkpoint.no_last_save_model_only")
 
 
+@pytest.mark.extended
 def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     """Heads are split under TP (projections, convs, A_log, dt_bias); the checkpoint holds
     whole tensors, so a TP2 save resumes in one process onto the uninterrupted curve."""
