@@ -46,7 +46,10 @@ def _assert_same_run(single, result, flavor):
     assert _indexer_losses(result) == pytest.approx(_indexer_losses(single), rel=INDEXER_LOSS_REL)
 
 
-@pytest.mark.parametrize("flavor", ["debug_mla", "debug_dsa"])
+# DSA's every-layout run (18 s) in the extended run, which every CI leg runs too (the default
+# suite's 12 minutes); MLA's, whose layouts DSA's share, in the default suite.
+@pytest.mark.parametrize("flavor", ["debug_mla",
+                                    pytest.param("debug_dsa", marks=pytest.mark.extended)])
 def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_anywhere(
         tmp_path, reference_run, flavor):
     job = ("--model.flavor", flavor, *JOB)
