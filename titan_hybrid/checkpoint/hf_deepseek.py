@@ -98,7 +98,8 @@ def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
     return attention
 
 
-def _attention_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[str]:
+def mixer_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[str]:
+    """The state-dict names of one `kind` mixer of the model's args (built on meta)."""
     with torch.device("meta"):
         layer = kind.build(args.section(kind), args.dim, args.norm_eps)
     return list(layer.state_dict())
@@ -116,7 +117,7 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice | SharedCopy 
     mapping: dict[str, str | ExpertSlice | SharedCopy] = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-    attention_names = _attention_parameter_names(args, kind)
+    attention_names = mixer_parameter_names(args, kind)
     pattern = args.parsed_pattern
     symbols = pattern.physical_layer_symbols()
     for j in range(len(symbols) // 2):

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
 from titan_hybrid.checkpoint.hf_deepseek import (
     DeepSeekStateDictAdapter,
     Reshaped,
     feed_forward_problems,
+    mixer_parameter_names,
 )
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.kda import KIND as KDA
@@ -62,18 +61,13 @@ def check_kimi_linear_compatible(args: HybridModelArgs) -> None:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 
 
-def _parameter_names(args: HybridModelArgs, kind) -> list[str]:
-    with torch.device("meta"):
-        return list(kind.build(args.section(kind), args.dim, args.norm_eps).state_dict())
-
-
 def _key_map(args: HybridModelArgs, dense: str = "mlp.") -> dict:
     """HF key -> ours; `dense`: the dense MLPs' prefix (transformers' save_pretrained writes
     them under `block_sparse_moe.`, reversing its rename of every layer's)."""
     check_kimi_linear_compatible(args)
     mapping: dict = {"model.embed_tokens.weight": "tok_embeddings.weight",
                      "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-    names = {kind.symbol: _parameter_names(args, kind) for kind in (KDA, MLA)
+    names = {kind.symbol: mixer_parameter_names(args, kind) for kind in (KDA, MLA)
              if kind in args.kinds()}
     symbols = args.parsed_pattern.physical_layer_symbols()
     for j in range(len(symbols) // 2):
