@@ -6,6 +6,8 @@ bench/gpu_check.py: the parts that run without a GPU (the no-CUDA exit, its trai
 a real torchtitan log, the same-dims transformer pattern, the table).
 """
 
+import collections
+import dataclasses
 import re
 
 import pytest
@@ -187,3 +189,51 @@ def test_kernel_check_runs_the_ssd_scan_on_configs_an_h100_can_hold(monkeypatch)
         assert picked in configs
         assert _matmul_tile_bytes(picked) <= H100_SHARED_MEMORY, picked
         assert _matmul_tile_bytes(picked) == min(_matmul_tile_bytes(c) for c in configs)
+
+
+def test_gpu_profile_times_every_layer_forward_and_backward_also_under_checkpointing():
+    """bench/gpu_profile.py's layer timer on a real model: every top-level layer and MTP depth
+    gets a forward and a backward interval (a checkpointed layer's too: its backward hooks sit
+    on the wrapper's output and input), labelled by its kind; per-kind counts are the
+    pattern's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bench.gpu_profile import LayerTimer, kernel_group
+    from titan_hybrid.model.model import HybridModel
+
+    args = dataclasses.replace(hybrid_flavors["debug_moe"], dim=64, vocab_size=256)
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    # full AC as the trainer wraps layers: a module whose forward recomputes in the backward
+    first = model.layers["0"]
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._checkpoint_wrapped_module = inner
+
+        def forward(self, *inputs):
+            return checkpoint(self._checkpoint_wrapped_module, *inputs, use_reentrant=False)
+
+    model.layers.register_module("0", Checkpointed(first))
+    timer = LayerTimer(model)
+    parsed = parse_hybrid_pattern(args.pattern)
+    assert timer.labels == [*parsed.main, "mtp depth"]
+    tokens = torch.randint(0, 256, (1, 32))
+    for active in (False, True, True):
+        timer.active = active
+        if active:
+            timer.new_step()
+        logits, aux_loss, mtp_logits = model(tokens)
+        (logits.sum() + aux_loss + mtp_logits.sum()).backward()
+    assert len(timer.steps) == 2
+    for marks in timer.steps[-1]:
+        assert set(marks) == {"fwd_start", "fwd_end", "bwd_start", "bwd_end"}
+    table = timer.per_kind_ms()
+    counts = collections.Counter(timer.labels)
+    assert {label: round(entry["count"]) for label, entry in table.items()} == counts
+    assert all(entry["fwd"] > 0 and entry["bwd"] > 0 for entry in table.values()), table
+    assert kernel_group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT").startswith("GEMM")
+    assert kernel_group("_chunk_scan_fwd_kernel").startswith("mamba_ssm")
+    assert kernel_group("triton_poi_fused_silu_0").startswith("inductor")
