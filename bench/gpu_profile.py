@@ -15,8 +15,9 @@ instrumented:
   what they do; forward / backward ranges per layer kind attribute each kernel to its kind.
 The trainer's own log line (tokens/s, TFLOP/s, MFU, peak memory) is the job's gpu_check row.
 
-A job is `FLAVOR[:VARIANT]`: `transformer` (every sequence mixer attention: gpu_check's
-baseline) or `ac_none` (no activation checkpointing). Jobs run in order until --deadline
+A job is `FLAVOR[:VARIANT[+VARIANT...]]`: `transformer` (every sequence mixer attention:
+gpu_check's baseline), `ac_none` (no activation checkpointing), `ac_op` (per-op selective
+checkpointing), `bN` (local batch N). Jobs run in order until --deadline
 seconds have passed; the markdown tables go to stdout and to OUT/tables.md, and the Triton and
 inductor caches into OUT/compile_caches.tar.gz (to skip a cold autotune next time: unpack it
 into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, README "Autotune cost").
@@ -276,16 +277,33 @@ def worker(out: Path, job_args: list[str], profile_step: int, timed_from: int,
 # ----------------------------------------------------------------------------- the report
 
 
+# A job's variants (`FLAVOR:VARIANT+VARIANT`): the trainer's options each adds.
+VARIANTS = {
+    "transformer": [],  # the pattern, below
+    "ac_none": ["--activation_checkpoint.mode", "none"],
+    "ac_op": ["--activation_checkpoint.mode", "selective",
+              "--activation_checkpoint.selective_ac_option", "op"],
+}
+
+
 def job_command(job: str, args, out: Path) -> tuple[list[str], str]:
-    flavor, _, variant = job.partition(":")
-    pattern = (transformer_pattern(hybrid_flavors[flavor].pattern) if variant == "transformer"
-               else None)
-    command = trainer_command(flavor, batch=args.batch, seq_len=args.seq_len, steps=args.steps,
+    """The worker's command for `FLAVOR[:VARIANT[+VARIANT...]]`; a variant is one of VARIANTS
+    or bN (local batch N)."""
+    flavor, _, variants = job.partition(":")
+    variants = [v for v in variants.split("+") if v]
+    batch = args.batch
+    for variant in variants:
+        if re.fullmatch(r"b\d+", variant):
+            batch = int(variant[1:])
+        elif variant not in VARIANTS:
+            raise SystemExit(f"--jobs: variant '{variant}' of '{job}' is not one of "
+                             f"{', '.join(VARIANTS)} or bN")
+    pattern = (transformer_pattern(hybrid_flavors[flavor].pattern)
+               if "transformer" in variants else None)
+    command = trainer_command(flavor, batch=batch, seq_len=args.seq_len, steps=args.steps,
                               dump_folder=out / "dump", pattern=pattern)
-    if variant == "ac_none":
-        command += ["--activation_checkpoint.mode", "none"]
-    elif variant not in ("", "transformer"):
-        raise SystemExit(f"--jobs: variant '{variant}' of '{job}' is not transformer or ac_none")
+    for variant in variants:
+        command += VARIANTS.get(variant, [])
     job_args = command[command.index("--job.config_file"):]
     worker_args = ["--worker", str(out), "--profile-step", str(args.steps // 2 - 1),
                    "--timed-from", str(args.steps // 2 + 1)]

@@ -237,3 +237,20 @@ def test_gpu_profile_times_every_layer_forward_and_backward_also_under_checkpoin
     assert kernel_group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT").startswith("GEMM")
     assert kernel_group("_chunk_scan_fwd_kernel").startswith("mamba_ssm")
     assert kernel_group("triton_poi_fused_silu_0").startswith("inductor")
+
+
+def test_gpu_profile_job_variants_become_trainer_options(tmp_path):
+    import argparse
+
+    from bench.gpu_profile import job_command
+
+    args = argparse.Namespace(batch=2, seq_len=4096, steps=12, trace=False, jobs=[])
+    command, flavor = job_command("nemotron_h_1b:ac_op+b4", args, tmp_path)
+    assert flavor == "nemotron_h_1b"
+    joined = " ".join(command)
+    assert "--training.local_batch_size 4 " in joined
+    assert "--activation_checkpoint.selective_ac_option op" in joined
+    command, _ = job_command("nemotron_h_1b:transformer", args, tmp_path)
+    assert command[command.index("--hybrid.pattern") + 1] == "*-**-*-*-**-*-*-**-*-*-*-"
+    with pytest.raises(SystemExit, match="variant 'ac_half'"):
+        job_command("nemotron_h_1b:ac_half", args, tmp_path)
