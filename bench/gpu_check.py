@@ -8,7 +8,9 @@
    causal conv1d kernels through our ops, float32 and bfloat16, one shape each, forward and
    input gradients against the torch paths, plus one torch.compile(fullgraph=True) case; a
    line per case with its time, and the total. A kernel package that is not usable here is
-   reported as skipped, with the reason.
+   reported as skipped, with the reason. Then the Mamba2 layer at nemotron_h_1b's dims on
+   mamba_ssm's fused path (what Megatron runs, with causal-conv1d) beside ours, eager and
+   compiled (bench/mamba_layer.py).
 2. One row per flavor through the trainer as users run it (`python -m titan_hybrid.launch`,
    one process, the TOML's data, no checkpoint): tokens/s, TFLOP/s and MFU as torchtitan
    logs them (its last log line: the second half of the steps for an even --steps), peak
@@ -191,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from bench.kernel_check import run_kernel_checks
         ok = run_kernel_checks()
+        # Megatron's Mamba2 layer (mamba_ssm's fused path) beside ours, nemotron_h_1b's dims
+        from bench.mamba_layer import compare, report
+        layer = compare("nemotron_h_1b", batch=2, seq_len=4096, repeats=10)
+        print("\n" + "\n".join(report(layer, "nemotron_h_1b", 2, 4096, 10)), flush=True)
+        del layer
         torch.cuda.empty_cache()  # the training runs are other processes on the same GPU
 
     base = flavors[0]

@@ -254,3 +254,16 @@ def test_gpu_profile_job_variants_become_trainer_options(tmp_path):
     assert command[command.index("--hybrid.pattern") + 1] == "*-**-*-*-**-*-*-**-*-*-*-"
     with pytest.raises(SystemExit, match="variant 'ac_half'"):
         job_command("nemotron_h_1b:ac_half", args, tmp_path)
+
+
+def test_mamba_layer_bench_runs_ours_small():
+    """bench/mamba_layer.py without CUDA: ours alone (the fused baseline needs CUDA), and it
+    says why the baseline was skipped."""
+    from bench.mamba_layer import compare, report
+
+    result = compare("nemotron_h_1b", batch=1, seq_len=128, repeats=1, dim=512, compiled=False)
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the baseline runs: bench/gpu_check.py")
+    assert result["baseline_skipped"] == "no CUDA device"
+    assert list(result["rows"]) == ["ours (eager)"] and result["rows"]["ours (eager)"]["ms"] > 0
+    assert "baseline skipped: no CUDA device" in report(result, "nemotron_h_1b", 1, 128, 1)
