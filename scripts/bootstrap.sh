@@ -13,6 +13,11 @@
 #                                           torch it was released with, and newer); the venv's
 #                                           name ends in -torchtitan-0.3
 #
+#   TITAN_HYBRID_VENV=PATH              this venv instead of the line's own: an existing venv of
+#                                       the same torch line is brought to this torchtitan (pip
+#                                       swaps torchtitan alone; torch is not downloaded again).
+#                                       .ci/run runs the torchtitan 0.3 leg so, in the 2.14 venv.
+#
 # These are the versions CI runs (.ci/run), and the only ones titan_hybrid/compat accepts
 # (CHECKED_TORCH). The registry serves 2.11, 2.14 and 2.15 as CUDA builds (about 2.6 GB with
 # their libraries); they run on CPU too. On machines without CUDA, 2.13's CPU build is installed
@@ -49,6 +54,10 @@ esac
 VENV="$REPO_ROOT/.venv"
 if [ "$TORCH_LINE" != 2.13 ]; then VENV="$REPO_ROOT/.venv-torch-$TORCH_LINE"; fi
 if [ "$TORCHTITAN_LINE" != 0.2 ]; then VENV="$VENV-torchtitan-$TORCHTITAN_LINE"; fi
+if [ -n "${TITAN_HYBRID_VENV:-}" ]; then
+    case "$TITAN_HYBRID_VENV" in /*) VENV="$TITAN_HYBRID_VENV" ;;
+                                  *) VENV="$REPO_ROOT/$TITAN_HYBRID_VENV" ;; esac
+fi
 VENV_NAME="${VENV#"$REPO_ROOT"/}"  # for messages
 PY="$VENV/bin/python"
 CONSTRAINTS="$VENV/torch-constraints.txt"

@@ -32,13 +32,20 @@ def plain_torchtitan_job(tmp_path):
 @pytest.mark.parametrize("entry, pipeline", [
     ("titan_hybrid.train", 1), ("titan_hybrid.train", 2), ("torchtitan.train", 2)])
 def test_job_and_model_args_resolved_and_layout_validated_once(tmp_path, entry, pipeline):
-    job = ("--training.steps", "1", "--training.seq_len", "64",
+    """torchtitan.train with PP2 is also tests/distributed/test_train.py's stock entry at PP2 (a
+    user's own torchtitan job, with only --experimental.custom_import): it trains 2 steps, the
+    pipeline's loss taking no token count from torchtitan's trainer
+    (pipeline.GlobalTokenScaledLoss)."""
+    stock = entry == "torchtitan.train"
+    job = ("--training.steps", "2" if stock else "1", "--training.seq_len", "64",
            "--parallelism.pipeline_parallel_degree", str(pipeline))
-    if entry == "torchtitan.train":
+    if stock:
         job += ("--job.config_file", str(plain_torchtitan_job(tmp_path)),
                 "--experimental.custom_import", "titan_hybrid.torchtitan_plugin")
     result = run_training(tmp_path, "--probe-entry", entry, *job, module=PROBE, nproc=pipeline)
     result.check()
+    if stock:
+        assert "step:  2" in result.output, result.output[-3000:]
     counted = probes(result.output)
     assert len(counted) == pipeline, result.output[-3000:]
     for rank in counted:
