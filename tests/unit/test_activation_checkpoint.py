@@ -91,9 +91,10 @@ def test_bad_modes_are_named(config, message):
 @pytest.mark.triton_interpreter
 @pytest.mark.filterwarnings("ignore::UserWarning")  # fla: "Triton is not supported on ... CPU"
 def test_selective_ac_keeps_the_scan_kernels_outputs():
-    model = tiny_model("M-G-").to(DEVICE)
+    model = tiny_model("M-G-K-").to(DEVICE)
     tokens = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
-    scans = ("titan_hybrid.mamba_ssd_fwd", "titan_hybrid.fla_gated_delta_fwd")
+    scans = ("titan_hybrid.mamba_ssd_fwd", "titan_hybrid.fla_gated_delta_fwd",
+             "titan_hybrid.fla_kda_fwd")
     with kernels_on():
         loss, grads, plain = _run(model, tokens.to(DEVICE))
         runs = {"none": [plain[name] for name in scans]}
@@ -103,6 +104,18 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
             torch.testing.assert_close(ac_loss, loss, rtol=0, atol=0)
             for name, grad in grads.items():
                 torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=0)
-    # "selective 2" checkpoints layers 1 and 3, the MLPs: each scan runs once
-    assert runs == {"none": [1, 1], "full": [2, 2], "selective op": [1, 1],
-                    "selective 2": [1, 1]}
+    # "selective 2" checkpoints layers 1, 3 and 5, the MLPs: each scan runs once
+    assert runs == {"none": [1, 1, 1], "full": [2, 2, 2], "selective op": [1, 1, 1],
+                    "selective 2": [1, 1, 1]}
+
+
+def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
+    """Every sequence-mixing kind's kernel forward is in the save list because its op module
+    says so (ops/custom_ops.py), not because a list here names it."""
+    from titan_hybrid.parallel.activation_checkpoint import SELECTIVE_AC_SAVED_OPS
+
+    scans = {torch.ops.titan_hybrid.mamba_ssd_fwd.default,
+             torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
+             torch.ops.titan_hybrid.fla_kda_fwd.default}
+    assert scans <= SELECTIVE_AC_SAVED_OPS
+    assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in SELECTIVE_AC_SAVED_OPS

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.kernels import use_kernel
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -83,7 +84,7 @@ def causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C=None, *, seq_idx=None
 # directly. x and dout are [b, c, t] views of channels-last tensors. A custom op cannot return
 # None: an absent bias gradient is an empty tensor.
 
-@torch.library.custom_op("titan_hybrid::causal_conv1d_fwd", mutates_args=())
+@kernel_op("causal_conv1d_fwd")
 def _conv_fwd(x_BCT: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
               seq_idx_BT: torch.Tensor | None, silu: bool) -> torch.Tensor:
     return kernel_packages.causal_conv1d_fwd(x_BCT, weight_CW, bias_C, seq_idx_BT, None, None,
@@ -95,7 +96,7 @@ def _(x_BCT, weight_CW, bias_C, seq_idx_BT, silu):
     return torch.empty_like(x_BCT)
 
 
-@torch.library.custom_op("titan_hybrid::causal_conv1d_bwd", mutates_args=())
+@kernel_op("causal_conv1d_bwd")
 def _conv_bwd(dout_BCT: torch.Tensor, x_BCT: torch.Tensor, weight_CW: torch.Tensor,
               bias_C: torch.Tensor | None, seq_idx_BT: torch.Tensor | None,
               silu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

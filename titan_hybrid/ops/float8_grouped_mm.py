@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.compat.aten_ops import float8_matmul
+from titan_hybrid.ops.custom_ops import kernel_op
 
 FLOAT8 = torch.float8_e4m3fn
 ALIGNMENT = 16  # float8 GEMM units take widths (and leading dimensions) in multiples of 16
@@ -78,7 +79,7 @@ def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-@torch.library.custom_op("titan_hybrid::float8_grouped_products", mutates_args=())
+@kernel_op("float8_grouped_products")
 def _float8_products(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """out[rows of g] = a[rows of g] @ b[g], each in float8 (a per row, b[g] per column)."""
     out = a.new_zeros(a.shape[0], b.shape[-1])
@@ -93,7 +94,7 @@ def _(a, b, offs):
     return a.new_empty(a.shape[0], b.shape[-1])
 
 
-@torch.library.custom_op("titan_hybrid::float8_grouped_weight_grads", mutates_args=())
+@kernel_op("float8_grouped_weight_grads")
 def _float8_weight_grads(a: torch.Tensor, grad: torch.Tensor,
                          offs: torch.Tensor) -> torch.Tensor:
     """grad_b[g] = a[rows of g]^T @ grad[rows of g], each in float8 with one scale per column

@@ -54,6 +54,7 @@ import math
 import torch
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.delta_rule_documents import (
     KernelRows,
     document_masks,
@@ -284,7 +285,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # op is opaque to torch.compile): every op input and output keeps its [B, T] shape.
 
 
-@torch.library.custom_op("titan_hybrid::fla_gated_delta_fwd", mutates_args=())
+@kernel_op("fla_gated_delta_fwd", saved_by_selective_ac=True)
 def _gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
              output_final_state: bool, cu_seqlens: torch.Tensor | None,
@@ -322,7 +323,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, se
             torch.empty_like(g, dtype=torch.float32), q.new_empty(B, T, v.shape[2], CHUNK_SIZE)]
 
 
-@torch.library.custom_op("titan_hybrid::fla_gated_delta_bwd", mutates_args=())
+@kernel_op("fla_gated_delta_bwd")
 def _gdn_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
              initial_state: torch.Tensor | None, q_normed: torch.Tensor, k_normed: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.kernels import use_kernel
 
 
@@ -63,7 +64,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # titan_hybrid.compat.kernel_packages) are used directly: the backward needs only y, z, weight
 # and the saved rstd.
 
-@torch.library.custom_op("titan_hybrid::gated_rms_norm_fwd", mutates_args=())
+@kernel_op("gated_rms_norm_fwd")
 def _norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
               group_size: int, norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, _, rstd = kernel_packages.gated_rms_norm_fwd(
@@ -79,7 +80,7 @@ def _(y, z, weight, eps, group_size, norm_before_gate):
     return y.new_empty(y.shape), y.new_empty(y.numel() // group_size, dtype=torch.float32)
 
 
-@torch.library.custom_op("titan_hybrid::gated_rms_norm_bwd", mutates_args=())
+@kernel_op("gated_rms_norm_bwd")
 def _norm_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
               rstd: torch.Tensor, eps: float, group_size: int,
               norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ import math
 import torch
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.delta_rule_documents import (
     FLA_CHUNK_SIZE,
     KernelRows,
@@ -237,7 +238,7 @@ def recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
 # outputs of the forward op. With seq_idx [B, T] the ops lay the rows end to end as documents
 # (cu_seqlens) inside, every op input and output keeping its [B, T] shape.
 
-@torch.library.custom_op("titan_hybrid::fla_kda_fwd", mutates_args=())
+@kernel_op("fla_kda_fwd", saved_by_selective_ac=True)
 def _kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
              output_final_state: bool, seq_idx: torch.Tensor | None,
@@ -274,7 +275,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, seq_idx, use_q
             k.new_empty(B, T, H, CHUNK_SIZE), k.new_empty(B, T, H, CHUNK_SIZE)]
 
 
-@torch.library.custom_op("titan_hybrid::fla_kda_bwd", mutates_args=())
+@kernel_op("fla_kda_bwd")
 def _kda_bwd(do: torch.Tensor, dfinal_state: torch.Tensor | None, q: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
              initial_state: torch.Tensor | None, q_normed: torch.Tensor, k_normed: torch.Tensor,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.compat import kernel_packages
+from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.kernels import use_kernel
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -227,7 +228,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 # travel as empty tensors (a custom op cannot return None).
 
 
-@torch.library.custom_op("titan_hybrid::mamba_ssd_fwd", mutates_args=())
+@kernel_op("mamba_ssd_fwd", saved_by_selective_ac=True)
 def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
@@ -247,7 +248,7 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_sof
     return x.new_empty(x.shape), final_states, x.new_empty(0 if z is None else x.shape)
 
 
-@torch.library.custom_op("titan_hybrid::mamba_ssd_bwd", mutates_args=())
+@kernel_op("mamba_ssd_bwd")
 def _ssd_bwd(dy: torch.Tensor, dfinal_states: torch.Tensor | None, y_before_gate: torch.Tensor,
              x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,

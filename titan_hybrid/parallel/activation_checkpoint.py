@@ -11,9 +11,10 @@ Per-op selective AC (`--activation_checkpoint.mode selective
 --activation_checkpoint.selective_ac_option op`) keeps the outputs of the ops in
 `SELECTIVE_AC_SAVED_OPS` through the backward and recomputes the rest: torchtitan's rule for
 transformers (every matmul but every second one, the attention kernels, max, the reduce-scatter)
-plus the two sequence-mixing scans, whose recompute costs most: the SSD scan and the gated delta
-rule, as their kernels' custom ops (their torch paths are matmuls already). Norms, convs, gates
-and the MoE router are memory-bound and recomputed. Without a save list torchtitan's per-op mode
+plus the sequence-mixing scans, whose recompute costs most: the kernel custom ops declared
+`saved_by_selective_ac` where they are defined (ops/custom_ops.py: the SSD scan, the gated delta
+rule, KDA; their torch paths are matmuls already). Norms, convs, gates and the MoE router are
+memory-bound and recomputed. Without a save list torchtitan's per-op mode
 would recompute everything, like full AC.
 """
 
@@ -26,8 +27,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import titan_hybrid.ops.gated_delta  # noqa: F401  (registers titan_hybrid::fla_gated_delta_fwd)
-import titan_hybrid.ops.ssd  # noqa: F401  (registers titan_hybrid::mamba_ssd_fwd)
+import titan_hybrid.ops.gated_delta  # noqa: F401  (the kernel ops, defined at import)
+import titan_hybrid.ops.kda  # noqa: F401
+import titan_hybrid.ops.ssd  # noqa: F401
 from titan_hybrid.compat.aten_ops import (
     ATTENTION_OPS,
     GROUPED_MM_OP,
@@ -39,6 +41,7 @@ from titan_hybrid.compat.checkpointing import (
     keep_compiled_frames_of_every_layer,
     set_activation_memory_budget,
 )
+from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
 from titan_hybrid.training.run_config import ActivationCheckpointSection
 
 SELECTIVE_AC_SAVED_OPS = {
@@ -47,8 +50,7 @@ SELECTIVE_AC_SAVED_OPS = {
     *ATTENTION_OPS,
     REDUCE_SCATTER_OP,
     torch.ops.aten.max.default,
-    torch.ops.titan_hybrid.mamba_ssd_fwd.default,
-    torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
+    *ops_saved_by_selective_ac(),
 }
 MODES = ("none", "full", "selective", "memory_budget")
 
