@@ -77,7 +77,7 @@ def kernel_group(name: str) -> str:
 
 class Stamp:
     """A point in the GPU's stream (a CUDA event), or in time on CPU (where ops are
-    synchronous); `ms(a, b)` after a synchronize."""
+    synchronous); read `a.ms_until(b)` after a synchronize."""
 
     def __init__(self) -> None:
         if torch.cuda.is_available():
@@ -168,7 +168,8 @@ class LayerTimer:
 
 
 def kernel_tables(prof) -> dict:
-    """Per kernel name: calls and GPU ms (the profiler's device events); and by the layer range (`fwd M`, `bwd M`, ...) whose CPU ops launched each kernel."""
+    """Per kernel name: calls and GPU ms (the profiler's device events); and GPU ms by the
+    layer range (`fwd M`, `bwd M`, ...) whose CPU ops launched each kernel."""
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_range = collections.defaultdict(float)
     for event in prof.events():
