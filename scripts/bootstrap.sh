@@ -68,6 +68,17 @@ has_gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
 torch_requirement="torch==$TORCH_VERSION"
 if [ "$has_gpu" = 1 ] && [ "$TORCH_LINE" = 2.13 ]; then torch_requirement="torch==2.13.*"; fi
+# A venv named by TITAN_HYBRID_VENV keeps its torch: installing another torch line into it would
+# pull the torch from under whatever else runs from it (a test run of that venv, say).
+if [ -n "${TITAN_HYBRID_VENV:-}" ] && [ -f "$STAMP" ]; then
+    installed_torch="$(cut -d' ' -f1 "$STAMP")"
+    if [ "$installed_torch" != "$torch_requirement" ]; then
+        echo "error: TITAN_HYBRID_VENV=$TITAN_HYBRID_VENV holds $installed_torch, not" \
+            "$torch_requirement (TITAN_HYBRID_TORCH=$TORCH_LINE): name a venv of that torch," \
+            "or unset TITAN_HYBRID_VENV" >&2
+        exit 2
+    fi
+fi
 sources="$(cat "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/scripts/bootstrap.sh" \
     | sha256sum | cut -c1-16)"
 want="$torch_requirement triton==$TRITON_VERSION torchtitan==$TORCHTITAN_VERSION ${EXTRA[*]}"

@@ -43,7 +43,9 @@ def torchtitan_run(tmp_path, *args: str, nproc: int = 1, config: str = "hybrid")
 
 def torchtitan_0_2_run(dump_folder, *args: str, config: str = "hybrid"):
     """The same job under torchtitan 0.2.2 (titan_hybrid's launcher, the default venv)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    # not this venv (CI's TITAN_HYBRID_VENV names it): the default one
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIRTUAL_ENV", "PYTHON", "TITAN_HYBRID_VENV"))}
     env.update(TITAN_HYBRID_TORCH="2.13", TITAN_HYBRID_TORCHTITAN="0.2", OMP_NUM_THREADS="1")
     return subprocess.run(
         ["bash", "-c", 'source scripts/bootstrap.sh && exec python -m titan_hybrid.launch "$@"',

@@ -207,3 +207,21 @@ def test_gpu_host_is_told_which_kernel_packages_are_missing(tmp_path):
             (found / module / "__init__.py").touch()
             missing = [dist for dist in missing if dist != KERNEL_PACKAGES[module]]
         check(note(), missing)
+
+
+def test_a_named_venv_of_another_torch_is_refused_untouched(tmp_path):
+    """TITAN_HYBRID_VENV names a venv to reuse; asked for another torch line, the bootstrap says
+    so in one line and installs nothing there (CI's 0.3 leg shares the 2.14 venv, and a test
+    run from it must not see its torch replaced)."""
+    venv = tmp_path / "venv-of-2.14"
+    venv.mkdir()
+    stamp = "torch==2.14.1 triton==3.8.0 torchtitan==0.2.2  gpu=0 0123456789abcdef\n"
+    (venv / ".titan_hybrid_installed").write_text(stamp)
+    env = {**os.environ, "TITAN_HYBRID_TORCH": "2.13", "TITAN_HYBRID_VENV": str(venv)}
+    done = subprocess.run(["bash", "-c", "source scripts/bootstrap.sh"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == (
+        f"error: TITAN_HYBRID_VENV={venv} holds torch==2.14.1, not torch==2.13.0 "
+        "(TITAN_HYBRID_TORCH=2.13): name a venv of that torch, or unset TITAN_HYBRID_VENV")
+    assert sorted(p.name for p in venv.iterdir()) == [".titan_hybrid_installed"]
