@@ -5,8 +5,9 @@ cd "$(dirname "$0")"
 source scripts/bootstrap.sh
 ruff check --quiet .  # pyflakes + import order on the whole tree (pyproject.toml [tool.ruff])
 # The tests run in parallel worker processes (pytest-xdist), one per core up to 4: a single
-# worker keeps only ~1.2 of this machine's 2 cores busy (process starts, gloo waits), two run
-# the default suite in ~450 s instead of ~570 s. Each test is still the same real run.
+# process leaves much of a 2-core machine's second core idle (process starts, gloo waits); two
+# workers run the default suite in ~380 s instead of ~570 s (a fresh clone, issue 45). Each
+# test is still the same real run.
 # TITAN_HYBRID_TEST_WORKERS=1 (or -n 0) runs them in this process, in order.
 workers="${TITAN_HYBRID_TEST_WORKERS:-$(nproc)}"
 if [ "$workers" -gt 4 ]; then workers=4; fi

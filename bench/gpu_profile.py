@@ -197,17 +197,12 @@ def kernel_tables(prof) -> dict:
 def worker(out: Path, job_args: list[str], profile_step: int, timed_from: int,
            trace: bool) -> None:
     """One job in this process: titan_hybrid.train's run, with the step instrumented."""
-    import socket
-
     from titan_hybrid.adapters.installed import front_end
+    from titan_hybrid.launch import set_one_process_environment
     from titan_hybrid.ops.kernels import kernel_fallbacks
     from titan_hybrid.training.preflight import check_run
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_one_process_environment()  # as `python -m titan_hybrid.launch` with one process
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from torchtitan.tools.logging import init_logger
     init_logger()

@@ -239,14 +239,19 @@ def run_workers(job_args: list[str], nproc: int, log_ranks: str, cluster: Cluste
     return 0
 
 
-def run_here(job_args: list[str]) -> None:
-    """One process: the worker runs in this process under torchrun's environment contract,
-    which saves a second interpreter start and import of torch and torchtitan (seconds)."""
+def set_one_process_environment() -> None:
+    """torchrun's environment contract for one worker in this process, on a free port."""
     with socket.socket() as probe:  # a free port for the one-member process group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def run_here(job_args: list[str]) -> None:
+    """One process: the worker runs in this process under torchrun's environment contract,
+    which saves a second interpreter start and import of torch and torchtitan (seconds)."""
+    set_one_process_environment()
     train.main(job_args)  # leaves the process itself on success and on a reported error
 
 
