@@ -20,7 +20,11 @@ gpu_check's baseline), `ac_none` (no activation checkpointing), `ac_op` (per-op 
 checkpointing), `bN` (local batch N). Jobs run in order until --deadline
 seconds have passed; the markdown tables go to stdout and to OUT/tables.md, and the Triton and
 inductor caches into OUT/compile_caches.tar.gz (to skip a cold autotune next time: unpack it
-into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, README "Autotune cost").
+into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, README "Autotune cost"), and the
+autotune picks table those caches hold into OUT/autotune_picks.json (bench/autotune_picks.py:
+the refreshed titan_hybrid/assets/autotune_picks/smXY.json). The workers install the shipped
+picks first, as the trainer does; --no-autotune-picks tunes every kernel afresh (a cold start
+without them, and timings for every picked kernel in the refreshed table).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import getpass
+import importlib.metadata
 import json
 import os
 import re
@@ -43,8 +48,11 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
 import torch
 
+from bench import autotune_picks as autotune_picks_table
 from bench.gpu_check import parse_step_line, row, run_trainer, trainer_command, transformer_pattern
+from titan_hybrid.compat.kernel_packages import installed_version
 from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.ops import autotune_picks
 
 DEFAULT_JOBS = ["nemotron_h_1b", "nemotron_h_1b:transformer", "nemotron_h_1b:ac_none",
                 "hybrid_moe_2b", "hybrid_moe_2b:transformer"]
@@ -212,6 +220,8 @@ def worker(out: Path, job_args: list[str], profile_step: int, timed_from: int,
     check_run(config, 1)
     for line in kernel_fallbacks():
         print(f"kernel fallback: {line}", flush=True)
+    print(autotune_picks.install_picks_at_start_up() or "autotune picks: none (no CUDA or no mamba_ssm)",
+          flush=True)
     trainer = front_end.build_trainer(job, config)
     timer = LayerTimer(trainer.model_parts[0])
     step_marks, profiles = [], {}
@@ -369,6 +379,23 @@ def save_caches(out: Path) -> None:
           f"({', '.join(str(f) for f in folders if f.is_dir())})", flush=True)
 
 
+def write_picks(args) -> None:
+    """The autotune picks of this host's Triton cache, as bench/autotune_picks.py writes them
+    (kernels whose shipped pick was installed were not timed: --no-autotune-picks times all)."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    if not cache.is_dir() or not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability()
+    measured = {"device": torch.cuda.get_device_name(), "capability": f"{major}.{minor}",
+                "triton": importlib.metadata.version("triton"),
+                "mamba_ssm": installed_version("mamba_ssm"), "date": time.strftime("%Y-%m-%d"),
+                "jobs": f"{', '.join(args.jobs)} (batch {args.batch} x {args.seq_len})"}
+    table = autotune_picks_table.write_table(cache, args.out / "autotune_picks.json", measured)
+    untimed = "" if args.no_autotune_picks else "; kernels given a pick were not timed"
+    print(f"autotune picks: {len(table['picks'])} -> {args.out / 'autotune_picks.json'} (for "
+          f"titan_hybrid/assets/autotune_picks/sm{major}{minor}.json{untimed})", flush=True)
+
+
 def logged_run(log: Path) -> dict:
     """run_trainer's record of a run, read back from its log."""
     lines = log.read_text().splitlines() if log.exists() else []
@@ -387,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "gpu_profile")
     parser.add_argument("--no-caches", action="store_true")
+    parser.add_argument("--no-autotune-picks", action="store_true",
+                        help="the workers autotune every kernel (TITAN_HYBRID_AUTOTUNE_PICKS=0)")
     parser.add_argument("--trace", action="store_true",
                         help="also the first job's chrome trace (OUT/JOB/trace.json)")
     parser.add_argument("--report-only", action="store_true",
@@ -402,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 6 or args.steps % 2:
         parser.error("--steps must be even and at least 6")
     start, report, ok = time.perf_counter(), [], True
+    if args.no_autotune_picks:
+        os.environ[autotune_picks.OPT_OUT] = "0"  # the workers inherit it
     args.out = args.out.resolve()
     print(f"gpu_profile: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
           f", torch {torch.__version__}, batch {args.batch} x {args.seq_len}, {args.steps} steps",
@@ -425,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "tables.md").write_text("\n".join(report))
     if not (args.no_caches or args.report_only):
         save_caches(args.out)
+        write_picks(args)
     return 0 if ok else 1
 
 

@@ -15,6 +15,12 @@ backward of sum(out * cotangent), median of --repeats after two warm-up rounds, 
 alternating. Prints ms per layer, each row's ratio to the baseline, and the largest relative
 difference of the output and input gradient from the baseline's. On a machine without CUDA (or
 without causal-conv1d) the baseline is skipped and ours runs alone (a smoke run).
+
+On CUDA, ours also runs compiled with each causal-conv path in turn (issue 46, item 2), the
+choice `causal_depthwise_conv1d` makes by what is installed: causal-conv1d's kernel, our Triton
+kernels (titan_hybrid/ops/conv_triton.py), the torch path as it runs without documents (a cuDNN
+depthwise conv), and the torch path's shifted-sum formulation (what it runs with documents; here
+with one document per row), which inductor fuses with the layer's other elementwise work.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):
@@ -32,7 +39,29 @@ if __package__ in (None, ""):
 import torch
 
 from titan_hybrid.model.args import hybrid_flavors
-from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.mamba import ConvAndScan, Mamba2Mixer
+from titan_hybrid.ops import conv as conv_ops
+
+
+def _conv_path(path: str):
+    """ConvAndScan.conv on one causal-conv path (the module docstring's list)."""
+    def conv(self, xbc, weight, bias, seq_idx, initial_states=None, initial_seq_idx=None):
+        if path == "causal-conv1d":
+            return conv_ops.causal_depthwise_conv1d(xbc, weight, bias, activation="silu")
+        if path == "Triton":
+            return conv_ops.causal_depthwise_conv1d_triton(xbc, weight, bias, activation="silu")
+        one_document = (xbc.new_zeros(xbc.shape[:2], dtype=torch.int32)
+                        if path == "shifted sum" else None)
+        return conv_ops.causal_depthwise_conv1d_torch(xbc, weight, bias, seq_idx=one_document,
+                                                      activation="silu")
+    return conv
+
+
+def _with_conv_path(function, path: str):
+    def run(x):
+        with mock.patch.object(ConvAndScan, "conv", _conv_path(path)):
+            return function(x)
+    return run
 
 
 def fused_baseline(mixer: Mamba2Mixer):
@@ -84,6 +113,13 @@ def compare(flavor: str, batch: int, seq_len: int, repeats: int, dim: int | None
     rows = {"ours (eager)": mixer}
     if compiled:
         rows["ours (compiled)"] = torch.compile(mixer.forward, fullgraph=True)
+    if compiled and device == "cuda":
+        paths = ["Triton", "torch (cuDNN)", "shifted sum"]
+        if conv_ops.use_kernel(torch.empty(0, device=device), "causal_conv1d"):
+            paths.insert(0, "causal-conv1d")
+        for path in paths:
+            rows[f"ours (compiled), conv: {path}"] = _with_conv_path(
+                torch.compile(mixer.forward, fullgraph=True), path)
     baseline, skipped = fused_baseline(mixer)
     if baseline is not None:
         rows = {"mamba_ssm fused (Megatron's path)": baseline, **rows}
@@ -119,9 +155,9 @@ def report(result: dict, flavor: str, batch: int, seq_len: int, repeats: int) ->
              f"backward, median of {repeats}, on {result['device']}"]
     if result["baseline_skipped"]:
         lines.append(f"baseline skipped: {result['baseline_skipped']}")
-    lines.append(f"{'path':<36} {'ms':>8} {'/ first':>8} {'max rel diff out':>17} {'grad':>9}")
+    lines.append(f"{'path':<44} {'ms':>8} {'/ first':>8} {'max rel diff out':>17} {'grad':>9}")
     for name, entry in result["rows"].items():
-        lines.append(f"{name:<36} {entry['ms']:>8.2f} {entry['ratio']:>8.2f} "
+        lines.append(f"{name:<44} {entry['ms']:>8.2f} {entry['ratio']:>8.2f} "
                      f"{entry['err_out']:>17.2e} {entry['err_grad']:>9.2e}")
     return lines
 

@@ -220,11 +220,14 @@ def assert_close_rel(got, want, tol: float, what: str) -> float:
 
 
 @contextlib.contextmanager
-def expect_custom_ops(*names: str):
+def expect_custom_ops(*names: str, not_run: tuple[str, ...] = ()):
     """Asserts that the custom ops `names` (titan_hybrid::..., the kernel calls' forward and
-    backward) ran inside the block: the proof that our dispatch took the kernel path."""
+    backward) ran inside the block: the proof that our dispatch took the kernel path; and that
+    those of `not_run` did not (a kernel the runtime refuses)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         yield
     seen = {event.name for event in profile.events()}
     missing = [name for name in names if f"titan_hybrid::{name}" not in seen]
     assert not missing, f"custom ops {missing} did not run"
+    ran = [name for name in not_run if f"titan_hybrid::{name}" in seen]
+    assert not ran, f"custom ops {ran} ran"

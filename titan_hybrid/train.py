@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import init_logger, logger
 
 from titan_hybrid.adapters.installed import front_end
+from titan_hybrid.ops.autotune_picks import install_picks_at_start_up
 from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
 from titan_hybrid.training.errors import (
@@ -41,6 +42,9 @@ def run(job_args: list[str]) -> None:
     for line in kernel_fallbacks():
         if os.environ.get("RANK", "0") == "0":
             logger.warning(line)
+    # Before any kernel runs: the shipped autotune picks spare a cold first step the timing runs.
+    if (line := install_picks_at_start_up()) and os.environ.get("RANK", "0") == "0":
+        logger.info(line)
     trainer = None
     try:
         trainer = adapter.build_trainer(job, config)

@@ -272,3 +272,22 @@ def test_mamba_layer_bench_runs_ours_small():
             assert skipped == "no CUDA device"
         assert list(rows) == ["ours (eager)"]
         assert f"baseline skipped: {skipped}" in report(result, "nemotron_h_1b", 1, 128, 1)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extended)])
+def test_conv_kernels_bench_counts_each_path(compiled):
+    """bench/conv_kernels.py small: our Triton conv is two launches (forward, backward) and no
+    ATen convolution work; the torch path's documents cost many ATen calls in eager; compiled,
+    inductor's kernels are counted."""
+    from bench.conv_kernels import measure
+
+    rows = {row["path"]: row for row in measure("debug", 1, 40, compiled_rows=compiled)}
+    torch_eager, ours_eager = rows["torch path, eager"], rows["our Triton conv, eager"]
+    assert ours_eager["conv"]["triton"] == 2 and torch_eager["conv"]["triton"] == 0
+    assert torch_eager["conv"]["aten"] >= 20 > ours_eager["conv"]["aten"]
+    for part in ("conv", "layer"):
+        assert ours_eager[part]["total"] < torch_eager[part]["total"]
+    if compiled:
+        for path in ("torch path, compiled", "our Triton conv, compiled"):
+            assert rows[path]["layer"]["inductor"] > 0, rows[path]
+        assert rows["our Triton conv, compiled"]["conv"]["triton"] == 2

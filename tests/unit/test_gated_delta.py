@@ -39,6 +39,7 @@ from titan_hybrid.ops.gated_delta import (
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule_reference,
 )
+from titan_hybrid.ops.kernels import kernel_op_refused
 
 F64 = dict(atol=1e-9, rtol=1e-9)
 FP32_REL_TOL = 1e-5
@@ -470,6 +471,14 @@ def _kernel_inputs(B, lens, dtype, *, l2norm, seed, key_heads=2):
     return inputs, kwargs
 
 
+def gdn_kernel_ops() -> tuple[str, ...]:
+    """The custom ops that show GDN ran fla's kernels (inside kernels_on()): the backward's
+    too, unless this runtime refuses it (a Hopper GPU with triton < 3.7.1, where the backward
+    is the torch path's: test_fla_refused_backward.py)."""
+    refused = kernel_op_refused("fla_gated_delta_bwd")
+    return ("fla_gated_delta_fwd",) + (() if refused else ("fla_gated_delta_bwd",))
+
+
 @pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
 def test_fla_kernel_matches_torch_path_packed_documents(dtype):
@@ -479,7 +488,7 @@ def test_fla_kernel_matches_torch_path_packed_documents(dtype):
     inputs, kwargs = _kernel_inputs(1, lens, dtype, l2norm=True, seed=11)
     inputs["initial_state"] = torch.randn(len(lens), 2, 16, 16, device=DEVICE)
     kwargs["output_final_state"] = True
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
         got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
     assert got[0][1].dtype == torch.float32  # final states, as on the torch path
@@ -492,7 +501,7 @@ def test_fla_kernel_grouped_value_heads():
     repeat (gradients of the shared head summed over its value heads)."""
     inputs, kwargs = _kernel_inputs(1, [37, 60], torch.float32, l2norm=True, seed=13,
                                     key_heads=1)
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
         got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
     assert got[1]["q"].shape == inputs["q"].shape
@@ -506,7 +515,7 @@ def test_fla_kernel_under_torch_compile_fullgraph():
     without cu_seqlens, no initial or final state, keys pre-normalised."""
     inputs, kwargs = _kernel_inputs(2, [100], torch.float32, l2norm=False, seed=12)
     compiled = torch.compile(chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
         got = outputs_and_grads(compiled, inputs, **kwargs)
     assert len(got[0]) == 1  # the final state is None when not asked for
     assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
@@ -523,7 +532,7 @@ def test_fla_kernel_matches_torch_path_seq_idx(dtype):
     inputs, kwargs = _kernel_inputs(len(PACKED_ROWS), [150], dtype, l2norm=True, seed=14)
     inputs["initial_state"] = torch.randn(len(PACKED_ROWS), 2, 16, 16, device=DEVICE)
     kwargs.update(seq_idx=torch.tensor(PACKED_ROWS, device=DEVICE), output_final_state=True)
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
         got = outputs_and_grads(chunk_gated_delta_rule, inputs, **kwargs)
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)
     assert got[0][1].shape == (len(PACKED_ROWS), 2, 16, 16)
@@ -539,7 +548,7 @@ def test_fla_kernel_seq_idx_under_torch_compile_fullgraph():
                                     seed=15)
     kwargs.update(seq_idx=torch.tensor(PACKED_ROWS, device=DEVICE), output_final_state=True)
     compiled = torch.compile(chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
-    with kernels_on(), expect_custom_ops("fla_gated_delta_fwd", "fla_gated_delta_bwd"):
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
         got = outputs_and_grads(compiled, inputs, **kwargs)
     assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
     want = outputs_and_grads(chunk_gated_delta_rule_torch, inputs, **kwargs)

@@ -23,7 +23,14 @@ from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops import kernels
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
-from titan_hybrid.ops.kernels import fla_refusal, force_kernels, kernel_fallbacks, kernel_path_field
+from titan_hybrid.ops.kernels import (
+    fla_gated_delta_bwd_refusal,
+    force_kernels,
+    kernel_fallbacks,
+    kernel_op_refused,
+    kernel_path_field,
+    simulate_gpu_runtime,
+)
 from titan_hybrid.training.metrics import step_line
 
 
@@ -96,12 +103,45 @@ def test_fullgraph_compile_passes_through_conv_kernel(stand_in_conv):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fla_refuses_hopper_with_old_triton():
-    assert "triton 3.6.0 on a Hopper GPU" in fla_refusal((9, 0), "3.6.0")
-    assert fla_refusal((9, 0), "3.4.0") is not None
+def test_fla_refuses_its_gated_delta_backward_on_hopper_with_old_triton():
+    """fla 0.6 raises in the gated chunk_bwd_dqkwg for triton >= 3.4.0, < 3.7.1 on Hopper
+    (compute capability 9) only."""
+    reason = fla_gated_delta_bwd_refusal((9, 0), "3.6.0")
+    assert "triton 3.6.0 on a Hopper GPU" in reason and "#640" in reason
+    assert fla_gated_delta_bwd_refusal((9, 0), "3.4.0") is not None
+    assert fla_gated_delta_bwd_refusal((9, 0), "3.7.0") is not None
     for capability, triton in [((9, 0), "3.7.1"), ((9, 0), "3.8.0"), ((8, 0), "3.6.0"),
                                ((10, 0), "3.6.0"), ((9, 0), "3.3.1"), (None, "3.6.0")]:
-        assert fla_refusal(capability, triton) is None, (capability, triton)
+        assert fla_gated_delta_bwd_refusal(capability, triton) is None, (capability, triton)
+
+
+def _fla_usable_without_import(monkeypatch):
+    """fla at an accepted version with no launchers to import or check: usable here, so what
+    the runtime refuses of it shows."""
+    fla = kernels.KERNEL_PACKAGES["fla"]
+    monkeypatch.setitem(kernels.KERNEL_PACKAGES, "fla", dataclasses.replace(fla, launchers=()))
+    _installed(monkeypatch, {"fla-core": "0.6.0"})
+
+
+def test_hopper_with_old_triton_refuses_only_the_gated_delta_backward(monkeypatch):
+    """On a (simulated) Hopper GPU with triton 3.6.0 fla stays usable: one start-up line and
+    the metrics field name the gated delta rule's backward as what takes the torch path, and
+    only that op is refused; with triton 3.7.1 nothing of fla is."""
+    _fla_usable_without_import(monkeypatch)
+    reason = fla_gated_delta_bwd_refusal((9, 0), "3.6.0")
+    with simulate_gpu_runtime((9, 0), "3.6.0"):
+        assert kernels.probe_kernels()["fla"] is None
+        assert set(kernels.refused_ops()) == {"fla_gated_delta_bwd"}
+        assert kernel_op_refused("fla_gated_delta_bwd") and not kernel_op_refused("fla_kda_bwd")
+        lines, field = kernel_fallbacks(), kernel_path_field()
+    assert [line for line in lines if line.split()[2] == "fla"] == [
+        "kernel package fla is used except for the gated delta rule's backward, which the "
+        f"torch path runs: {reason}"]
+    assert f"fla for the gated delta rule's backward: {reason})" in field, field
+    assert "fla:" not in field and "\n" not in field
+    with simulate_gpu_runtime((9, 0), "3.7.1"):
+        assert kernels.refused_ops() == {}
+        assert all(line.split()[2] != "fla" for line in kernel_fallbacks())
 
 
 def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
@@ -112,13 +152,9 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
         "raise ImportError('libcudart.so.13: cannot open shared object file')\n")
     _forget_causal_conv1d()
     monkeypatch.syspath_prepend(str(tmp_path))
-    fla = kernels.KERNEL_PACKAGES["fla"]
-    monkeypatch.setitem(kernels.KERNEL_PACKAGES, "fla", dataclasses.replace(
-        fla, launchers=(), refuses_runtime=lambda: fla_refusal((9, 0), "3.6.0")))
-    _installed(monkeypatch, {"fla-core": "0.6.0"})  # an accepted version, or that is the reason
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _installed(monkeypatch, {"fla-core": "0.7.0"})
     try:
-        with force_kernels():  # a fresh probe, forgotten afterwards
+        with force_kernels(), simulate_gpu_runtime((9, 0), "3.6.0"):  # probed afresh
             lines = kernel_fallbacks()
             with pytest.raises(RuntimeError, match="causal_conv1d is unusable: "
                                "causal_conv1d.cpp_functions does not import"):
@@ -129,7 +165,10 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     assert "causal_conv1d" in by_package and "fla" in by_package, lines
     assert "ImportError: libcudart.so.13" in by_package["causal_conv1d"]
     assert "the torch path runs the Mamba2 / GDN causal convolution" in by_package["causal_conv1d"]
-    assert "Hopper" in by_package["fla"] and "gated delta rule" in by_package["fla"]
+    # an unusable fla is one line for the whole package, whatever the runtime refuses of it
+    assert by_package["fla"] == ("kernel package fla is not used: fla-core 0.7.0 is installed, "
+                                 "titan_hybrid's custom ops accept fla-core>=0.6.0,<0.7; the "
+                                 "torch path runs the gated delta rule and KDA")
     assert all("\n" not in line for line in lines)
 
 

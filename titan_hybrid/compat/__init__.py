@@ -31,6 +31,8 @@ Importing changes nothing global. The two patches (`point_device_globals_at_cpu`
                    version outside the accepted range, or a launcher whose signature changed,
                    is not an ImportError here but a package the start-up probe
                    (titan_hybrid.ops.kernels) reports unusable, saying which
+    triton_autotune.py  mamba_ssm's SSD autotuners and Triton's in-memory table of their
+                   choices, which the shipped autotune picks fill (titan_hybrid.ops.autotune_picks)
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd",
 
 # fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls. Forward -> (g cumulative, o, A,
 # final_state, initial_state, g_input); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log,
-# ddt_bias).
+# ddt_bias). The backward raises on Hopper with triton >= 3.4.0, < 3.7.1, where the runtime
+# refuses it alone (titan_hybrid.ops.kernels.fla_gated_delta_bwd_refusal).
 _DELTA_OPTIONS = ("scale", "initial_state", "cu_seqlens", "chunk_indices", "chunk_size")
 gated_delta_rule_fwd = Launcher(
     "fla", _GATED_DELTA, "chunk_gated_delta_rule_fwd",

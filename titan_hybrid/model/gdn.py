@@ -64,9 +64,11 @@ class ConvAndDeltaRule(nn.Module):
                                                             dt_bias), seq_idx)
         return o_BTHV
 
-    def conv(self, qkv_BTC, conv_weight_CW, seq_idx):
+    def conv(self, qkv_BTC, conv_weight_CW, seq_idx, initial_states=None, initial_seq_idx=None):
+        """`initial_states`: the inputs before the first position (context parallelism's)."""
         return causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
-                                       activation="silu")
+                                       activation="silu", initial_states=initial_states,
+                                       initial_seq_idx=initial_seq_idx)
 
     def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
         """(q, k [B, T, Hk, K], v [B, T, Hv, V], log decay g, beta [B, T, Hv]) from the conv

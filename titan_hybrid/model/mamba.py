@@ -83,9 +83,12 @@ class ConvAndScan(nn.Module):
         xbc = self.conv(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx)
         return self.scan(xbc, dt_BTH, A_log, D, dt_bias, seq_idx)
 
-    def conv(self, xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx):
+    def conv(self, xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx, initial_states=None,
+             initial_seq_idx=None):
+        """`initial_states`: the inputs before the first position (context parallelism's)."""
         return causal_depthwise_conv1d(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
-                                       activation="silu")
+                                       activation="silu", initial_states=initial_states,
+                                       initial_seq_idx=initial_seq_idx)
 
     def split_xbc(self, xbc_BTC: torch.Tensor, n_heads: int):
         """The conv output's x [B, T, H, P], B and C [B, T, G, N]."""

@@ -1,24 +1,36 @@
 """Causal depthwise 1-D convolution over the time axis, with packed-document masking.
 
 x `[b, t, c]` (channels last, as the mixers produce it), weight `[c, w]`, bias `[c]`,
-seq_idx `[b, t]` (document id per position; taps never reach into an earlier document).
+seq_idx `[b, t]` (document id per position; taps never reach into an earlier document),
+initial_states `[b, w-1, c]` (the inputs before position 0: context parallelism's halo, in the
+document initial_seq_idx `[b, w-1]` says when seq_idx is given).
 
-``causal_depthwise_conv1d`` calls causal-conv1d's CUDA kernel when
-``titan_hybrid.ops.kernels.use_kernel`` says so and the kernel takes the sizes (channels a
-multiple of 8, width 2..4), else ``causal_depthwise_conv1d_torch``. The kernel's forward and
-backward are ``torch.library`` custom ops, so ``torch.compile(fullgraph=True)`` passes through
-them. Both paths return channels-last output (``stride(-1) == 1``), which the SSD and
-gated-delta kernels read without a copy.
+``causal_depthwise_conv1d`` takes, in order, the first path that can run:
+1. causal-conv1d's CUDA kernel (what Megatron runs), when ``titan_hybrid.ops.kernels.use_kernel``
+   says so and the kernel takes the sizes (channels a multiple of 8, width 2..4);
+2. our Triton kernels (titan_hybrid.ops.conv_triton) for CUDA tensors: bias, SiLU, documents and
+   the halo in one pass each way, on any torch with triton;
+3. ``causal_depthwise_conv1d_torch``, the reference and the CPU path.
+The kernels' forward and backward are ``torch.library`` custom ops, so
+``torch.compile(fullgraph=True)`` passes through them. Every path returns channels-last output
+(``stride(-1) == 1``), which the SSD and gated-delta kernels read without a copy.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
 from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.custom_ops import kernel_op
-from titan_hybrid.ops.kernels import use_kernel
+from titan_hybrid.ops.kernels import KERNEL_DTYPES, use_kernel
+
+if importlib.util.find_spec("triton") is not None:
+    from titan_hybrid.ops.conv_triton import causal_depthwise_conv1d_triton
+else:  # a CPU-only torch without triton: the torch path everywhere
+    causal_depthwise_conv1d_triton = None
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -30,11 +42,14 @@ def causal_depthwise_conv1d(
     *,
     seq_idx: torch.Tensor | None = None,
     activation: str | None = None,
+    initial_states: torch.Tensor | None = None,
+    initial_seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation '{activation}' is not 'silu' or None")
     channels, width = weight_CW.shape
-    if channels % 8 == 0 and 2 <= width <= 4 and use_kernel(x_BTC, "causal_conv1d"):
+    if initial_states is None and channels % 8 == 0 and 2 <= width <= 4 \
+            and use_kernel(x_BTC, "causal_conv1d"):
         # The kernel's channels-last layout is [b, c, t] with stride 1 over c. A slice of
         # in_proj's output would come back channels-first (the kernel allocates its output like
         # its input only when that is dense), so it is made dense here.
@@ -43,17 +58,32 @@ def causal_depthwise_conv1d(
                             None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
                             activation is not None)
         return out_BCT.transpose(1, 2)
+    if causal_depthwise_conv1d_triton is not None and x_BTC.is_cuda \
+            and x_BTC.dtype in KERNEL_DTYPES:
+        return causal_depthwise_conv1d_triton(
+            x_BTC, weight_CW, bias_C, seq_idx=seq_idx, activation=activation,
+            initial_states=initial_states, initial_seq_idx=initial_seq_idx)
     return causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C, seq_idx=seq_idx,
-                                         activation=activation)
+                                         activation=activation, initial_states=initial_states,
+                                         initial_seq_idx=initial_seq_idx)
 
 
 def causal_depthwise_conv1d_torch(x_BTC, weight_CW, bias_C=None, *, seq_idx=None,
-                                  activation=None):
+                                  activation=None, initial_states=None, initial_seq_idx=None):
     """Channels-last in and out. The weights may be fp32 while x is bf16 (data parallelism keeps
     a mixer's conv in fp32 with its SSM parameters): the arithmetic is in x's dtype, as in a
-    bf16 layer."""
+    bf16 layer. The halo rows (initial_states) are prepended and their outputs dropped."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation '{activation}' is not 'silu' or None")
+    if initial_states is not None:
+        halo = initial_states.shape[1]
+        if seq_idx is not None:
+            halo_ids = seq_idx[:, :1].expand(-1, halo) if initial_seq_idx is None \
+                else initial_seq_idx
+            seq_idx = torch.cat((halo_ids.to(seq_idx.dtype), seq_idx), 1)
+        return causal_depthwise_conv1d_torch(
+            torch.cat((initial_states.to(x_BTC.dtype), x_BTC), 1), weight_CW, bias_C,
+            seq_idx=seq_idx, activation=activation)[:, halo:]
     weight_CW = weight_CW.to(x_BTC.dtype)
     bias_C = None if bias_C is None else bias_C.to(x_BTC.dtype)
     (channels, width), length = weight_CW.shape, x_BTC.shape[1]

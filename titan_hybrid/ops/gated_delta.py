@@ -23,9 +23,11 @@ Per head, with state S [K, V] and log-decay g_t <= 0, gate beta_t in (0, 1):
 
 `chunk_gated_delta_rule` calls fla's Triton kernel for CUDA tensors when `fla` is installed (also
 for CPU tensors inside `titan_hybrid.ops.kernels.force_kernels()`, as the interpreter tests do)
-and `chunk_gated_delta_rule_torch` otherwise. The torch path works on chunks of Q tokens. Within a
-chunk, with G the inclusive cumulative log-decay and S0 the state entering the chunk, the
-corrected values v' (rows of U) solve a unit lower-triangular system (WY / UT representation):
+and `chunk_gated_delta_rule_torch` otherwise; on a runtime that refuses fla's backward alone
+(Hopper with triton < 3.7.1) the backward differentiates the torch path. The torch path works
+on chunks of Q tokens. Within a chunk, with G the inclusive cumulative log-decay and S0 the
+state entering the chunk, the corrected values v' (rows of U) solve a unit lower-triangular
+system (WY / UT representation):
 
     (I + A) U = beta*V - (beta*exp(G)*K) S0,   A_ij = beta_i exp(G_i - G_j) k_i.k_j  (j < i)
 
@@ -63,7 +65,7 @@ from titan_hybrid.ops.delta_rule_documents import (
     l2norm_in_kernel,
     l2norm_in_kernel_bwd,
 )
-from titan_hybrid.ops.kernels import use_kernel
+from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
 
 CHUNK_SIZE = 64
 
@@ -283,6 +285,11 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None, initial_s
 # fla takes packed documents as cu_seqlens only. With seq_idx [B, T] the ops flatten the batch
 # into one packed row and derive cu_seqlens inside, where data-dependent sizes are allowed (the
 # op is opaque to torch.compile): every op input and output keeps its [B, T] shape.
+#
+# A runtime where fla's backward computes wrong gradients (a Hopper GPU with triton < 3.7.1:
+# titan_hybrid.ops.kernels.fla_gated_delta_bwd_refusal) refuses the backward op alone: the
+# forward still runs fla's kernel, and the backward recomputes the forward on the torch path
+# from the same inputs and differentiates it (`_gdn_backward_by_torch`).
 
 
 @kernel_op("fla_gated_delta_fwd", saved_by_selective_ac=True)
@@ -365,6 +372,8 @@ def _gdn_backward(ctx, output_grads):
     do, dfinal_state = output_grads[:2]  # the residual outputs' gradients are unused
     if not ctx.output_final_state:  # autograd passes zeros of the empty placeholder's shape
         dfinal_state = None
+    if kernel_op_refused("fla_gated_delta_bwd"):
+        return _gdn_backward_by_torch(ctx, do, dfinal_state)
     (q, k, v, beta, g, initial_state, cu_seqlens, seq_idx, q_normed, k_normed, q_rstd, k_rstd,
      g_cum, A) = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, dh0 = _gdn_bwd(
@@ -372,6 +381,26 @@ def _gdn_backward(ctx, output_grads):
         g_cum, A, ctx.scale, cu_seqlens, seq_idx, ctx.use_qk_l2norm)
     return (dq, dk, dv, dg, dbeta, None, None if initial_state is None else dh0, None, None,
             None, None)
+
+
+def _gdn_backward_by_torch(ctx, do, dfinal_state):
+    """The gradients `_gdn_bwd` gives, from the torch path: its forward recomputed from the
+    forward op's inputs (documents, initial state, scale, l2norm as the op had them) under
+    autograd, then differentiated. Plain torch ops, so torch.compile traces them into the
+    backward graph; the fla-only residuals go unused."""
+    q, k, v, beta, g, initial_state, cu_seqlens, seq_idx = ctx.saved_tensors[:8]
+    with torch.enable_grad():  # autograd runs a backward with grad mode off
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        h0 = None if initial_state is None else initial_state.detach().requires_grad_()
+        o, final_state = chunk_gated_delta_rule_torch(
+            *leaves, scale=ctx.scale, initial_state=h0,
+            output_final_state=dfinal_state is not None, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=ctx.use_qk_l2norm, seq_idx=seq_idx)
+        outputs, output_grads = ([o], [do]) if dfinal_state is None else (
+            [o, final_state], [do, dfinal_state])
+        dq, dk, dv, dg, dbeta, *dh0 = torch.autograd.grad(
+            outputs, leaves + ([] if h0 is None else [h0]), output_grads)
+    return (dq, dk, dv, dg, dbeta, None, dh0[0] if dh0 else None, None, None, None, None)
 
 
 _gdn_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)

@@ -236,7 +236,9 @@ def recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
 # and beta computed outside; its residuals (l2-normalised q and k with their reciprocal norms,
 # the chunk-local cumulative decay in base 2, the intra-chunk matrices Aqk and Akk) are extra
 # outputs of the forward op. With seq_idx [B, T] the ops lay the rows end to end as documents
-# (cu_seqlens) inside, every op input and output keeping its [B, T] shape.
+# (cu_seqlens) inside, every op input and output keeping its [B, T] shape. The backward has its
+# own fused dq / dk / dg kernel, not the gated delta rule's that Hopper GPUs with triton < 3.7.1
+# miscompile (titan_hybrid.ops.kernels.fla_gated_delta_bwd_refusal): KDA runs fla whole there.
 
 @kernel_op("fla_kda_fwd", saved_by_selective_ac=True)
 def _kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

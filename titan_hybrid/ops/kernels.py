@@ -14,17 +14,21 @@ the torch path. Nothing here runs at import.
 
 Usable means: the package's version is in the range our custom ops accept (they call
 launchers below the packages' public APIs: titan_hybrid.compat.kernel_packages), the modules
-they import do import (a package installed without its compiled extension fails here), every
-launcher the ops call is there and takes the ops' call (its parameters, read from its
-signature), and the package accepts this runtime (fla 0.6 raises in its backward on Hopper
-GPUs with triton >= 3.4, < 3.7.1). ``probe_kernels()`` decides this once per process, outside
-any traced code: dynamo cannot trace an import, and a failure found mid-step would kill the
-run. The ops an unusable package serves then take their torch paths, ~3x slower on a GPU, so a
-run says so twice: at start-up, ``kernel_fallbacks()``, one warning line per unusable package
-with the whole reason (titan_hybrid.train), and on every logged step, ``kernel_path_field()``
-in titan_hybrid's per-step line (titan_hybrid.training.metrics), for whoever looks at a slow
-step long after start-up. Neither says anything without CUDA, where the torch paths are the
-plan, not a fall-back.
+they import do import (a package installed without its compiled extension fails here), and
+every launcher the ops call is there and takes the ops' call (its parameters, read from its
+signature). A usable package may still have single kernels that this runtime computes wrong:
+the runtime refuses those custom ops alone (``RefusedOp``), and each one's caller takes the
+torch path for that op while the rest of the package runs. Today that is fla's gated delta
+rule backward on Hopper GPUs with triton >= 3.4, < 3.7.1 (``fla_gated_delta_bwd_refusal``):
+GDN's forward, KDA and fla's l2norm keep fla's kernels there. ``probe_kernels()`` decides all
+this once per process, outside any traced code: dynamo cannot trace an import, and a failure
+found mid-step would kill the run. A torch path is ~3x slower on a GPU, so a run says so
+twice: at start-up, ``kernel_fallbacks()``, one warning line per unusable package or refused
+op with the whole reason (titan_hybrid.train), and on every logged step,
+``kernel_path_field()`` in titan_hybrid's per-step line (titan_hybrid.training.metrics), for
+whoever looks at a slow step long after start-up. Neither says anything without CUDA, where
+the torch paths are the plan, not a fall-back. ``simulate_gpu_runtime()`` makes the probe and
+both reports take a given GPU and triton (tests: a Hopper runtime on CPU).
 
 Each kernel call goes through a ``torch.library`` custom op (``titan_hybrid::...``, defined by
 the op modules), so ``torch.compile`` with ``fullgraph=True`` sees one opaque node per kernel
@@ -50,23 +54,78 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
-def fla_refusal(capability: tuple[int, int] | None, triton_version: str) -> str | None:
-    """Why fla's gated delta rule may not run on a GPU of this compute capability with this
-    triton: fla 0.6 refuses Hopper (sm_90) with triton >= 3.4.0, < 3.7.1 in its backward (its
-    issue #640: the gated dq/dk/dw kernel computes wrong results there)."""
+def fla_gated_delta_bwd_refusal(capability: tuple[int, int] | None,
+                                triton_version: str) -> str | None:
+    """Why fla's gated delta rule backward may not run on a GPU of this compute capability
+    with this triton. fla 0.6 raises in the gated branch of `chunk_bwd_dqkwg`
+    (fla/ops/common/chunk_o.py: the dq / dk / dw / dg kernel that only the gated delta rule's
+    backward calls here) when fla's IS_NVIDIA_HOPPER (compute capability 9) and triton >= 3.4.0,
+    < 3.7.1: triton miscompiles that kernel there (fla issue #640, fixed in triton 3.7.1; the
+    issue's bisection found only its BK = 64 tile wrong, but a launcher that avoids that tile
+    was never checked on a Hopper GPU, so the whole backward takes the torch path). No other
+    kernel the ops call checks the runtime: the forward, KDA's backward (it has its own fused
+    dq / dk / dg kernel) and l2norm run. With tilelang installed fla would send that kernel to
+    its TileLang backend instead of raising; that backend is not checked here, so the refusal
+    holds either way."""
     if capability is None or capability[0] != 9:
         return None
     if (3, 4, 0) <= _version(triton_version) < (3, 7, 1):
-        return (f"triton {triton_version} on a Hopper GPU gives wrong gated-delta-rule gradients "
-                "(fla refuses triton >= 3.4.0, < 3.7.1 there; install triton >= 3.7.1)")
+        return (f"triton {triton_version} on a Hopper GPU miscompiles fla's gated dq/dk/dw "
+                "backward kernel (chunk_bwd_dqkwg, fla issue #640: fla raises there with "
+                "triton >= 3.4.0, < 3.7.1; install triton >= 3.7.1 for the kernel)")
     return None
 
 
-def _fla_refuses_this_runtime() -> str | None:
+_simulated_gpu: tuple[tuple[int, int], str] | None = None
+
+
+@contextlib.contextmanager
+def simulate_gpu_runtime(capability: tuple[int, int], triton_version: str) -> Iterator[None]:
+    """Probe and report as on a CUDA GPU of this compute capability with this triton, whatever
+    the machine has (not thread-safe: meant for tests, e.g. a Hopper GPU with triton 3.6 on
+    CPU). Probes again inside and after, as `force_kernels` does."""
+    global _simulated_gpu
+    previous, _simulated_gpu = _simulated_gpu, (tuple(capability), triton_version)
+    _forget_probe()
+    try:
+        yield
+    finally:
+        _simulated_gpu = previous
+        _forget_probe()
+
+
+def _on_gpu() -> bool:
+    return _simulated_gpu is not None or torch.cuda.is_available()
+
+
+def _gpu_runtime() -> tuple[tuple[int, int], str] | None:
+    """(compute capability, triton version) of the GPU the ops run on; None without one."""
+    if _simulated_gpu is not None:
+        return _simulated_gpu
     if not torch.cuda.is_available():
         return None
-    return fla_refusal(torch.cuda.get_device_capability(),
-                       importlib.import_module("triton").__version__)
+    return torch.cuda.get_device_capability(), importlib.import_module("triton").__version__
+
+
+@dataclass(frozen=True)
+class RefusedOp:
+    """A custom op of a usable kernel package that this runtime refuses: its caller runs the
+    torch path for it (`kernel_op_refused`), the package's other ops run their kernels."""
+
+    package: str
+    op: str  # the custom op titan_hybrid::<op> that does not run
+    serves: str  # what the torch path runs instead
+    reason: str
+
+
+def _fla_ops_this_runtime_refuses() -> tuple[RefusedOp, ...]:
+    runtime = _gpu_runtime()
+    reason = runtime and fla_gated_delta_bwd_refusal(*runtime)
+    if not reason:
+        return ()
+    # gated_delta.py's backward then recomputes the forward on the torch path and
+    # differentiates it
+    return (RefusedOp("fla", "fla_gated_delta_bwd", "the gated delta rule's backward", reason),)
 
 
 @dataclass(frozen=True)
@@ -74,7 +133,7 @@ class KernelPackage:
     name: str
     launchers: tuple[kernel_packages.Launcher, ...]  # what the custom ops call
     serves: str  # the ops that fall back to their torch paths without it
-    refuses_runtime: Callable[[], str | None] = lambda: None
+    refuses_ops: Callable[[], tuple[RefusedOp, ...]] = tuple  # of this runtime, once usable
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -86,13 +145,19 @@ KERNEL_PACKAGES = {package.name: package for package in (
     KernelPackage("mamba_ssm", kernel_packages.launchers_of("mamba_ssm"),
                   "the Mamba2 SSD scan and gated RMS norm"),
     KernelPackage("fla", kernel_packages.launchers_of("fla"),
-                  "the gated delta rule", refuses_runtime=_fla_refuses_this_runtime),
+                  "the gated delta rule and KDA", refuses_ops=_fla_ops_this_runtime_refuses),
     KernelPackage("causal_conv1d", kernel_packages.launchers_of("causal_conv1d"),
                   "the Mamba2 / GDN causal convolution"),
 )}
 
 _forced = False
 _unusable: dict[str, str | None] = {}  # package -> why it is unusable (None: usable)
+_refused: dict[str, tuple[RefusedOp, ...]] = {}  # usable package -> its ops this runtime refuses
+
+
+def _forget_probe() -> None:
+    _unusable.clear()
+    _refused.clear()
 
 
 @contextlib.contextmanager
@@ -101,12 +166,12 @@ def force_kernels() -> Iterator[None]:
     inside: tests make the kernel packages importable only for the block."""
     global _forced
     previous, _forced = _forced, True
-    _unusable.clear()
+    _forget_probe()
     try:
         yield
     finally:
         _forced = previous
-        _unusable.clear()
+        _forget_probe()
 
 
 def kernels_forced() -> bool:
@@ -128,14 +193,14 @@ def _why_unusable(package: KernelPackage) -> str | None:
             return f"{module} does not import ({type(error).__name__}: {first_line})"
     if not version_known and (refusal := kernel_packages.version_refusal(package.name)):
         return refusal
-    if refusal := kernel_packages.launcher_refusal(package.name, package.launchers):
-        return refusal
-    return package.refuses_runtime()
+    return kernel_packages.launcher_refusal(package.name, package.launchers)
 
 
 def _probe(name: str) -> str | None:
     if name not in _unusable:
-        _unusable[name] = _why_unusable(KERNEL_PACKAGES[name])
+        package = KERNEL_PACKAGES[name]
+        _unusable[name] = _why_unusable(package)
+        _refused[name] = () if _unusable[name] else package.refuses_ops()
     return _unusable[name]
 
 
@@ -145,30 +210,48 @@ def probe_kernels() -> dict[str, str | None]:
     return {name: _probe(name) for name in KERNEL_PACKAGES}
 
 
-def _fallback_reasons() -> dict[str, str]:
-    """Why each kernel package the ops cannot use on this CUDA machine is unusable (nothing
-    without CUDA, where the torch paths are the plan, not a fall-back)."""
-    if not torch.cuda.is_available():
-        return {}
-    return {name: reason for name, reason in probe_kernels().items() if reason}
+def refused_ops() -> dict[str, RefusedOp]:
+    """The custom ops of usable kernel packages that this runtime refuses, by op name (probes
+    every package once per process, as `probe_kernels`)."""
+    probe_kernels()
+    return {refused.op: refused for name in KERNEL_PACKAGES for refused in _refused.get(name, ())}
+
+
+def _fallbacks() -> list[tuple[str, RefusedOp | None, str]]:
+    """(package, the refused op or None for the whole package, why) for everything the ops run
+    on their torch paths on this CUDA machine (nothing without CUDA, where the torch paths are
+    the plan, not a fall-back)."""
+    if not _on_gpu():
+        return []
+    unusable = [(name, None, reason) for name, reason in probe_kernels().items() if reason]
+    return unusable + [(op.package, op, op.reason) for op in refused_ops().values()]
 
 
 def kernel_fallbacks() -> list[str]:
-    """One line per kernel package the ops cannot use on this CUDA machine: the start-up
-    warnings."""
-    return [f"kernel package {name} is not used: {reason}; the torch path runs "
-            f"{KERNEL_PACKAGES[name].serves}" for name, reason in _fallback_reasons().items()]
+    """One line per kernel package the ops cannot use, or op the runtime refuses, on this CUDA
+    machine: the start-up warnings."""
+    lines = []
+    for name, refused, reason in _fallbacks():
+        if refused is None:
+            lines.append(f"kernel package {name} is not used: {reason}; the torch path runs "
+                         f"{KERNEL_PACKAGES[name].serves}")
+        else:
+            lines.append(f"kernel package {name} is used except for {refused.serves}, which "
+                         f"the torch path runs: {reason}")
+    return lines
 
 
 def kernel_path_field() -> str | None:
-    """`kernels: torch path (fla: <reason>; ...)` when some kernel package is unusable on this
-    CUDA machine, for the per-step metrics line; None when every kernel runs (or without CUDA),
-    so a run on the fused kernels keeps its line as it was. Reads the start-up probe's result."""
-    reasons = _fallback_reasons()
-    if not reasons:
+    """`kernels: torch path (mamba_ssm: <reason>; fla for the gated delta rule's backward:
+    <reason>)` when some kernel package is unusable, or some op refused, on this CUDA machine,
+    for the per-step metrics line; None when every kernel runs (or without CUDA), so a run on
+    the fused kernels keeps its line as it was. Reads the start-up probe's result."""
+    fallbacks = _fallbacks()
+    if not fallbacks:
         return None
     return "kernels: torch path (" + "; ".join(
-        f"{name}: {reason}" for name, reason in reasons.items()) + ")"
+        f"{name}{'' if refused is None else f' for {refused.serves}'}: {reason}"
+        for name, refused, reason in fallbacks) + ")"
 
 
 # A constant of the graph when torch.compile meets it (dynamo calls it instead of tracing it):
@@ -189,3 +272,11 @@ def use_kernel(tensor: torch.Tensor, package: str) -> bool:
                            f"{_probe(package)} (install the gpu extra, or see "
                            "scripts/bootstrap.sh)")
     return False
+
+
+@torch.compiler.assume_constant_result
+def kernel_op_refused(op: str) -> bool:
+    """True when this runtime refuses the custom op `op` (titan_hybrid::<op>) of a usable kernel
+    package, so its caller runs the torch path instead: decided by the start-up probe, a
+    constant of the graph under torch.compile."""
+    return op in refused_ops()

@@ -13,7 +13,8 @@ transition: Mamba2's total decay (a number per head), GDN's product of delta-rul
 K x K matrix per head). A forward runs:
 
 1. the conv's left context: every rank all-gathers the last width-1 conv inputs of every piece,
-   and each piece's conv reads those of the piece before it in row order;
+   and each piece's conv reads those of the piece before it in row order (as its initial
+   states: the conv kernel reads them in place, no copy of the piece);
 2. the local scan of both pieces (stacked along the batch) from a zero state: y_0, S_0, M;
 3. an all-gather of every piece's (M, S_0, whether it continues the document of the piece
    before it); every rank chains them in row order, S_in[i] = c_i (M_{i-1} S_in[i-1] +
@@ -66,11 +67,10 @@ class ZigzagPieces:
         """[2B, ...] -> [2, B, ...]."""
         return x_P.unflatten(0, (2, self.batch))
 
-    def with_left_context(self, x_PLC: torch.Tensor, seq_idx_PL: torch.Tensor | None,
-                          width: int):
-        """(x with the width-1 rows before each piece prepended [2B, width-1+L, C], the same for
-        seq_idx, continues [2B]: 1.0 where the piece continues the document of the row before
-        it). The first piece of a row gets zero rows, whose conv taps add nothing."""
+    def left_context(self, x_PLC: torch.Tensor, seq_idx_PL: torch.Tensor | None, width: int):
+        """(the width-1 rows before each piece [2B, width-1, C], their seq_idx or None,
+        continues [2B]: 1.0 where the piece continues the document of the row before it). The
+        first piece of a row gets zero rows, whose conv taps add nothing."""
         halo = width - 1
         if halo > self.length:
             raise ValueError(f"context parallel pieces of {self.length} tokens are shorter than "
@@ -95,18 +95,27 @@ class ZigzagPieces:
                 seq_halos.append(seq_tails[rank, before])
                 first = self.by_slot(seq_idx_PL)[slot, :, 0]
                 continues.append((seq_tails[rank, before, :, -1] == first).float())
-        x = torch.cat((torch.cat(halos), x_PLC), 1)
-        seq_idx = None if seq_tails is None else torch.cat((torch.cat(seq_halos), seq_idx_PL), 1)
-        return x, seq_idx, torch.cat(continues)
+        seq_halo = None if seq_tails is None else torch.cat(seq_halos)
+        return torch.cat(halos), seq_halo, torch.cat(continues)
+
+    def with_left_context(self, x_PLC: torch.Tensor, seq_idx_PL: torch.Tensor | None,
+                          width: int):
+        """`left_context`'s rows prepended to each piece: (x [2B, width-1+L, C], the same for
+        seq_idx, continues [2B])."""
+        halo, seq_halo, continues = self.left_context(x_PLC, seq_idx_PL, width)
+        seq_idx = None if seq_halo is None else torch.cat((seq_halo, seq_idx_PL), 1)
+        return torch.cat((halo, x_PLC), 1), seq_idx, continues
 
     def conv_with_left_context(self, x_BTC: torch.Tensor, layout: TokenLayout | None,
                                width: int, conv: Callable):
-        """(`conv(x, seq_idx)` of each piece, reading the width-1 rows before it [2B, L, C],
-        the pieces' seq_idx [2B, L] or None, continues [2B])."""
+        """(`conv(x, seq_idx, initial_states, initial_seq_idx)` of each piece, given the
+        width-1 rows before it as its initial states [2B, L, C], the pieces' seq_idx [2B, L]
+        or None, continues [2B])."""
         seq_idx = None if layout is None or layout.seq_idx is None else self.stack(
             layout.seq_idx)
-        x, conv_seq_idx, continues = self.with_left_context(self.stack(x_BTC), seq_idx, width)
-        return conv(x, conv_seq_idx)[:, width - 1:], seq_idx, continues
+        x_PLC = self.stack(x_BTC)
+        halo, seq_halo, continues = self.left_context(x_PLC, seq_idx, width)
+        return conv(x_PLC, seq_idx, halo, seq_halo), seq_idx, continues
 
     def incoming_states(self, transition_P: torch.Tensor, state_P: torch.Tensor,
                         continues_P: torch.Tensor,
@@ -152,7 +161,8 @@ class ChunkwiseConvAndScan(nn.Module):
         pieces = ZigzagPieces(self.group, xbc.shape[1], xbc.shape[0])
         xbc, seq_idx, continues = pieces.conv_with_left_context(
             xbc, layout, conv_weight.shape[-1],
-            lambda x, conv_seq_idx: core.conv(x, conv_weight, conv_bias, conv_seq_idx))
+            lambda x, seq_idx, halo, seq_halo: core.conv(x, conv_weight, conv_bias, seq_idx,
+                                                         halo, seq_halo))
         dt = pieces.stack(dt)
         y, exit_state = core.scan(xbc, dt, A_log, D, dt_bias, seq_idx,
                                   return_final_states=True)  # y_0, S_0 [2B, H, P, N]
@@ -188,7 +198,8 @@ class ChunkwiseConvAndDeltaRule(nn.Module):
         pieces = ZigzagPieces(self.group, qkv.shape[1], qkv.shape[0])
         qkv, seq_idx, continues = pieces.conv_with_left_context(
             qkv, layout, conv_weight.shape[-1],
-            lambda x, conv_seq_idx: core.conv(x, conv_weight, conv_seq_idx))
+            lambda x, seq_idx, halo, seq_halo: core.conv(x, conv_weight, seq_idx, halo,
+                                                         seq_halo))
         q, k, v, g, beta = core.delta_rule_inputs(qkv, pieces.stack(alpha), pieces.stack(beta),
                                                   A_log, dt_bias)
         rows, _, value_heads, value_dim = v.shape
