@@ -16,6 +16,10 @@ inputs, relative L2 error of y, the final states and every input gradient:
   its kernels. Not measured here.
 """
 
+import contextlib
+import importlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -340,6 +344,33 @@ def test_mamba_ssm_kernel_under_torch_compile_fullgraph():
     assert type(got[0][0].grad_fn).__name__ == "CompiledFunctionBackward"
     want = outputs_and_grads(ssd_chunked_torch, inp, **kwargs)
     assert_close_rel(got, want, KERNEL_TOL[torch.float32], "compiled " + case)
+
+
+@pytest.mark.triton_interpreter
+def test_mamba_ssm_backward_reuses_the_forwards_states():
+    """The backward runs on what the forward kept: mamba_ssm's forward steps (dt's softplus and
+    chunked cumsum, the chunk states, their passing) run once, in the forward, and nothing in
+    the backward clones dt (mamba_ssm's own backward recomputes all four, after a dt.clone()).
+    The gradients stay the torch path's (test_mamba_ssm_kernel_matches_torch_path)."""
+    case = list(KERNEL_CASES)[0]
+    inp, options = _kernel_inputs(case, DEVICE, torch.float32)
+    leaves = {name: value.detach().requires_grad_(value.is_floating_point())
+              if isinstance(value, torch.Tensor) else value for name, value in inp.items()}
+    steps = ("_chunk_cumsum_fwd", "_chunk_state_fwd", "_state_passing_fwd")
+    with kernels_on(), contextlib.ExitStack() as stack:
+        combined = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+        calls = {step: stack.enter_context(mock.patch.object(
+            combined, step, wraps=getattr(combined, step))) for step in steps}
+        y, final = mamba_chunk_scan_combined(**leaves, dt_softplus=True, return_final_states=True,
+                                             **options)
+        assert {step: spy.call_count for step, spy in calls.items()} == dict.fromkeys(steps, 1)
+        with torch.profiler.profile(record_shapes=True) as prof:
+            torch.autograd.backward((y, final), (torch.randn_like(y), torch.randn_like(final)))
+        assert {step: spy.call_count for step, spy in calls.items()} == dict.fromkeys(steps, 1)
+    clones = [event.input_shapes for event in prof.events() if event.name == "aten::clone"]
+    assert clones == [], clones
+    assert all(leaf.grad is not None for leaf in leaves.values()
+               if isinstance(leaf, torch.Tensor) and leaf.requires_grad)
 
 
 def test_autocast_does_not_lower_precision():

@@ -165,20 +165,55 @@ class Launcher:
 
 
 _SSD = "mamba_ssm.ops.triton.ssd_combined"
+_SSD_BMM = "mamba_ssm.ops.triton.ssd_bmm"
+_SSD_SCAN = "mamba_ssm.ops.triton.ssd_chunk_scan"
+_SSD_STATE = "mamba_ssm.ops.triton.ssd_chunk_state"
+_SSD_PASSING = "mamba_ssm.ops.triton.ssd_state_passing"
 _GATED_NORM = "mamba_ssm.ops.triton.layernorm_gated"
 _GATED_DELTA = "fla.ops.gated_delta_rule.chunk"
 _L2NORM = "fla.modules.norm.l2norm"
 _CONV = "causal_conv1d.cpp_functions"
 
 # mamba_ssm 2.3.2.post1: what its MambaChunkScanCombinedFn and LayerNormFn (the gated RMS norm)
-# call. Forward -> (out, out before the z gate, dt, dA_cumsum, states, final_states); backward
-# -> (dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states).
+# call. Forward -> (out, out before the z gate, dt after softplus [b, h, chunks, chunk],
+# dA_cumsum [b, h, chunks, chunk], the states entering each chunk [b, chunks, h, p, n] in C's
+# dtype, final_states).
 _SSD_OPTIONS = ("D", "z", "dt_bias", "initial_states", "seq_idx", "dt_softplus", "dt_limit")
 ssd_scan_fwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_fwd",
                         ("x", "dt", "A", "B", "C", "chunk_size"), _SSD_OPTIONS)
-ssd_scan_bwd = Launcher("mamba_ssm", _SSD, "_mamba_chunk_scan_combined_bwd",
-                        ("dout", "x", "dt", "A", "B", "C", "out", "chunk_size"),
-                        _SSD_OPTIONS + ("dfinal_states",))
+# The steps of its backward (_mamba_chunk_scan_combined_bwd), which titan_hybrid.ops.ssd_backward
+# calls itself so that what the forward computed (dt after softplus, its chunked cumulative
+# decay, the chunk states) is reused instead of recomputed.
+bmm_chunk_fwd = Launcher("mamba_ssm", _SSD_BMM, "_bmm_chunk_fwd", ("a", "b", "chunk_size"),
+                         ("seq_idx", "output_dtype"))
+bmm_chunk_bwd = Launcher("mamba_ssm", _SSD_BMM, "_bmm_chunk_bwd", ("a", "dout"),
+                         ("residual", "out"))
+chunk_scan_bwd_dz = Launcher("mamba_ssm", _SSD_SCAN, "_chunk_scan_bwd_dz",
+                             ("x", "z", "out", "dout"), ("chunk_size", "has_ddAcs", "D"))
+chunk_scan_bwd_dstates = Launcher("mamba_ssm", _SSD_SCAN, "_chunk_scan_bwd_dstates",
+                                  ("C", "dA_cumsum", "dout"), ("seq_idx", "dtype"))
+state_passing_bwd = Launcher("mamba_ssm", _SSD_PASSING, "_state_passing_bwd",
+                             ("states", "dA_chunk_cumsum", "dout"),
+                             ("dfinal_states", "seq_idx", "has_initial_states", "dstates_dtype",
+                              "states_dtype", "chunk_size"))
+chunk_scan_chunk_state_bwd_dx = Launcher(
+    "mamba_ssm", _SSD, "_chunk_scan_chunk_state_bwd_dx",
+    ("x", "dt", "dA_cumsum", "B", "CB", "dout", "dstates"), ("D", "seq_idx", "dx"))
+chunk_state_bwd_db = Launcher("mamba_ssm", _SSD_STATE, "_chunk_state_bwd_db",
+                              ("x", "dt", "dA_cumsum", "dstates"), ("seq_idx", "B", "ngroups"))
+chunk_scan_bwd_dC = Launcher("mamba_ssm", _SSD_SCAN, "_chunk_scan_bwd_dC",
+                             ("prev_states", "dA_cumsum", "dout"), ("seq_idx", "C", "ngroups"))
+chunk_scan_bwd_dcb = Launcher("mamba_ssm", _SSD_SCAN, "_chunk_scan_bwd_dcb",
+                              ("x", "dt", "dA_cumsum", "dout"), ("seq_idx", "ngroups"))
+chunk_scan_bwd_ddAcs_stable = Launcher("mamba_ssm", _SSD_SCAN, "_chunk_scan_bwd_ddAcs_stable",
+                                       ("x", "dt", "dA_cumsum", "dout", "cb"))
+chunk_cumsum_bwd = Launcher("mamba_ssm", _SSD_STATE, "_chunk_cumsum_bwd",
+                            ("ddA", "ddt_out", "dt", "A"),
+                            ("dt_bias", "dt_softplus", "dt_limit", "ddt"))
+SSD_BACKWARD_STEPS = (bmm_chunk_fwd, bmm_chunk_bwd, chunk_scan_bwd_dz, chunk_scan_bwd_dstates,
+                      state_passing_bwd, chunk_scan_chunk_state_bwd_dx, chunk_state_bwd_db,
+                      chunk_scan_bwd_dC, chunk_scan_bwd_dcb, chunk_scan_bwd_ddAcs_stable,
+                      chunk_cumsum_bwd)
 # Forward -> (out, mean, rstd); backward -> (dx, dweight, dbias, dz).
 _NORM_OPTIONS = ("z", "group_size", "norm_before_gate", "is_rms_norm")
 gated_rms_norm_fwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_fwd",
@@ -218,7 +253,7 @@ causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function
     "x", "weight", "bias", "dout", "seq_idx", "initial_states", "dfinal_states", "dx",
     "return_dinitial_states", "silu_activation"))
 
-LAUNCHERS = (ssd_scan_fwd, ssd_scan_bwd, gated_rms_norm_fwd, gated_rms_norm_bwd,
+LAUNCHERS = (ssd_scan_fwd, *SSD_BACKWARD_STEPS, gated_rms_norm_fwd, gated_rms_norm_bwd,
              gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, l2norm_fwd, l2norm_bwd,
              prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 

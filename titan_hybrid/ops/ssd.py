@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.kernels import use_kernel
+from titan_hybrid.ops.ssd_backward import ssd_backward
 
 _NO_LIMIT = (0.0, float("inf"))
 
@@ -209,7 +210,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     tensors, or inside ``force_kernels()``), else :func:`ssd_chunked_torch`.
     """
     if use_kernel(x, "mamba_ssm"):
-        y, final_states, _ = _ssd_fwd(
+        y, final_states, *_ = _ssd_fwd(
             x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
             # mamba_ssm's own modules pass int32 document ids
             None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
@@ -221,11 +222,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                              return_final_states=return_final_states)
 
 
-# ---- mamba_ssm's kernel as torch.library custom ops (opaque to torch.compile). Its forward and
-# backward launchers (what its own MambaChunkScanCombinedFn calls; private in mamba_ssm, so
-# reached through titan_hybrid.compat.kernel_packages) are used directly: the backward needs
-# only the inputs and the output before the z gate, so nothing is recomputed. Absent gradients
-# travel as empty tensors (a custom op cannot return None).
+# ---- mamba_ssm's kernel as torch.library custom ops (opaque to torch.compile). The forward
+# calls its forward launcher (what its own MambaChunkScanCombinedFn calls; private in mamba_ssm,
+# so reached through titan_hybrid.compat.kernel_packages) and keeps, besides the output, what
+# the backward would otherwise recompute: dt after softplus, its chunked cumulative decay and
+# the chunk states (titan_hybrid.ops.ssd_backward). Absent gradients travel as empty tensors
+# (a custom op cannot return None).
 
 
 @kernel_op("mamba_ssd_fwd", saved_by_selective_ac=True)
@@ -233,19 +235,26 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
              C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
              seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float, dt_max: float,
-             final_states_used: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, y_before_gate, _, _, _, final_states = kernel_packages.ssd_scan_fwd(
+             final_states_used: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, final_states, y before the z gate (empty without z), dt_chunked, dA_cumsum,
+    states)."""
+    y, y_before_gate, dt_chunked, dA_cumsum, states, final_states = kernel_packages.ssd_scan_fwd(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
-    return y, final_states, (x.new_empty(0) if z is None else y_before_gate)
+    return (y, final_states, (x.new_empty(0) if z is None else y_before_gate), dt_chunked,
+            dA_cumsum, states)
 
 
 @_ssd_fwd.register_fake
 def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
       dt_max, final_states_used):
-    b, _, h, p = x.shape
+    b, t, h, p = x.shape
+    chunks = -(-t // chunk_size)
     final_states = x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
-    return x.new_empty(x.shape), final_states, x.new_empty(0 if z is None else x.shape)
+    chunked = x.new_empty(b, h, chunks, chunk_size, dtype=torch.float32)
+    return (x.new_empty(x.shape), final_states, x.new_empty(0 if z is None else x.shape),
+            chunked, torch.empty_like(chunked), C.new_empty(b, chunks, h, p, B.shape[-1]))
 
 
 @kernel_op("mamba_ssd_bwd")
@@ -253,19 +262,19 @@ def _ssd_bwd(dy: torch.Tensor, dfinal_states: torch.Tensor | None, y_before_gate
              x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, chunk_size: int, D: torch.Tensor | None, z: torch.Tensor | None,
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None,
-             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float,
-             dt_max: float) -> list[torch.Tensor]:
-    grads = kernel_packages.ssd_scan_bwd(
-        dy, x, dt, A, B, C, y_before_gate, chunk_size, D=D, z=z, dt_bias=dt_bias,
-        initial_states=initial_states, dfinal_states=dfinal_states, seq_idx=seq_idx,
-        dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+             seq_idx: torch.Tensor | None, dt_softplus: bool, dt_min: float, dt_max: float,
+             dt_chunked: torch.Tensor, dA_cumsum: torch.Tensor,
+             states: torch.Tensor) -> list[torch.Tensor]:
+    grads = ssd_backward(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z,
+                         dt_bias, initial_states, seq_idx, dt_softplus, (dt_min, dt_max),
+                         dt_chunked, dA_cumsum, states)
     like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     return [x.new_empty(0) if grad is None else grad.to(t.dtype) for grad, t in zip(grads, like)]
 
 
 @_ssd_bwd.register_fake
 def _(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z, dt_bias,
-      initial_states, seq_idx, dt_softplus, dt_min, dt_max):
+      initial_states, seq_idx, dt_softplus, dt_min, dt_max, dt_chunked, dA_cumsum, states):
     # dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states
     like = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     return [x.new_empty(0) if t is None else torch.empty_like(t) for t in like]
@@ -274,18 +283,20 @@ def _(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z, dt_bia
 def _ssd_setup_context(ctx, inputs, output):
     (x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias, initial_states, seq_idx, ctx.dt_softplus,
      ctx.dt_min, ctx.dt_max, ctx.final_states_used) = inputs
-    y, _, y_before_gate = output
+    y, _, y_before_gate, dt_chunked, dA_cumsum, states = output
     ctx.save_for_backward(y if z is None else y_before_gate, x, dt, A, B, C, D, z, dt_bias,
-                          initial_states, seq_idx)
+                          initial_states, seq_idx, dt_chunked, dA_cumsum, states)
 
 
-def _ssd_backward(ctx, dy, dfinal_states, _):
-    y_before_gate, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+def _ssd_backward(ctx, dy, dfinal_states, *_):
+    (y_before_gate, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_chunked,
+     dA_cumsum, states) = ctx.saved_tensors
     if not ctx.final_states_used:  # autograd passes zeros: skip the kernel's work on them
         dfinal_states = None
     dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states = _ssd_bwd(
         dy, dfinal_states, y_before_gate, x, dt, A, B, C, ctx.chunk_size, D, z, dt_bias,
-        initial_states, seq_idx, ctx.dt_softplus, ctx.dt_min, ctx.dt_max)
+        initial_states, seq_idx, ctx.dt_softplus, ctx.dt_min, ctx.dt_max, dt_chunked,
+        dA_cumsum, states)
     absent = (lambda tensor, grad: None if tensor is None else grad)
     return (dx, ddt, dA, dB, dC, None, absent(D, dD), absent(z, dz), absent(dt_bias, ddt_bias),
             absent(initial_states, dinitial_states), None, None, None, None, None)
