@@ -93,7 +93,7 @@ def test_bad_modes_are_named(config, message):
 def test_selective_ac_keeps_the_scan_kernels_outputs():
     model = tiny_model("M-G-K-").to(DEVICE)
     tokens = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
-    scans = ("titan_hybrid.mamba_ssd_fwd", "titan_hybrid.fla_gated_delta_fwd",
+    scans = ("titan_hybrid.mamba2_core_fwd", "titan_hybrid.fla_gated_delta_fwd",
              "titan_hybrid.fla_kda_fwd")
     with kernels_on():
         loss, grads, plain = _run(model, tokens.to(DEVICE))
@@ -115,6 +115,7 @@ def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
     from titan_hybrid.parallel.activation_checkpoint import SELECTIVE_AC_SAVED_OPS
 
     scans = {torch.ops.titan_hybrid.mamba_ssd_fwd.default,
+             torch.ops.titan_hybrid.mamba2_core_fwd.default,
              torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
              torch.ops.titan_hybrid.fla_kda_fwd.default}
     assert scans <= SELECTIVE_AC_SAVED_OPS

@@ -9,6 +9,8 @@ tests/triton_kernels.py); on CUDA for real.
 Before this table (commit 9a19296, whose conv took the torch path; forward / backward):
     Mamba2  copy_ 7 / 7, _to_copy 5 / 5, cat 0 / 2
     GDN     copy_ 14 / 14, _to_copy 10 / 11, cat 0 / 2
+and before Mamba2's fused core (titan_hybrid.ops.mamba_core, issue 46): Mamba2 copy_ 4 / 3,
+_to_copy 3 / 3, cat 0 / 2.
 """
 
 import collections
@@ -22,14 +24,15 @@ from titan_hybrid.model.mamba import Mamba2Mixer, MambaArgs
 
 COPY_OPS = ("aten::copy_", "aten::cat", "aten::_to_copy")
 # Both layers: autocast casts in_proj's and out_proj's weights and the layer input to bf16
-# (3 casts forward; their gradients cast back, 3 backward); the gradients of the two splits
-# (in_proj's output, the conv's output) are one cat each. Mamba2: the conv input (a slice of
-# in_proj's output) is made dense, since the kernel returns channels-last only for dense input.
-# GDN: the same, plus q / k / v made contiguous for fla, the decay input alpha upcast to fp32
+# (3 casts forward; their gradients cast back, 3 backward). Mamba2's core is one op pair whose
+# backward writes in_proj's gradient in place (no cat; with causal-conv1d its conv input is made
+# dense inside the op, our Triton conv reads it in place). GDN: the gradients of the two splits
+# (in_proj's output, the conv's output) are one cat each; the conv input (a slice of in_proj's
+# output) is made dense, since the kernel returns channels-last only for dense input, plus q / k / v made contiguous for fla, the decay input alpha upcast to fp32
 # (forward and its gradient back), and the norm weight shared by the heads expanded to one per
 # channel for the norm kernel.
 EXPECTED = {
-    "mamba": {"fwd copy_": 4, "fwd _to_copy": 3, "bwd copy_": 3, "bwd _to_copy": 3, "bwd cat": 2},
+    "mamba": {"fwd copy_": 3, "fwd _to_copy": 3, "bwd copy_": 3, "bwd _to_copy": 3},
     "gdn": {"fwd copy_": 9, "fwd _to_copy": 4, "bwd copy_": 4, "bwd _to_copy": 4, "bwd cat": 2},
 }
 

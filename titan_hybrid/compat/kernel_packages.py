@@ -214,12 +214,14 @@ SSD_BACKWARD_STEPS = (bmm_chunk_fwd, bmm_chunk_bwd, chunk_scan_bwd_dz, chunk_sca
                       state_passing_bwd, chunk_scan_chunk_state_bwd_dx, chunk_state_bwd_db,
                       chunk_scan_bwd_dC, chunk_scan_bwd_dcb, chunk_scan_bwd_ddAcs_stable,
                       chunk_cumsum_bwd)
-# Forward -> (out, mean, rstd); backward -> (dx, dweight, dbias, dz).
+# Forward -> (out, mean, rstd); backward -> (dx, dweight, dbias, dz), dz written into `dz` when
+# given.
 _NORM_OPTIONS = ("z", "group_size", "norm_before_gate", "is_rms_norm")
 gated_rms_norm_fwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_fwd",
                               ("x", "weight", "bias", "eps"), _NORM_OPTIONS)
 gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd",
-                              ("dy", "x", "weight", "bias", "eps", "mean", "rstd"), _NORM_OPTIONS)
+                              ("dy", "x", "weight", "bias", "eps", "mean", "rstd"),
+                              _NORM_OPTIONS + ("dz",))
 
 # fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls. Forward -> (g cumulative, o, A,
 # final_state, initial_state, g_input); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log,

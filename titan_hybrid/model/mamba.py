@@ -24,6 +24,8 @@ from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKin
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.ops.mamba_core import core_runs_fused as mamba2_core_runs
+from titan_hybrid.ops.mamba_core import mamba2_core
 from titan_hybrid.ops.ssd import discretized_dt, mamba_chunk_scan_combined
 
 
@@ -151,8 +153,18 @@ class Mamba2Mixer(nn.Module):
         # Local sizes derive from the local tensors, so the same code runs on a TP shard.
         n_heads = self.A_log.shape[0]
         d_inner = n_heads * self.args.head_dim
-        z, xbc, dt = self.in_proj(x_BTD).split(
-            [d_inner, self.conv1d.weight.shape[0], n_heads], -1)
+        zxbcdt = self.in_proj(x_BTD)
+        if type(self.conv_and_scan) is ConvAndScan and mamba2_core_runs(zxbcdt):
+            # One op from in_proj's output to out_proj's input, whose backward writes in_proj's
+            # gradient in place (titan_hybrid.ops.mamba_core); the same kernels as below.
+            args = self.args
+            return self.out_proj(mamba2_core(
+                zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                ConvAndScan.decay_rate(self.A_log), self.D, self.dt_bias, self.norm.weight,
+                seq_idx=None if layout is None else layout.seq_idx, head_dim=args.head_dim,
+                state_size=args.d_state, chunk_size=args.chunk_size, dt_limit=args.dt_limit,
+                norm_group_size=self.norm.group_size, norm_eps=self.norm.eps))
+        z, xbc, dt = zxbcdt.split([d_inner, self.conv1d.weight.shape[0], n_heads], -1)
         y_BTHP = self.conv_and_scan(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                     self.A_log, self.D, self.dt_bias, layout)
         return self.out_proj(self.norm(y_BTHP.flatten(-2), z))

@@ -172,10 +172,10 @@ def _strides(x_BTC, weight_CW, initial_states_BWC, seq_idx_BT, initial_seq_idx_B
             *weight_CW.stride())
 
 
-@kernel_op("triton_causal_conv1d_fwd")
-def _conv_fwd(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
-              seq_idx_BT: torch.Tensor | None, initial_states_BWC: torch.Tensor | None,
-              initial_seq_idx_BW: torch.Tensor | None, silu: bool) -> torch.Tensor:
+def conv_forward(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
+                 seq_idx_BT: torch.Tensor | None, initial_states_BWC: torch.Tensor | None,
+                 initial_seq_idx_BW: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """The forward launch: a new [b, t, c] output (ids int32, channel strides 1)."""
     batch, length, channels = x_BTC.shape
     out = x_BTC.new_empty(batch, length, channels)
     grid = (batch, triton.cdiv(length, BLOCK_T), triton.cdiv(channels, BLOCK_C))
@@ -186,6 +186,48 @@ def _conv_fwd(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor
         *out.stride()[:2], WIDTH=weight_CW.shape[1], SILU=silu,
         **_flags(bias_C, initial_states_BWC, seq_idx_BT))
     return out
+
+
+def conv_backward(dout_BTC, x_BTC, weight_CW, bias_C, seq_idx_BT, initial_states_BWC,
+                  initial_seq_idx_BW, silu: bool, dx_BTC: torch.Tensor | None = None):
+    """(dx, dweight, dbias or None, dinitial_states or None). dx is written into `dx_BTC` when
+    given (any [b, t, c] view with channel stride 1: a slice of a larger gradient)."""
+    batch, length, channels = x_BTC.shape
+    width = weight_CW.shape[1]
+    blocks_t = triton.cdiv(length, BLOCK_T)
+    dx = x_BTC.new_empty(batch, length, channels) if dx_BTC is None else dx_BTC
+    dw_partial = torch.empty(batch * blocks_t, channels, width, dtype=torch.float32,
+                             device=x_BTC.device)
+    db_partial = torch.empty(batch * blocks_t if bias_C is not None else 0, channels,
+                             dtype=torch.float32, device=x_BTC.device)
+    strides = _strides(x_BTC, weight_CW, initial_states_BWC, seq_idx_BT, initial_seq_idx_BW)
+    flags = _flags(bias_C, initial_states_BWC, seq_idx_BT)
+    inputs = (x_BTC, weight_CW, bias_C, initial_states_BWC, seq_idx_BT, initial_seq_idx_BW,
+              dout_BTC)
+    _conv_bwd_kernel[(batch, blocks_t, triton.cdiv(channels, BLOCK_C))](
+        *inputs, dx, dw_partial, db_partial, length, channels, 0, length, *strides,
+        *dout_BTC.stride()[:2], *dx.stride()[:2], WIDTH=width, SILU=silu, **flags)
+    dinit = None
+    if initial_states_BWC is not None:
+        # The halo rows' own launch: one block of positions -(w-1) .. -1 (its partial weight
+        # gradients are those of outputs before the sequence: none, so they are not kept).
+        dinit = torch.empty_like(initial_states_BWC)
+        scratch = torch.empty(batch, channels, width, dtype=torch.float32, device=x_BTC.device)
+        _conv_bwd_kernel[(batch, 1, triton.cdiv(channels, BLOCK_C))](
+            *inputs, dinit, scratch, scratch, length, channels, -(width - 1), width - 1,
+            *strides, *dout_BTC.stride()[:2], *dinit.stride()[:2], WIDTH=width, SILU=silu,
+            **flags)
+    dweight = dw_partial.sum(0).to(weight_CW.dtype)
+    dbias = None if bias_C is None else db_partial.sum(0).to(bias_C.dtype)
+    return dx, dweight, dbias, dinit
+
+
+@kernel_op("triton_causal_conv1d_fwd")
+def _conv_fwd(x_BTC: torch.Tensor, weight_CW: torch.Tensor, bias_C: torch.Tensor | None,
+              seq_idx_BT: torch.Tensor | None, initial_states_BWC: torch.Tensor | None,
+              initial_seq_idx_BW: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    return conv_forward(x_BTC, weight_CW, bias_C, seq_idx_BT, initial_states_BWC,
+                        initial_seq_idx_BW, silu)
 
 
 @_conv_fwd.register_fake
@@ -199,34 +241,10 @@ def _conv_bwd(dout_BTC: torch.Tensor, x_BTC: torch.Tensor, weight_CW: torch.Tens
               initial_states_BWC: torch.Tensor | None, initial_seq_idx_BW: torch.Tensor | None,
               silu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias, dinitial_states); an absent input's gradient is an empty tensor."""
-    batch, length, channels = x_BTC.shape
-    width = weight_CW.shape[1]
-    blocks_t = triton.cdiv(length, BLOCK_T)
-    dx = x_BTC.new_empty(batch, length, channels)
-    dw_partial = torch.empty(batch * blocks_t, channels, width, dtype=torch.float32,
-                             device=x_BTC.device)
-    db_partial = torch.empty(batch * blocks_t if bias_C is not None else 0, channels,
-                             dtype=torch.float32, device=x_BTC.device)
-    strides = _strides(x_BTC, weight_CW, initial_states_BWC, seq_idx_BT, initial_seq_idx_BW)
-    flags = _flags(bias_C, initial_states_BWC, seq_idx_BT)
-    inputs = (x_BTC, weight_CW, bias_C, initial_states_BWC, seq_idx_BT, initial_seq_idx_BW,
-              dout_BTC)
-    _conv_bwd_kernel[(batch, blocks_t, triton.cdiv(channels, BLOCK_C))](
-        *inputs, dx, dw_partial, db_partial, length, channels, 0, length, *strides,
-        *dout_BTC.stride()[:2], *dx.stride()[:2], WIDTH=width, SILU=silu, **flags)
-    dinit = x_BTC.new_empty(0)
-    if initial_states_BWC is not None:
-        # The halo rows' own launch: one block of positions -(w-1) .. -1 (its partial weight
-        # gradients are those of outputs before the sequence: none, so they are not kept).
-        dinit = torch.empty_like(initial_states_BWC)
-        scratch = torch.empty(batch, channels, width, dtype=torch.float32, device=x_BTC.device)
-        _conv_bwd_kernel[(batch, 1, triton.cdiv(channels, BLOCK_C))](
-            *inputs, dinit, scratch, scratch, length, channels, -(width - 1), width - 1,
-            *strides,
-            *dout_BTC.stride()[:2], *dinit.stride()[:2], WIDTH=width, SILU=silu, **flags)
-    dweight = dw_partial.sum(0).to(weight_CW.dtype)
-    dbias = x_BTC.new_empty(0) if bias_C is None else db_partial.sum(0).to(bias_C.dtype)
-    return dx, dweight, dbias, dinit
+    dx, dweight, dbias, dinit = conv_backward(dout_BTC, x_BTC, weight_CW, bias_C, seq_idx_BT,
+                                              initial_states_BWC, initial_seq_idx_BW, silu)
+    empty = x_BTC.new_empty(0)
+    return dx, dweight, empty if dbias is None else dbias, empty if dinit is None else dinit
 
 
 @_conv_bwd.register_fake

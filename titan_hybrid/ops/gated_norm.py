@@ -86,7 +86,7 @@ def _norm_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, weight: torc
               norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dy, dweight, _, dz = kernel_packages.gated_rms_norm_bwd(
         dout.contiguous(), y, weight, None, eps, None, rstd, z=z, group_size=group_size,
-        norm_before_gate=norm_before_gate, is_rms_norm=True)
+        norm_before_gate=norm_before_gate, is_rms_norm=True, dz=None)
     return dy, dweight, dz
 
 

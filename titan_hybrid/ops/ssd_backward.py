@@ -25,9 +25,11 @@ from titan_hybrid.compat import kernel_packages as kp
 
 
 def ssd_backward(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D, z, dt_bias,
-                 initial_states, seq_idx, dt_softplus, dt_limit, dt_chunked, dA_cumsum, states):
+                 initial_states, seq_idx, dt_softplus, dt_limit, dt_chunked, dA_cumsum, states,
+                 *, dx=None, ddt=None, dB=None, dC=None):
     """(dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states), None where there is no such
-    input."""
+    input. dx, ddt, dB, dC are written into the tensors given for them (views into a larger
+    gradient: Mamba2's fused core, titan_hybrid.ops.mamba_core), else into new ones."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     groups, state_size = B.shape[-2:]
@@ -48,14 +50,15 @@ def ssd_backward(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D
     if dinitial_states is not None:
         dinitial_states = dinitial_states.unflatten(-1, (-1, state_size))
     dx, ddt_chunked, dD_from_x = kp.chunk_scan_chunk_state_bwd_dx(
-        x, dt_chunked, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=None)
+        x, dt_chunked, dA_cumsum, B, CB, dy, dstates, D=D, seq_idx=seq_idx, dx=dx)
     dB_from_states, ddA_next = kp.chunk_state_bwd_db(x, dt_chunked, dA_cumsum, dstates,
                                                      seq_idx=seq_idx, B=B, ngroups=groups)
     dC_from_states, ddA_prev = kp.chunk_scan_bwd_dC(states, dA_cumsum, dy, seq_idx=seq_idx, C=C,
                                                     ngroups=groups)
     dCB = kp.chunk_scan_bwd_dcb(x, dt_chunked, dA_cumsum, dy, seq_idx=seq_idx,
                                 ngroups=groups).to(CB.dtype)
-    dB, dC = torch.empty_like(B), torch.empty_like(C)
+    dB = torch.empty_like(B) if dB is None else dB
+    dC = torch.empty_like(C) if dC is None else dC
     kp.bmm_chunk_bwd(C, dCB, residual=dB_from_states, out=dB)
     kp.bmm_chunk_bwd(B, dCB.transpose(-1, -2), residual=dC_from_states, out=dC)
     if z is None:
@@ -66,5 +69,5 @@ def ssd_backward(dy, dfinal_states, y_before_gate, x, dt, A, B, C, chunk_size, D
     ddA = kp.chunk_scan_bwd_ddAcs_stable(x, dt_chunked, dA_cumsum, dy, CB)
     ddA += ddA_next + ddA_prev.flip([-1]).cumsum(-1).flip([-1])
     ddt, dA, ddt_bias = kp.chunk_cumsum_bwd(ddA, ddt_chunked, dt, A, dt_bias=dt_bias,
-                                            dt_softplus=dt_softplus, dt_limit=dt_limit, ddt=None)
+                                            dt_softplus=dt_softplus, dt_limit=dt_limit, ddt=ddt)
     return dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states
