@@ -164,7 +164,8 @@ def test_unusable_packages_become_one_line_each(monkeypatch, tmp_path):
     by_package = {line.split()[2]: line for line in lines}
     assert "causal_conv1d" in by_package and "fla" in by_package, lines
     assert "ImportError: libcudart.so.13" in by_package["causal_conv1d"]
-    assert "the torch path runs the Mamba2 / GDN causal convolution" in by_package["causal_conv1d"]
+    assert ("titan_hybrid's Triton kernel (ops/conv_triton.py) runs the Mamba2 / GDN causal "
+            "convolution") in by_package["causal_conv1d"]
     # an unusable fla is one line for the whole package, whatever the runtime refuses of it
     assert by_package["fla"] == ("kernel package fla is not used: fla-core 0.7.0 is installed, "
                                  "titan_hybrid's custom ops accept fla-core>=0.6.0,<0.7; the "
@@ -247,8 +248,9 @@ _WHERE = "causal_conv1d.cpp_functions"
 ])
 def test_a_changed_launcher_is_refused_naming_it(monkeypatch, tmp_path, old, new, reason):
     """An accepted version whose launcher lost or moved a parameter the ops pass, gained one
-    they do not, or is gone: refused, with the version and the launcher in the reason; the op
-    takes its torch path (the start-up line and the metrics field say why) or, forced, raises."""
+    they do not, or is gone: refused, with the version and the launcher in the reason; the conv
+    takes our Triton kernel (the start-up line says why; the metrics field, which names torch
+    paths only, says nothing) or, forced, raises."""
     _stand_in_conv_copy(tmp_path, monkeypatch, "1.7.1", old, new)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reason = f"causal-conv1d 1.7.1: {reason}"
@@ -256,14 +258,14 @@ def test_a_changed_launcher_is_refused_naming_it(monkeypatch, tmp_path, old, new
         with force_kernels():
             assert kernels.probe_kernels()["causal_conv1d"] == reason
             lines = kernel_fallbacks()
-            assert f"causal_conv1d: {reason}" in kernel_path_field()
+            assert "causal_conv1d" not in (kernel_path_field() or "")
             with pytest.raises(RuntimeError, match="causal_conv1d is unusable: causal-conv1d "
                                "1.7.1: "):
                 causal_depthwise_conv1d(**_conv_inputs())
     finally:
         _forget_causal_conv1d()
-    assert f"kernel package causal_conv1d is not used: {reason}; the torch path runs" in \
-        "\n".join(lines)
+    assert f"kernel package causal_conv1d is not used: {reason}; titan_hybrid's Triton kernel " \
+        "(ops/conv_triton.py) runs the Mamba2 / GDN causal convolution" in "\n".join(lines)
 
 
 def test_a_launcher_with_a_new_optional_parameter_is_accepted(monkeypatch, tmp_path):

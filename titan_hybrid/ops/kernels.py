@@ -133,6 +133,7 @@ class KernelPackage:
     name: str
     launchers: tuple[kernel_packages.Launcher, ...]  # what the custom ops call
     serves: str  # the ops that fall back to their torch paths without it
+    fallback: str = "the torch path"  # what runs them instead
     refuses_ops: Callable[[], tuple[RefusedOp, ...]] = tuple  # of this runtime, once usable
 
     @property
@@ -147,7 +148,8 @@ KERNEL_PACKAGES = {package.name: package for package in (
     KernelPackage("fla", kernel_packages.launchers_of("fla"),
                   "the gated delta rule and KDA", refuses_ops=_fla_ops_this_runtime_refuses),
     KernelPackage("causal_conv1d", kernel_packages.launchers_of("causal_conv1d"),
-                  "the Mamba2 / GDN causal convolution"),
+                  "the Mamba2 / GDN causal convolution",
+                  fallback="titan_hybrid's Triton kernel (ops/conv_triton.py)"),
 )}
 
 _forced = False
@@ -233,8 +235,9 @@ def kernel_fallbacks() -> list[str]:
     lines = []
     for name, refused, reason in _fallbacks():
         if refused is None:
-            lines.append(f"kernel package {name} is not used: {reason}; the torch path runs "
-                         f"{KERNEL_PACKAGES[name].serves}")
+            package = KERNEL_PACKAGES[name]
+            lines.append(f"kernel package {name} is not used: {reason}; {package.fallback} "
+                         f"runs {package.serves}")
         else:
             lines.append(f"kernel package {name} is used except for {refused.serves}, which "
                          f"the torch path runs: {reason}")
@@ -246,7 +249,9 @@ def kernel_path_field() -> str | None:
     <reason>)` when some kernel package is unusable, or some op refused, on this CUDA machine,
     for the per-step metrics line; None when every kernel runs (or without CUDA), so a run on
     the fused kernels keeps its line as it was. Reads the start-up probe's result."""
-    fallbacks = _fallbacks()
+    # A package whose ops have another kernel (causal-conv1d: our Triton conv) is no torch path.
+    fallbacks = [(name, refused, reason) for name, refused, reason in _fallbacks()
+                 if refused is not None or KERNEL_PACKAGES[name].fallback == "the torch path"]
     if not fallbacks:
         return None
     return "kernels: torch path (" + "; ".join(
