@@ -16,16 +16,20 @@ alternating. Prints ms per layer, each row's ratio to the baseline, and the larg
 difference of the output and input gradient from the baseline's. On a machine without CUDA (or
 without causal-conv1d) the baseline is skipped and ours runs alone (a smoke run).
 
-On CUDA, ours also runs compiled with each causal-conv path in turn (issue 46, item 2), the
-choice `causal_depthwise_conv1d` makes by what is installed: causal-conv1d's kernel, our Triton
-kernels (titan_hybrid/ops/conv_triton.py), the torch path as it runs without documents (a cuDNN
-depthwise conv), and the torch path's shifted-sum formulation (what it runs with documents; here
-with one document per row), which inductor fuses with the layer's other elementwise work.
+"ours" on CUDA is Mamba2's fused core (titan_hybrid/ops/mamba_core.py: conv, SSD and gated
+norm as one op pair, gradients written in place; its conv is causal-conv1d's where installed).
+It also runs compiled with each causal-conv path in turn (issue 46, items 2 and 3): the fused
+core with our Triton conv (titan_hybrid/ops/conv_triton.py), and the ops one by one, as before
+the fused core, with causal-conv1d's kernel, our Triton kernel, the torch path as it runs
+without documents (a cuDNN depthwise conv), and the torch path's shifted-sum formulation (what
+it runs with documents; here with one document per row), which inductor fuses with the layer's
+other elementwise work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -38,9 +42,11 @@ if __package__ in (None, ""):
 
 import torch
 
+from titan_hybrid.model import mamba as mamba_model
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.mamba import ConvAndScan, Mamba2Mixer
 from titan_hybrid.ops import conv as conv_ops
+from titan_hybrid.ops import mamba_core
 
 
 def _conv_path(path: str):
@@ -57,9 +63,18 @@ def _conv_path(path: str):
     return conv
 
 
-def _with_conv_path(function, path: str):
+def _with_conv_path(function, path: str, fused_core: bool):
+    """`function` with the conv on `path`: inside Mamba2's fused core (titan_hybrid.ops.
+    mamba_core: causal-conv1d's or our Triton kernel), or with the ops one by one."""
     def run(x):
-        with mock.patch.object(ConvAndScan, "conv", _conv_path(path)):
+        with contextlib.ExitStack() as stack:
+            if fused_core:
+                stack.enter_context(mock.patch.object(
+                    mamba_core, "_uses_causal_conv1d", lambda *args: path == "causal-conv1d"))
+            else:
+                stack.enter_context(mock.patch.object(mamba_model, "mamba2_core_runs",
+                                                      lambda *args: False))
+                stack.enter_context(mock.patch.object(ConvAndScan, "conv", _conv_path(path)))
             return function(x)
     return run
 
@@ -114,12 +129,15 @@ def compare(flavor: str, batch: int, seq_len: int, repeats: int, dim: int | None
     if compiled:
         rows["ours (compiled)"] = torch.compile(mixer.forward, fullgraph=True)
     if compiled and device == "cuda":
+        with_causal_conv1d = conv_ops.use_kernel(torch.empty(0, device=device), "causal_conv1d")
+        rows["ours (compiled), fused core, conv: Triton"] = _with_conv_path(
+            torch.compile(mixer.forward, fullgraph=True), "Triton", fused_core=True)
         paths = ["Triton", "torch (cuDNN)", "shifted sum"]
-        if conv_ops.use_kernel(torch.empty(0, device=device), "causal_conv1d"):
+        if with_causal_conv1d:
             paths.insert(0, "causal-conv1d")
         for path in paths:
-            rows[f"ours (compiled), conv: {path}"] = _with_conv_path(
-                torch.compile(mixer.forward, fullgraph=True), path)
+            rows[f"ours (compiled), ops one by one, conv: {path}"] = _with_conv_path(
+                torch.compile(mixer.forward, fullgraph=True), path, fused_core=False)
     baseline, skipped = fused_baseline(mixer)
     if baseline is not None:
         rows = {"mamba_ssm fused (Megatron's path)": baseline, **rows}

@@ -255,6 +255,8 @@ hybrid_flavors = FlavorRegistry({
     "dsa_hybrid_1b": _gpu_sized("M-MD-M-M-MD-M-M-MD-M-M-M-"),
     # nemotron_h_1b's layers with KDA (16 heads of 128) in place of Mamba2.
     "kda_hybrid_1b": _gpu_sized("K-K*-K-K-K*-K-K-K*-K-K-K-"),
+    # ... with gated DeltaNet (Qwen3-Next's shapes: 16 value heads over 8 key heads of 128).
+    "gdn_hybrid_1b": _gpu_sized("G-G*-G-G-G*-G-G-G*-G-G-G-"),
 })
 
 
