@@ -17,6 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 try:
+    from titan_hybrid.adapters.torchtitan_0_3.components import (
+        HybridDataLoaderConfig as HybridDataLoader,
+    )
+    from titan_hybrid.adapters.torchtitan_0_3.components import HybridLoss
     from titan_hybrid.adapters.torchtitan_0_3.front_end import activate
     from titan_hybrid.adapters.torchtitan_0_3.model_spec import model_spec
     from titan_hybrid.adapters.torchtitan_0_3.toml_job import apply_toml
@@ -43,5 +47,7 @@ def _job_function(path: Path):
 
 JOBS = sorted(TRAIN_CONFIGS.glob("*.toml"))
 globals().update({path.stem: _job_function(path) for path in JOBS})
-# The config functions, and `model_spec` for a torchtitan 0.3 job of your own (README).
-__all__ = [path.stem for path in JOBS] + ["model_spec"]
+# The config functions, and `model_spec`, `HybridLoss` (and `HybridDataLoader`, the
+# layout-independent batches) for a torchtitan 0.3 job of your own (README, "Using the model
+# from any torchtitan job").
+__all__ = [path.stem for path in JOBS] + ["model_spec", "HybridLoss", "HybridDataLoader"]

@@ -63,7 +63,8 @@ def test_every_toml_job_is_a_config_function_of_the_registry():
     from titan_hybrid.adapters.torchtitan_0_3.trainer import HybridTrainer
 
     stems = sorted(path.stem for path in TRAIN_CONFIGS.glob("*.toml"))
-    assert sorted(set(registry.__all__) - {"model_spec"}) == stems and len(stems) >= 4
+    assert sorted(set(registry.__all__) - {"model_spec", "HybridLoss", "HybridDataLoader"}) \
+        == stems and len(stems) >= 4
     for stem in stems:
         config = getattr(registry, stem)()
         job = tomllib.loads((TRAIN_CONFIGS / f"{stem}.toml").read_text())
@@ -238,29 +239,6 @@ def logged_losses(output: str) -> list[float]:
     for step, loss in re.findall(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)", plain):
         by_step.setdefault(int(step), float(loss))
     return [by_step[step] for step in sorted(by_step)]
-
-
-def test_the_readmes_user_registry_runs_on_torchtitans_own_trainer(tmp_path):
-    """titan_hybrid's model_spec in a user's registry with torchtitan's stock components: one
-    process, TP2 (the same data: the one-process curve) and FSDP2 (torchtitan's loader shards
-    documents by rank, so its curve is its own) all train."""
-    one = user_job_run(tmp_path / "one", nproc=1)
-    tp2 = user_job_run(tmp_path / "tp2", command=readme_user_command())  # TP2, as written
-    fsdp2 = user_job_run(tmp_path / "fsdp2", nproc=2)
-    for result in (one, tp2, fsdp2):
-        assert result.returncode == 0, result.stderr[-3000:]
-    losses = logged_losses(one.stdout + one.stderr)
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert logged_losses(tp2.stdout + tp2.stderr) == losses
-    sharded = logged_losses(fsdp2.stdout + fsdp2.stderr)
-    assert len(sharded) == 3 and sharded[-1] < sharded[0]
-
-
-def test_a_user_job_on_another_spmd_backend_is_told_which_one_to_set(tmp_path):
-    result = user_job_run(tmp_path, "--parallelism.spmd_backend", "spmd_types", nproc=2)
-    assert result.returncode != 0
-    assert ("parallelism.spmd_backend='spmd_types': titan_hybrid's model shards on the meshes "
-            "of 'partial_dtensor'") in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.slow  # 4 processes

@@ -68,7 +68,7 @@ def test_hf_load_and_save_through_torchtitans_checkpointer_in_a_users_job(
     through titan_hybrid's state_dict_adapter. At lr 0 the weights do not move, so every tensor
     comes back bit for bit (a tensor the load missed would come back as its random init).
     Under TP the fused Mamba2 tensors are interleaved per rank: refused, naming the tensor."""
-    registry = readme_registry().replace('model_spec("debug", pattern="M*G-")',
+    registry = readme_registry().replace('model_spec("debug_moe")',
                                          'model_spec("debug_nemotron_h")')
     assert registry != readme_registry()
     result = user_job_run(tmp_path, *HF_ROUND_TRIP, "--checkpoint.initial_load_path",

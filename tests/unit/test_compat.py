@@ -262,6 +262,20 @@ def test_checked_versions_pass(torch_version, torchtitan_version):
     compat.check_versions(torch_version, torchtitan_version)
 
 
+def test_the_readmes_pip_lines_name_a_checked_pair_for_every_torch():
+    """README, "Installing with pip": one line per supported torch, each naming the newest
+    torchtitan checked with it (a plain install would take 0.3.0, which 2.11 / 2.13 refuse)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    pairs = re.findall(r'^pip install -e \. "torch==(\d+\.\d+)\.\*" "torchtitan==([\d.]+)"',
+                       readme, flags=re.MULTILINE)
+    newest = {line: max((titan for titan, lines in compat.CHECKED_TORCHTITAN.items()
+                         if line in lines), key=lambda v: tuple(map(int, v.split("."))))
+              for line in compat.CHECKED_TORCH}
+    assert dict(pairs) == newest and len(pairs) == len(compat.CHECKED_TORCH), pairs
+    for torch_line, torchtitan in pairs:
+        compat.check_versions(f"{torch_line}.0", torchtitan)
+
+
 def test_torch_and_torchtitan_releases_are_the_installed_ones():
     assert compat.TORCH_RELEASE == tuple(int(p) for p in torch.__version__.split(".")[:2])
     assert ".".join(map(str, compat.TORCH_RELEASE)) in compat.CHECKED_TORCH

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import datasets
@@ -203,6 +204,16 @@ def build_global_batch_dataloader(
     validate_dataset_config(run)
     return _loader(run.data.dataset.lower(), run.data.dataset_path, "train", run.training,
                    tokenizer, dp_rank, dp_world_size, infinite, microbatch_size)
+
+
+def build_text_dataloader(dataset: str, dataset_path: str | None, tokenizer: BaseTokenizer, *,
+                          seq_len: int, local_batch_size: int, dp_rank: int,
+                          dp_world_size: int) -> GlobalBatchTextLoader:
+    """The training loader of one data-parallel rank for a job without a RunConfig (a user's
+    own torchtitan 0.3 job): the dataset and the batch shape given."""
+    section = SimpleNamespace(seq_len=seq_len, local_batch_size=local_batch_size)
+    return _loader(dataset.lower(), dataset_path, "train", section, tokenizer, dp_rank,
+                   dp_world_size, infinite=True)
 
 
 def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: BaseTokenizer,

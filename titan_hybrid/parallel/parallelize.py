@@ -35,9 +35,19 @@ def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
         strategy = "no_shard"
     if strategy in ("no_shard", "optim"):
         return strategy, parallel_dims.get_mesh("loss" if parallel_dims.cp_enabled else "batch")
+    shard = shard_dimension(parallel_dims)
     if parallel_dims.dp_replicate_enabled:
-        return strategy, parallel_dims.get_mesh(["dp_replicate", "fsdp"])
-    return strategy, parallel_dims.get_mesh("fsdp")
+        return strategy, parallel_dims.get_mesh(["dp_replicate", shard])
+    return strategy, parallel_dims.get_mesh(shard)
+
+
+def shard_dimension(parallel_dims: ParallelDims) -> str:
+    """The mesh dimension FSDP shards over: torchtitan's "fsdp" (the data-parallel shards
+    times the CP ranks). torchtitan 0.3's default SPMD backend, spmd_types, has no such
+    dimension, only "dp_shard" and "cp" apart: there FSDP shards over "dp_shard", which is the
+    same ranks without CP (model_spec.py refuses CP on that backend)."""
+    backend = getattr(parallel_dims, "spmd_backend", "partial_dtensor")
+    return "fsdp" if backend == "partial_dtensor" else "dp_shard"
 
 
 def expert_meshes(parallel_dims: ParallelDims):

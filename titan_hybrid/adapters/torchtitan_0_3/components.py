@@ -24,7 +24,7 @@ from torchtitan.config import CompileConfig, Configurable
 
 from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
 from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
-from titan_hybrid.data.loader import build_global_batch_dataloader
+from titan_hybrid.data.loader import build_global_batch_dataloader, build_text_dataloader
 from titan_hybrid.training.loss import hybrid_loss
 from titan_hybrid.training.metrics import HybridMetrics
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
@@ -55,31 +55,45 @@ def current_build():
 
 
 class HybridLoss(BaseLoss):
-    """Token cross-entropy + MoE load-balancing + MTP losses (training/loss.py), summed and
-    divided by the step's global valid-token count, as torchtitan 0.3's losses are."""
+    """Token cross-entropy + the layers' auxiliary losses (MoE load balancing, DSA / V4
+    indexers) + MTP losses (training/loss.py), summed and divided by the step's global
+    valid-token count, as torchtitan 0.3's losses are: the loss of a hybrid model whatever its
+    pattern, in titan_hybrid's trainer and in a job of the user's own (README, "Using the model
+    from any torchtitan job"), where torchtitan's CrossEntropyLoss takes only logits."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseLoss.Config):
-        mtp_loss_coeff: float = 0.1
+        mtp_loss_coeff: float | None = None
+        """The MTP depths' weight; None: the model's (its flavor's `mtp_loss_coeff`), set
+        when the trainer updates the model config from the job's."""
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
-        self.fn = partial(hybrid_loss, mtp_loss_coeff=config.mtp_loss_coeff)
+        coeff = config.mtp_loss_coeff
+        self.fn = partial(hybrid_loss) if coeff is None else partial(hybrid_loss,
+                                                                     mtp_loss_coeff=coeff)
         self._maybe_compile(compile_config)
 
 
 @dataclass(kw_only=True, slots=True)
 class HybridDataLoaderConfig(BaseDataLoader.Config):
     """titan_hybrid's layout-independent global batches (data/loader.py): `dataset` is "pydoc"
-    or a torchtitan dataset, `dataset_path` a local corpus."""
+    or a torchtitan dataset, `dataset_path` a local corpus. Every layout reads the same global
+    batch (torchtitan's loaders give each data-parallel rank documents of its own), so a
+    user's job on it gives the one-process curve under FSDP too (config_registry exports it as
+    HybridDataLoader)."""
 
     dataset: str = "pydoc"
 
     def build(self, *, dp_world_size: int, dp_rank: int, tokenizer, local_batch_size: int,
-              **kwargs):
+              seq_len: int | None = None, **kwargs):
+        build = _current_build.get(None)
+        if build is None:  # a user's own job (torchtitan's Trainer): the section's dataset
+            return build_text_dataloader(self.dataset, self.dataset_path, tokenizer,
+                                         seq_len=seq_len, local_batch_size=local_batch_size,
+                                         dp_rank=dp_rank, dp_world_size=dp_world_size)
         # Under PP torchtitan 0.3 fetches one microbatch at a time (local_batch_size is then
         # the microbatch size): the same rows as a whole batch, in consecutive pieces.
-        return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer,
-                                             current_build().run,
+        return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer, build.run,
                                              microbatch_size=local_batch_size)
 
 

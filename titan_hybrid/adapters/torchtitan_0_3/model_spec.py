@@ -13,6 +13,7 @@ defaults for what the sections do not say.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -21,17 +22,20 @@ from torch import nn
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 
+from titan_hybrid.adapters.torchtitan_0_3.components import HybridLoss
 from titan_hybrid.adapters.torchtitan_0_3.config import run_from_parts
 from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.compat.torchtitan_0_3 import pipeline_module_splitter, pipeline_schedule_builder
 from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.model.model import HybridModel
+from titan_hybrid.model.pattern import parse_hybrid_pattern
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.validate import validate_layout
+from titan_hybrid.training.errors import report_and_exit
 from titan_hybrid.training.run_config import RunConfig
 
 
@@ -59,6 +63,48 @@ class HybridModelConfig(BaseModel.Config):
     def update_from_config(self, *, config, **kwargs) -> None:
         if self.args is None or self.args.max_seq_len != config.training.seq_len:
             self.args = self.resolve(seq_len=config.training.seq_len, seed=config.debug.seed)
+        self.fit_loss(config.loss)
+        self.fit_backend(config.parallelism)
+
+    @staticmethod
+    def fit_backend(parallelism) -> None:
+        """titan_hybrid's parallel code runs on 0.3's `partial_dtensor` and `spmd_types`
+        backends (on the latter FSDP shards over "dp_shard", parallelize.shard_dimension), not
+        on `full_dtensor`, which hands the model DTensor inputs, nor spmd_types with context
+        parallelism, whose FSDP dimension would span the CP ranks (DESIGN.md, "torchtitan
+        0.3's SPMD backends"). One line on every rank, before the model is built."""
+        backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
+        if backend == "full_dtensor" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            report_and_exit(ValueError(
+                "parallelism.spmd_backend='full_dtensor': titan_hybrid's layers take plain "
+                "tensors, not full_dtensor's DTensor inputs; use 'spmd_types' (0.3's default) "
+                "or 'partial_dtensor'"))
+        if backend == "spmd_types" and parallelism.context_parallel_degree > 1:
+            report_and_exit(ValueError(
+                f"parallelism.context_parallel_degree={parallelism.context_parallel_degree} "
+                "with parallelism.spmd_backend='spmd_types': titan_hybrid's context "
+                "parallelism runs on 'partial_dtensor' (set it in your config)"))
+
+    def fit_loss(self, loss_config) -> None:
+        """The job's loss must take this model's outputs: a tuple (logits, aux_loss,
+        *mtp_logits) when the pattern has MoE / indexer layers or MTP depths, which only
+        HybridLoss takes (given the model's MTP weight unless the job set one). torchtitan 0.3
+        calls this on every rank after its process groups exist, the first point where the
+        model and the loss meet: a mismatch is one line and the exit status there, not the
+        loss's AttributeError at step 1."""
+        if isinstance(loss_config, HybridLoss.Config):
+            if loss_config.mtp_loss_coeff is None:
+                loss_config.mtp_loss_coeff = self.args.mtp_loss_coeff
+            return
+        terms = [term for term, present in (
+            ("an auxiliary loss (MoE / indexer layers)", self.args.has_aux_loss),
+            ("MTP logits", parse_hybrid_pattern(self.args.pattern).mtp_depths > 0)) if present]
+        if terms:
+            report_and_exit(ValueError(
+                f"loss: {type(loss_config).__qualname__.removesuffix('.Config')} takes logits, "
+                f"but model_spec('{self.flavor}') with pattern '{self.args.pattern}' also "
+                f"returns {' and '.join(terms)}; set loss=HybridLoss.Config() (from "
+                "titan_hybrid.config_registry import HybridLoss)"))
 
     def resolve(self, *, seq_len: int, seed: int | None) -> HybridModelArgs:
         model_config = self.overrides.get("model_config", "")  # an HF folder's model
@@ -106,10 +152,6 @@ class HybridBuild:
         run = self.run_for(training=training, parallelism=parallelism,
                            compile_config=compile_config, ac_config=ac_config,
                            dump_folder=dump_folder)
-        backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
-        if backend != "partial_dtensor" and parallel_dims.world_size > 1:
-            raise ValueError(f"parallelism.spmd_backend='{backend}': titan_hybrid's model shards "
-                             "on the meshes of 'partial_dtensor'; set it in your config")
         if not self.layout_checked:
             validate_layout(run, parallel_dims.world_size)
             self.layout_checked = True
