@@ -13,7 +13,7 @@ from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.symbols import SYMBOLS
-from titan_hybrid.parallel.context_parallel import CONTEXT_PARALLEL_WRAPPERS
+from titan_hybrid.parallel.context_parallel import LINEAR_MODES, splits
 
 
 def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
@@ -43,13 +43,23 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
     if kind.context_parallel is not None:
         rule = kind.context_parallel
         core = getattr(layer.mixer, rule.core)
-        # Either CP gathers named arguments of the core (and its key layout), or the kind
-        # has its own wrapper.
+        # Either CP gathers named arguments of the core (and its key layout), or reads a key
+        # halo, or (a recurrent kind) exchanges heads by the channel layout the kind declares
+        # and passes states by an algorithm the chunkwise mode has; parallel/ names no kind.
+        names = set(inspect.signature(core.forward).parameters)
         if rule.gather:
-            names = inspect.signature(core.forward).parameters
-            assert set(rule.gather) | {"query", "key"} <= set(names)
-        else:
-            assert rule in CONTEXT_PARALLEL_WRAPPERS
+            assert set(rule.gather) | {"query", "key"} <= names
+        elif not rule.window_halo:
+            assert all(splits(rule, mode) for mode in LINEAR_MODES)
+            # Every argument but the layout is laid out by head. The layout reads the heads
+            # from A_log and the groups from the conv's width ([B, T, conv channels] inputs).
+            conv = sum(p.shape[0] for n, p in layer.mixer.named_parameters()
+                       if "conv" in n and n.endswith("weight"))
+            tensors = {name: torch.zeros(1, 8, conv, device="meta") for name in names}
+            tensors["A_log"] = layer.mixer.A_log
+            plan = rule.head_channels(core.args, tensors)
+            assert set(plan.exchanged) | set(plan.sliced) == names - {"layout"}
+            assert plan.heads == layer.mixer.A_log.shape[0] and plan.groups >= 1
     if kind.context_parallel is not None:
         assert kind.mixes_sequence  # a token-wise kind has nothing for CP to do
     # A sequence-mixing kind without a rule (DeepSeek-V4 attention, so far) is refused under CP
@@ -74,3 +84,29 @@ def test_the_pattern_is_parsed_once_per_text():
     assert args.parsed_pattern is first
     args.pattern = "M-"
     assert args.parsed_pattern is not first and args.parsed_pattern.main == ["M", "-"]
+
+
+def test_context_parallel_wraps_every_recurrent_kind_without_naming_one():
+    """One head exchange for Mamba2, GDN and KDA, driven by the layouts their table entries
+    declare: parallel/context_parallel.py imports no layer kind's module."""
+    import ast
+    from pathlib import Path
+
+    import titan_hybrid.parallel.context_parallel as context_parallel
+
+    tree = ast.parse(Path(context_parallel.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    kind_files = {path.stem for path in Path(context_parallel.__file__).parents[1].joinpath(
+        "model").glob("*.py")}
+    named = {module for module in imported if module and module.startswith("titan_hybrid.model.")
+             and module.split(".")[2] in kind_files - {"layer_kind", "layout", "model", "args",
+                                                        "common", "symbols", "pattern"}}
+    assert named == set(), named
+    recurrent = [kind for kind in LAYER_KINDS.values()
+                 if kind.context_parallel and kind.context_parallel.head_channels]
+    assert sorted(kind.symbol for kind in recurrent) == ["G", "K", "M"]

@@ -318,7 +318,7 @@ KIND = LayerKind(
                                              ("window_attention.o_groups", args.o_groups)],
     # Context parallelism: each rank's pieces read the window's keys from the piece before
     # them (parallel/context_parallel_window.py).
-    context_parallel=ContextParallelRule(core="window_core"),
+    context_parallel=ContextParallelRule(core="window_core", window_halo=True),
     # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
     hf_names={"deepseek_v4": HFNames(block_type="sliding_attention", renames={})},
 )

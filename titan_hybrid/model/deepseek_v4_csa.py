@@ -337,7 +337,8 @@ KIND = LayerKind(
         ("compressed_sparse_attention.o_groups", args.o_groups)],
     # Context parallelism: the window's key halo, and the rows and indexer keys of every piece
     # gathered, so the top-k sees the whole causal context (context_parallel_compressed.py).
-    context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
+    context_parallel=ContextParallelRule(core="window_core", window_halo=True,
+                                         compressor="compressor"),
     high_precision_modules=("compressor",),  # its indexer included
     # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
     hf_names={"deepseek_v4": HFNames(block_type="compressed_sparse_attention", renames={})},

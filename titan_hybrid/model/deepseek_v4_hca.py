@@ -257,7 +257,8 @@ KIND = LayerKind(
         ("heavily_compressed_attention.o_groups", args.o_groups)],
     # Context parallelism: the window's key halo, and the rows of every piece gathered
     # (parallel/context_parallel_compressed.py).
-    context_parallel=ContextParallelRule(core="window_core", compressor="compressor"),
+    context_parallel=ContextParallelRule(core="window_core", window_halo=True,
+                                         compressor="compressor"),
     high_precision_modules=("compressor",),
     # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
     hf_names={"deepseek_v4": HFNames(block_type="heavily_compressed_attention", renames={})},

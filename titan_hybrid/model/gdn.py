@@ -24,7 +24,13 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
+from titan_hybrid.model.layer_kind import (
+    GROUPS,
+    HEADS,
+    ContextParallelRule,
+    HeadChannels,
+    LayerKind,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import HeadGatedRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
@@ -161,6 +167,20 @@ def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
     return args.n_value_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
 
 
+def _head_channels(args: GDNArgs, tensors: dict) -> HeadChannels:
+    """ConvAndDeltaRule's arguments by head: [q | k | v] over key heads (q, k) and value
+    heads (v), exchanged with alpha and beta; the conv's weight rows and the per-head
+    parameters kept by value head."""
+    heads = tensors["A_log"].shape[0]
+    groups = ((tensors["qkv_BTC"].shape[-1] - heads * args.value_head_dim)
+              // (2 * args.key_head_dim))
+    qkv = ((args.key_head_dim, GROUPS), (args.key_head_dim, GROUPS), (args.value_head_dim, HEADS))
+    per_head = ((1, HEADS),)
+    return HeadChannels(heads, groups,
+                        exchanged={"qkv_BTC": qkv, "alpha_BTH": per_head, "beta_BTH": per_head},
+                        sliced={"conv_weight_CW": qkv, "A_log": per_head, "dt_bias": per_head})
+
+
 KIND = LayerKind(
     symbol="G", args_type=GDNArgs,
     build=lambda args, dim, norm_eps: GatedDeltaNet(dim=dim, args=args, norm_eps=norm_eps),
@@ -171,5 +191,6 @@ KIND = LayerKind(
     context_parallel=ContextParallelRule(
         core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("gdn.n_value_heads", args.n_value_heads),
-                                       ("gdn.n_key_heads", args.n_key_heads))),
+                                       ("gdn.n_key_heads", args.n_key_heads)),
+        head_channels=_head_channels, state_passing="delta_rule"),
 )

@@ -35,7 +35,7 @@ from titan_hybrid.model.common import (
     upcast,
 )
 from titan_hybrid.model.gdn import ConvAndDeltaRule
-from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
+from titan_hybrid.model.layer_kind import HEADS, ContextParallelRule, HeadChannels, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.ops.kda import CHUNK_SIZE, chunk_kda
 
@@ -196,6 +196,18 @@ def _core_flops(args: KDAArgs, dim: int, seq_len: int) -> int:
     return args.n_heads * (2 * chunk * 5 * k + 6 * k * k)
 
 
+def _head_channels(args: KDAArgs, tensors: dict) -> HeadChannels:
+    """KDAConvAndDeltaRule's arguments by head: GDN's, with one head count for q, k and v and
+    the forget gate's pre-activation (in GDN's alpha place) and dt_bias per key channel."""
+    heads = tensors["A_log"].shape[0]
+    per_channel, per_head = ((args.head_dim, HEADS),), ((1, HEADS),)
+    return HeadChannels(heads, heads,
+                        exchanged={"qkv_BTC": per_channel * 3, "alpha_BTH": per_channel,
+                                   "beta_BTH": per_head},
+                        sliced={"conv_weight_CW": per_channel * 3, "A_log": per_head,
+                                "dt_bias": per_channel})
+
+
 KIND = LayerKind(
     symbol="K", args_type=KDAArgs,
     build=lambda args, dim, norm_eps: KimiDeltaAttention(dim=dim, args=args, norm_eps=norm_eps),
@@ -207,5 +219,7 @@ KIND = LayerKind(
     context_parallel=ContextParallelRule(
         core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("kda.n_heads", args.n_heads),
-                                       ("kda.n_heads", args.n_heads))),
+                                       ("kda.n_heads", args.n_heads)),
+        # the same transition matrices as GDN's, per key channel
+        head_channels=_head_channels, state_passing="delta_rule"),
 )

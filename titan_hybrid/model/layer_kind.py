@@ -55,19 +55,45 @@ class ContextParallelRule:
     """How context parallelism splits this kind's sequence-mixing core.
 
     `core` is the mixer's submodule that runs along the sequence; parallel/context_parallel.py
-    wraps it. Either the core's queries stay local and the arguments named in `gather` (keys,
-    values, latents: [B, S, ...] tensors) are all-gathered along the sequence together with its
-    `key` TokenLayout argument; or (`gather` empty) the kind's own wrapper, registered under
-    this rule (parallel/context_parallel.py), exchanges heads for sequence.
-    `head_groups(section, dim)` gives ((heads field, heads), (groups field, groups)) for such
-    kinds: each CP rank takes whole groups' heads or whole heads of one group."""
+    wraps it, by what the rule says, without knowing the kind:
+    - `gather`: the core's queries stay local and the arguments it names (keys, values,
+      latents: [B, S, ...] tensors) are all-gathered along the sequence together with its
+      `key` TokenLayout argument;
+    - `head_channels` (recurrent kinds): mode head_a2a trades the sequence shard of every head
+      for the whole sequence of 1/cp of the heads, taking each argument's channels by the
+      layout this function gives (HeadChannels); mode chunkwise passes states between
+      sequence pieces by the algorithm `state_passing` names ("decay": Mamba2's scalar decay,
+      "delta_rule": GDN's / KDA's transition matrices);
+    - `window_halo`: the core reads a halo of keys before each piece (DeepSeek-V4's window).
+    `head_groups(section, dim)` gives ((heads field, heads), (groups field, groups)) for the
+    recurrent kinds: each CP rank takes whole groups' heads or whole heads of one group."""
 
     core: str
     gather: tuple[str, ...] = ()
     head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
+    head_channels: Callable[[Any, dict[str, torch.Tensor]], HeadChannels] | None = None
+    state_passing: str | None = None
+    window_halo: bool = False
     # A compressor submodule (DeepSeek-V4 `C`, `H`) whose rows every query may need, whatever
     # rank holds their tokens: parallel/context_parallel_compressed.py gathers them.
     compressor: str | None = None
+
+
+HEADS, GROUPS = "heads", "groups"
+
+
+@dataclass(frozen=True)
+class HeadChannels:
+    """A recurrent core's arguments by head, for the head exchange (ContextParallelRule). Each
+    argument it names is a run of parts, each part `(channels per head or group, HEADS or
+    GROUPS)` over all `heads` or `groups` (Mamba2's B / C groups, GDN's key heads): `exchanged`
+    are per-token [B, T, channels] tensors, sent by all-to-all; `sliced` are per-channel
+    parameters [channels, ...], of which each rank keeps its heads' rows."""
+
+    heads: int
+    groups: int
+    exchanged: dict[str, tuple[tuple[int, str], ...]]
+    sliced: dict[str, tuple[tuple[int, str], ...]]
 
 
 # The parallel dimensions over which a kind's statistics add up (KindStatistics.summed_over).

@@ -20,7 +20,14 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
+from titan_hybrid.model.layer_kind import (
+    GROUPS,
+    HEADS,
+    ContextParallelRule,
+    HeadChannels,
+    HFNames,
+    LayerKind,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
@@ -192,6 +199,18 @@ def _validate(args: MambaArgs, dim: int) -> None:
                          f"mamba.n_groups={args.n_groups} (each group must own whole heads)")
 
 
+def _head_channels(args: MambaArgs, tensors: dict) -> HeadChannels:
+    """ConvAndScan's arguments by head: the conv's channels [x | B | C] (exchanged, and its
+    weight and bias rows), dt and the per-head parameters."""
+    heads = tensors["A_log"].shape[0]
+    groups = (tensors["xbc_BTC"].shape[-1] - heads * args.head_dim) // (2 * args.d_state)
+    conv = ((args.head_dim, HEADS), (args.d_state, GROUPS), (args.d_state, GROUPS))
+    per_head = ((1, HEADS),)
+    return HeadChannels(heads, groups, exchanged={"xbc_BTC": conv, "dt_BTH": per_head},
+                        sliced={"conv_weight_CW": conv, "conv_bias_C": conv, "A_log": per_head,
+                                "D": per_head, "dt_bias": per_head})
+
+
 def _core_flops(args: MambaArgs, dim: int, seq_len: int) -> int:
     """SSD per head per token, forward: intra-chunk C B^T and scores @ x (2 * Q * (N + P)),
     chunk-state contribution and state read-out (2 * 2 * N * P)."""
@@ -210,7 +229,8 @@ KIND = LayerKind(
     context_parallel=ContextParallelRule(
         core="conv_and_scan",
         head_groups=lambda args, dim: (("mamba.nheads", args.n_heads(dim)),
-                                       ("mamba.n_groups", args.n_groups))),
+                                       ("mamba.n_groups", args.n_groups)),
+        head_channels=_head_channels, state_passing="decay"),
     hf_names={"nemotron_h": HFNames(
         block_type="mamba",
         renames={name: name for name in ("A_log", "D", "dt_bias", "norm.weight",

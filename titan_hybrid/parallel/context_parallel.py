@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca, gdn, kda, mamba
-from titan_hybrid.model.layer_kind import ContextParallelRule
+from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
@@ -161,117 +160,74 @@ class ContextParallelGatherCore(nn.Module):
         return self.core(*args)
 
 
-class ContextParallelConvAndScan(nn.Module):
-    def __init__(self, core: nn.Module, group) -> None:
+class ContextParallelHeadExchange(nn.Module):
+    """A recurrent core (Mamba2, GDN, KDA) on whole sequences of 1/cp of its heads: its
+    kind's `ContextParallelRule.head_channels` lays out each argument's channels by head
+    (HeadChannels); the per-token arguments are concatenated and sent by one all-to-all, each
+    rank's share cut back into the arguments, the per-channel parameters sliced to the rank's
+    heads, and the output [B, T, heads, P] traded back to the sequence shard."""
+
+    def __init__(self, core: nn.Module, group, head_channels) -> None:
         super().__init__()
-        self.core, self.group = core, group
+        self.core, self.group, self.head_channels = core, group, head_channels
+        self.names = list(inspect.signature(core.forward).parameters)
 
-    def forward(self, xbc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layout):
-        args = self.core.args
-        exchange = _SequenceToHeads(_require_positions(layout), self.group)
-        n_heads, d_inner = A_log.shape[0], A_log.shape[0] * args.head_dim
-        n_groups = (xbc.shape[-1] - d_inner) // (2 * args.d_state)
+    def forward(self, *args):
+        named = dict(zip(self.names, args, strict=True))
+        exchange = _SequenceToHeads(_require_positions(named["layout"]), self.group)
+        plan = self.head_channels(self.core.args, named)
 
-        def channels(rank: int) -> torch.Tensor:  # [x | B | C | dt] of the rank's heads
-            heads, groups = heads_of_rank(n_heads, n_groups, exchange.cp, rank)
-            return _channels([(args.head_dim, heads, n_heads), (args.d_state, groups, n_groups),
-                             (args.d_state, groups, n_groups), (1, heads, n_heads)])
+        def channels(parts, rank: int) -> torch.Tensor:
+            heads, groups = heads_of_rank(plan.heads, plan.groups, exchange.cp, rank)
+            taken = {HEADS: (heads, plan.heads), GROUPS: (groups, plan.groups)}
+            return _channels([(width, *taken[which]) for width, which in parts])
 
-        xbcdt = exchange.to_heads(torch.cat((xbc, dt), -1),
-                                  [channels(r) for r in range(exchange.cp)])
-        mine = channels(exchange.rank).to(xbc.device)
-        heads, _ = heads_of_rank(n_heads, n_groups, exchange.cp, exchange.rank)
-        conv_channels = mine[:-len(heads)]
-        y = self.core(xbcdt[..., :-len(heads)], xbcdt[..., -len(heads):],
-                      conv_weight[conv_channels], conv_bias[conv_channels],
-                      A_log[heads.start:heads.stop], D[heads.start:heads.stop],
-                      dt_bias[heads.start:heads.stop], exchange.layout)
-        return exchange.to_sequence(y)
+        streams = list(plan.exchanged)
+        offsets = torch.tensor([named[name].shape[-1] for name in streams]).cumsum(0).tolist()
 
+        def sent(rank: int) -> torch.Tensor:  # indices into the concatenated streams
+            return torch.cat([start + channels(plan.exchanged[name], rank) for start, name
+                              in zip([0, *offsets[:-1]], streams)])
 
-class ContextParallelConvAndDeltaRule(nn.Module):
-    def __init__(self, core: nn.Module, group) -> None:
-        super().__init__()
-        self.core, self.group = core, group
-
-    def forward(self, qkv, alpha, beta, conv_weight, A_log, dt_bias, layout):
-        args = self.core.args
-        exchange = _SequenceToHeads(_require_positions(layout), self.group)
-        n_value_heads = A_log.shape[0]
-        n_key_heads = (qkv.shape[-1] - n_value_heads * args.value_head_dim) // (
-            2 * args.key_head_dim)
-
-        def channels(rank: int) -> torch.Tensor:  # [q | k | v | alpha | beta] of the rank
-            heads, keys = heads_of_rank(n_value_heads, n_key_heads, exchange.cp, rank)
-            return _channels([(args.key_head_dim, keys, n_key_heads),
-                             (args.key_head_dim, keys, n_key_heads),
-                             (args.value_head_dim, heads, n_value_heads),
-                             (1, heads, n_value_heads), (1, heads, n_value_heads)])
-
-        received = exchange.to_heads(torch.cat((qkv, alpha, beta), -1),
-                                     [channels(r) for r in range(exchange.cp)])
-        heads, _ = heads_of_rank(n_value_heads, n_key_heads, exchange.cp, exchange.rank)
-        n = len(heads)
-        conv_channels = channels(exchange.rank)[:-2 * n].to(qkv.device)
-        o = self.core(received[..., :-2 * n], received[..., -2 * n:-n], received[..., -n:],
-                      conv_weight[conv_channels], A_log[heads.start:heads.stop],
-                      dt_bias[heads.start:heads.stop], exchange.layout)
-        return exchange.to_sequence(o)
+        received = exchange.to_heads(torch.cat([named[name] for name in streams], -1),
+                                     [sent(rank) for rank in range(exchange.cp)])
+        mine = [len(channels(plan.exchanged[name], exchange.rank)) for name in streams]
+        named.update(zip(streams, received.split(mine, -1)))
+        for name, parts in plan.sliced.items():
+            named[name] = named[name][channels(parts, exchange.rank).to(named[name].device)]
+        named["layout"] = exchange.layout
+        return exchange.to_sequence(self.core(*named.values()))
 
 
-class ContextParallelKDAConvAndDeltaRule(nn.Module):
-    """KDA's core (model/kda.py): GDN's exchange with one head count for q, k and v, and the
-    forget gate's pre-activation per key channel in place of GDN's alpha per head."""
-
-    def __init__(self, core: nn.Module, group) -> None:
-        super().__init__()
-        self.core, self.group = core, group
-
-    def forward(self, qkv, f, beta, conv_weight, A_log, dt_bias, layout):
-        head_dim = self.core.args.head_dim
-        exchange = _SequenceToHeads(_require_positions(layout), self.group)
-        n_heads = A_log.shape[0]
-
-        def channels(rank: int) -> torch.Tensor:  # [q | k | v | f | beta] of the rank
-            heads, _ = heads_of_rank(n_heads, n_heads, exchange.cp, rank)
-            return _channels([(head_dim, heads, n_heads)] * 4 + [(1, heads, n_heads)])
-
-        received = exchange.to_heads(torch.cat((qkv, f, beta), -1),
-                                     [channels(r) for r in range(exchange.cp)])
-        heads, _ = heads_of_rank(n_heads, n_heads, exchange.cp, exchange.rank)
-        width = len(heads) * head_dim
-        conv_channels = channels(exchange.rank)[:3 * width].to(qkv.device)
-        gate_channels = torch.arange(heads.start * head_dim, heads.stop * head_dim,
-                                     device=qkv.device)
-        o = self.core(received[..., :3 * width], received[..., 3 * width:4 * width],
-                      received[..., 4 * width:], conv_weight[conv_channels],
-                      A_log[heads.start:heads.stop], dt_bias[gate_channels], exchange.layout)
-        return exchange.to_sequence(o)
-
-
-# The wrapper of the sequence-mixing core of each kind without a gather rule, by the kind's
-# ContextParallelRule, for each `context_parallel_linear_mode`: Mamba2 and GDN exchange heads
-# for sequence (head_a2a) or pass states between sequence pieces (chunkwise,
-# context_parallel_chunkwise.py); DeepSeek-V4 window attention reads a key halo in both
-# (context_parallel_window.py), as do the compressed kinds, whose compressors' rows are
-# gathered (`ContextParallelRule.compressor`, context_parallel_compressed.py).
-CONTEXT_PARALLEL_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
-    mamba.KIND.context_parallel: ContextParallelConvAndScan,
-    gdn.KIND.context_parallel: ContextParallelConvAndDeltaRule,
-    kda.KIND.context_parallel: ContextParallelKDAConvAndDeltaRule,
-    deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
-    deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
-    deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
+# The chunkwise mode's state passing (context_parallel_chunkwise.py), by the algorithm a
+# kind's rule names: Mamba2's scalar decay, GDN's / KDA's transition matrices.
+STATE_PASSING: dict[str, type[nn.Module]] = {
+    "decay": ChunkwiseConvAndScan,
+    "delta_rule": ChunkwiseConvAndDeltaRule,
 }
-CHUNKWISE_WRAPPERS: dict[ContextParallelRule, type[nn.Module]] = {
-    mamba.KIND.context_parallel: ChunkwiseConvAndScan,
-    gdn.KIND.context_parallel: ChunkwiseConvAndDeltaRule,
-    kda.KIND.context_parallel: ChunkwiseConvAndDeltaRule,  # the same transition, per channel
-    deepseek_v4.KIND.context_parallel: ContextParallelWindowHalo,
-    deepseek_v4_csa.KIND.context_parallel: ContextParallelWindowHalo,
-    deepseek_v4_hca.KIND.context_parallel: ContextParallelWindowHalo,
-}
-LINEAR_MODES = {"head_a2a": CONTEXT_PARALLEL_WRAPPERS, "chunkwise": CHUNKWISE_WRAPPERS}
+LINEAR_MODES = ("head_a2a", "chunkwise")
+
+
+def splits(rule: ContextParallelRule | None, linear_mode: str) -> bool:
+    """Whether context parallelism in `linear_mode` can wrap a core with this rule."""
+    if rule is None:
+        return False
+    if rule.gather or rule.window_halo:
+        return True
+    if linear_mode == "chunkwise":
+        return rule.state_passing in STATE_PASSING
+    return rule.head_channels is not None
+
+
+def _wrapped(core: nn.Module, rule: ContextParallelRule, cp_group, linear_mode: str):
+    """The kind's core wrapped as its rule says (see ContextParallelRule)."""
+    if rule.gather:
+        return ContextParallelGatherCore(core, cp_group, rule.gather)
+    if rule.window_halo:  # DeepSeek-V4: a key halo, in both linear modes
+        return ContextParallelWindowHalo(core, cp_group)
+    if linear_mode == "chunkwise":
+        return STATE_PASSING[rule.state_passing](core, cp_group)
+    return ContextParallelHeadExchange(core, cp_group, rule.head_channels)
 
 
 def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_a2a") -> None:
@@ -280,15 +236,15 @@ def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_
     "chunkwise" needs each rank's tokens to be pieces r and 2cp-1-r of the whole row
     (`shard_batch`, what the trainer does); a row zigzagged document by document
     (`packed_zigzag_index`, the multimodal partitioner's THD layout) needs "head_a2a"."""
-    wrappers = LINEAR_MODES[linear_mode]
+    if linear_mode not in LINEAR_MODES:
+        raise ValueError(f"context_parallel_linear_mode '{linear_mode}' is not one of "
+                         f"{list(LINEAR_MODES)}")
     for layer in model.modules():
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
             continue
         rule = layer.kind.context_parallel
-        core = getattr(layer.mixer, rule.core)
-        wrapped = (ContextParallelGatherCore(core, cp_group, rule.gather) if rule.gather
-                   else wrappers[rule](core, cp_group))
-        setattr(layer.mixer, rule.core, wrapped)
+        setattr(layer.mixer, rule.core,
+                _wrapped(getattr(layer.mixer, rule.core), rule, cp_group, linear_mode))
         if rule.compressor is not None:
             ContextParallelCompressedRows.install(getattr(layer.mixer, rule.compressor),
                                                   cp_group)

@@ -10,7 +10,7 @@ import torch
 
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split
+from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split, splits
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
@@ -126,7 +126,7 @@ def validate_context_parallel(run: RunConfig) -> None:
         if not kind.mixes_sequence:
             continue
         rule = kind.context_parallel
-        if rule is None or not (rule.gather or rule in LINEAR_MODES[mode]):
+        if not splits(rule, mode):
             raise ValueError(
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
                 f"context parallelism ({mode}) is not implemented for {kind.title} "
