@@ -51,6 +51,8 @@ ALLOWED = {
         "a TOML job's values onto the torchtitan 0.3 config it becomes",
     ("adapters/torchtitan_0_3/trainer.py", "config.model_spec"):
         "torchtitan 0.3's contract: the trainer's config carries the ModelSpec",
+    ("adapters/torchtitan_0_3/model_spec.py", "loss_config.mtp_loss_coeff"):
+        "a user's job's HybridLoss takes the model's MTP weight unless the job set one",
     ("adapters/torchtitan_0_3/trainer.py", "config.loss.mtp_loss_coeff"):
         "the run's MTP coefficient on the loss config torchtitan builds the loss from",
     ("adapters/torchtitan_0_3/trainer.py", "config.hf_assets_path"):

@@ -207,8 +207,8 @@ def _head_channels(args: MambaArgs, tensors: dict) -> HeadChannels:
     conv = ((args.head_dim, HEADS), (args.d_state, GROUPS), (args.d_state, GROUPS))
     per_head = ((1, HEADS),)
     return HeadChannels(heads, groups, exchanged={"xbc_BTC": conv, "dt_BTH": per_head},
-                        sliced={"conv_weight_CW": conv, "conv_bias_C": conv, "A_log": per_head,
-                                "D": per_head, "dt_bias": per_head})
+                        sliced=dict(conv_weight_CW=conv, conv_bias_C=conv, A_log=per_head,
+                                    D=per_head, dt_bias=per_head))
 
 
 def _core_flops(args: MambaArgs, dim: int, seq_len: int) -> int:

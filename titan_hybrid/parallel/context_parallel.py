@@ -243,8 +243,8 @@ def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
             continue
         rule = layer.kind.context_parallel
-        setattr(layer.mixer, rule.core,
-                _wrapped(getattr(layer.mixer, rule.core), rule, cp_group, linear_mode))
+        wrapped = _wrapped(getattr(layer.mixer, rule.core), rule, cp_group, linear_mode)
+        setattr(layer.mixer, rule.core, wrapped)
         if rule.compressor is not None:
             ContextParallelCompressedRows.install(getattr(layer.mixer, rule.compressor),
                                                   cp_group)
