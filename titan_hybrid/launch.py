@@ -14,10 +14,10 @@ worker starts a session of its own, as torchrun's worker processes do, and takes
 fork-safe) every worker is a fresh `python -m titan_hybrid.train` process.
 
 A worker that stops on a user error found later (e.g. a checkpoint that does not fit the model)
-or on divergence reports its message through a file (titan_hybrid.training.errors); the
+or on divergence reports its message through a file (titan_hybrid.runtime.errors); the
 launcher prints it once in place of torchrun's failure banner and exits with the worker's
 status. A worker that crashes on a bug keeps its traceback, and the launcher says which rank
-failed first (each worker records its own failure: titan_hybrid.training.errors).
+failed first (each worker records its own failure: titan_hybrid.runtime.errors).
 
 torchrun's agent logs what it does (the rendezvous, worker starts and failures, restarts, and
 why a rendezvous did not close) to `<dump_folder>/launcher/node<N>.log` rather than to the
@@ -56,7 +56,7 @@ from titan_hybrid.adapters.installed import front_end
 from titan_hybrid.compat.elastic import AgentEvents, agent_logs_to
 from titan_hybrid.runtime import cpu
 from titan_hybrid.runtime.cluster import Cluster, cluster_from_env
-from titan_hybrid.training.errors import (
+from titan_hybrid.runtime.errors import (
     ERROR_DIR_ENV,
     EXIT_USER_ERROR,
     failures_recorded,
@@ -100,7 +100,7 @@ class FailureReports:
     """The launcher's lines about failed workers and restarts. torchrun's agent polls its
     workers every 0.1 s and names whichever failed one it finds first; a worker's peers fail
     milliseconds after it on their broken connections, so that is often a peer. The workers'
-    own records (titan_hybrid.training.errors, in ERROR_DIR) say which failed first."""
+    own records (titan_hybrid.runtime.errors, in ERROR_DIR) say which failed first."""
 
     def __init__(self, node_rank: int, error_dir: Path) -> None:
         self.node_rank, self.error_dir = node_rank, error_dir
@@ -155,7 +155,7 @@ def fork_worker(job_args: list[str]) -> None:
     """A forked worker (torchrun's function entrypoint): `titan_hybrid.train` without a fresh
     interpreter. Returns on success (torchrun collects the return value; the process then
     leaves through `os._exit`, skipping the teardown that can abort in gloo, see
-    titan_hybrid.train); a reported error leaves with its status (titan_hybrid.training.errors), and
+    titan_hybrid.train); a reported error leaves with its status (titan_hybrid.runtime.errors), and
     a bug is recorded for the launcher, prints its traceback to this rank's stderr and leaves
     with status 1, as an uncaught exception ends a worker process."""
     # As a torchrun worker process: a session of its own (a Ctrl-C reaches the launcher, which

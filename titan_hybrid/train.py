@@ -5,7 +5,7 @@ works under a plain torchrun, and under either torchtitan (the installed one's f
 titan_hybrid/adapters). Compared with `python -m torchtitan.train` it parses the job with
 titan_hybrid's job sections, checks it before any process group, mesh or model exists, runs
 HybridTrainer, and ends a run that stops on a user error or on divergence with one message and
-a non-zero status instead of a traceback (titan_hybrid.training.errors). Bugs keep their traceback.
+a non-zero status instead of a traceback (titan_hybrid.runtime.errors). Bugs keep their traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from titan_hybrid.adapters.installed import front_end
 from titan_hybrid.ops.autotune_picks import install_picks_at_start_up
 from titan_hybrid.ops.kernels import kernel_fallbacks
 from titan_hybrid.runtime import cpu
-from titan_hybrid.training.errors import (
+from titan_hybrid.runtime.errors import (
     DivergedError,
     JobError,
     failures_recorded,

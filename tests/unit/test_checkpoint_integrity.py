@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_hybrid.checkpoint import integrity
+from titan_hybrid.runtime.errors import DivergedError
 from titan_hybrid.training.divergence import DivergenceGuard
-from titan_hybrid.training.errors import DivergedError
 
 
 def save(folder, seed=0):

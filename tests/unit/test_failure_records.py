@@ -1,4 +1,4 @@
-"""Which worker failed first (titan_hybrid.training.errors: failures_recorded, first_failure),
+"""Which worker failed first (titan_hybrid.runtime.errors: failures_recorded, first_failure),
 with real processes: the records a failing worker leaves for the launcher."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import wait_for
-from titan_hybrid.training import errors
+from titan_hybrid.runtime import errors
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from titan_hybrid.data.loader import validation_dataset_name
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.moe import KIND as MOE_KIND
-from titan_hybrid.training.errors import JobError
+from titan_hybrid.runtime.errors import JobError
 from titan_hybrid.training.metrics import drop_records_from, loss_curve_path, perplexity
 from titan_hybrid.training.validation import (
     HybridValidator,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from titan_hybrid.training.errors import JobError
+from titan_hybrid.runtime.errors import JobError
 
 CHECKSUMS_FILE = "checksums.json"
 PARTIAL_SUFFIX = ".partial"

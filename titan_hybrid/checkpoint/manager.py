@@ -76,7 +76,7 @@ from titan_hybrid.compat.dcp import (
 from titan_hybrid.compat.torchtitan_hooks import CheckpointManagerHooks
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.runtime.cluster import restart_count
-from titan_hybrid.training.errors import JobError
+from titan_hybrid.runtime.errors import JobError
 from titan_hybrid.training.run_config import RunConfig
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"

@@ -21,7 +21,7 @@ from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
 from titan_hybrid.compat.torchtitan_hooks import ModelWrapperHooks
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.training.errors import JobError
+from titan_hybrid.runtime.errors import JobError
 
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
 _GROUPED_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\.layers\.\d+\.")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_hybrid.training.errors import DivergedError
+from titan_hybrid.runtime.errors import DivergedError
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,8 @@ from titan_hybrid.data.loader import (
 )
 from titan_hybrid.data.local_files import check_corpus, is_local_path
 from titan_hybrid.parallel.pipeline import scaled_loss_of
+from titan_hybrid.runtime.errors import JobError
 from titan_hybrid.training.batch import prepare_batch
-from titan_hybrid.training.errors import JobError
 from titan_hybrid.training.kind_statistics import statistics_set_aside
 from titan_hybrid.training.run_config import RunConfig
 

@@ -35,7 +35,7 @@ from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.training.errors import report_and_exit
+from titan_hybrid.runtime.errors import report_and_exit
 from titan_hybrid.training.run_config import RunConfig
 
 

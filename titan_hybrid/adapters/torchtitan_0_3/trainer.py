@@ -53,9 +53,9 @@ from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
+from titan_hybrid.runtime.errors import reported_at_once
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
-from titan_hybrid.training.errors import reported_at_once
 from titan_hybrid.training.float8 import float8_scales_step_hook
 from titan_hybrid.training.preflight import check_run
 

@@ -1,7 +1,7 @@
 """How a user error found while tyro builds the config (in a `__post_init__`) reaches the user.
 
 Under `python -m torchtitan.train` no code of titan_hybrid's is around the parse, so the error
-is reported at once: one line and the exit status (titan_hybrid.training.errors). tyro would
+is reported at once: one line and the exit status (titan_hybrid.runtime.errors). tyro would
 turn a ValueError into its boxed panel instead. Under titan_hybrid's own front end
 (front_end.parse_job) the error reaches the caller as a ValueError, carried through tyro, which
 lets other exceptions pass, and the launcher reports it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from titan_hybrid.training.errors import report_and_exit
+from titan_hybrid.runtime.errors import report_and_exit
 
 _caller_reports = contextvars.ContextVar("titan_hybrid_caller_reports", default=False)
 
