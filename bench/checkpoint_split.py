@@ -28,11 +28,11 @@ import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU ru
 from titan_hybrid.checkpoint import integrity
 from titan_hybrid.checkpoint.split import split_state_dict
 from titan_hybrid.checkpoint.state import fused_parameters, split_optimizer_state
+from titan_hybrid.config.sections import OptimizerSection as OptimizerConfig
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
-from titan_hybrid.training.run_config import OptimizerSection as OptimizerConfig
 
 
 def build(flavor: str, dim: int):

@@ -46,6 +46,7 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
     import torch.distributed as dist
 
     import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+    from titan_hybrid.config.sections import OptimizerSection as OptimizerConfig
     from titan_hybrid.model.args import hybrid_flavors
     from titan_hybrid.model.model import HybridModel
     from titan_hybrid.parallel.data_parallel import apply_data_parallel
@@ -53,7 +54,6 @@ def measure(flavor: str, strategy: str | None, *, batch: int = 2, seq_len: int =
     from titan_hybrid.parallel.plan import ParallelPlan
     from titan_hybrid.runtime.cpu import peak_rss_bytes
     from titan_hybrid.training.optimizer import build_hybrid_optimizers
-    from titan_hybrid.training.run_config import OptimizerSection as OptimizerConfig
 
     torch.manual_seed(0)
     args = hybrid_flavors[flavor]

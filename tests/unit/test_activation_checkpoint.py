@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.triton_kernels import DEVICE, kernels_on
 from tests.unit.test_compile import loss_and_grads, tiny_model
+from titan_hybrid.config.sections import ActivationCheckpointSection as ActivationCheckpoint
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_hybrid.training.run_config import ActivationCheckpointSection as ActivationCheckpoint
 
 MODES = {
     "full": ActivationCheckpoint(mode="full"),

@@ -48,11 +48,11 @@ def test_layers_wrapped_for_activation_checkpointing_save_their_fused_tensors_sp
     import dataclasses
 
     from titan_hybrid.checkpoint.state import SplitModelWrapper
+    from titan_hybrid.config.sections import ActivationCheckpointSection
     from titan_hybrid.model.args import resolve_model_args
     from titan_hybrid.model.common import tensor_parallel_layouts
     from titan_hybrid.model.model import HybridModel
     from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
-    from titan_hybrid.training.run_config import ActivationCheckpointSection
 
     args = resolve_model_args("debug", pattern="M-M-G-", seq_len=64)
     plain = HybridModel(args)

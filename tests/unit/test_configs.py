@@ -9,9 +9,9 @@ from torchtitan.config import ConfigManager
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
 from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
+from titan_hybrid.config.sections import HybridSection
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.training.run_config import HybridSection
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from titan_hybrid.config.sections import Float8Section
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.training.float8 import (
@@ -20,7 +21,6 @@ from titan_hybrid.training.float8 import (
     float8_summary,
     linear_precisions,
 )
-from titan_hybrid.training.run_config import Float8Section
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from titan_hybrid.config.sections import Float8Section
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.training.float8 import apply_float8, float8_section, float8_summary
-from titan_hybrid.training.run_config import Float8Section
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 32

@@ -5,11 +5,11 @@ import copy
 import torch
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from titan_hybrid.config.sections import OptimizerSection as OptimizerConfig
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
-from titan_hybrid.training.run_config import OptimizerSection as OptimizerConfig
 
 
 def build_model():

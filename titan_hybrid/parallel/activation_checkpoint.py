@@ -41,8 +41,8 @@ from titan_hybrid.compat.checkpointing import (
     keep_compiled_frames_of_every_layer,
     set_activation_memory_budget,
 )
+from titan_hybrid.config.sections import ActivationCheckpointSection
 from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
-from titan_hybrid.training.run_config import ActivationCheckpointSection
 
 SELECTIVE_AC_SAVED_OPS = {
     torch.ops.aten.mm.default,

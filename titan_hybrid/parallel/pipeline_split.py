@@ -18,6 +18,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from titan_hybrid.config.sections import ParallelismSection
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.pattern import (
     HybridPattern,
@@ -26,7 +27,6 @@ from titan_hybrid.model.pattern import (
     pattern_error,
     physical_symbols,
 )
-from titan_hybrid.training.run_config import ParallelismSection
 
 
 @dataclass(frozen=True)

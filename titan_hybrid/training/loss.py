@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.components.loss import IGNORE_INDEX
 
-from titan_hybrid.training.run_config import CompileSection
+from titan_hybrid.config.sections import CompileSection
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

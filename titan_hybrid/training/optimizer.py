@@ -23,9 +23,9 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_hybrid.checkpoint.split import merge_state_dict
 from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
+from titan_hybrid.config.sections import OptimizerSection
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.zero1 import shard_optimizer_state
-from titan_hybrid.training.run_config import OptimizerSection
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -25,10 +25,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 from torchtitan.config import Parallelism as TitanParallelism
 
-from titan_hybrid.hf.families import model_args_from_hf
-from titan_hybrid.model.args import resolve_model_args
-from titan_hybrid.training.float8 import float8_section
-from titan_hybrid.training.run_config import (
+from titan_hybrid.config.sections import (
     ActivationCheckpointSection,
     CheckpointSection,
     CompileSection,
@@ -38,11 +35,14 @@ from titan_hybrid.training.run_config import (
     MetricsSection,
     OptimizerSection,
     ParallelismSection,
-    RunConfig,
     TrainingSection,
     ValidationSection,
     section_from,
 )
+from titan_hybrid.hf.families import model_args_from_hf
+from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.training.float8 import float8_section
+from titan_hybrid.training.run_config import RunConfig
 
 
 @dataclass

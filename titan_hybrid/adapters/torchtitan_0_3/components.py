@@ -24,12 +24,12 @@ from torchtitan.config import CompileConfig, Configurable
 
 from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
 from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
+from titan_hybrid.config.sections import CheckpointSection, OptimizerSection, section_from
 from titan_hybrid.data.loader import build_global_batch_dataloader, build_text_dataloader
 from titan_hybrid.training.loss import hybrid_loss
 from titan_hybrid.training.metrics import HybridMetrics
 from titan_hybrid.training.optimizer import build_hybrid_optimizers
 from titan_hybrid.training.preflight import check_checkpoint
-from titan_hybrid.training.run_config import CheckpointSection, OptimizerSection, section_from
 from titan_hybrid.training.validation import HybridValidator
 
 _current_build = contextvars.ContextVar("titan_hybrid_build")

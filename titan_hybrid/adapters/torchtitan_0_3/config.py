@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 
 from torchtitan.config import ParallelismConfig
 
-from titan_hybrid.hf.families import model_args_from_hf
-from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
-from titan_hybrid.training.float8 import float8_section
-from titan_hybrid.training.run_config import (
+from titan_hybrid.config.sections import (
     ActivationCheckpointSection,
     CheckpointSection,
     CompileSection,
@@ -31,11 +28,14 @@ from titan_hybrid.training.run_config import (
     MetricsSection,
     OptimizerSection,
     ParallelismSection,
-    RunConfig,
     TrainingSection,
     ValidationSection,
     section_from,
 )
+from titan_hybrid.hf.families import model_args_from_hf
+from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
+from titan_hybrid.training.float8 import float8_section
+from titan_hybrid.training.run_config import RunConfig
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,1 @@
+"""The bottom layer: titan_hybrid's option sections (sections.py), importing nothing of ours."""
