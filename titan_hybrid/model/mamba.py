@@ -32,7 +32,7 @@ from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.mamba_core import core_runs_fused as mamba2_core_runs
-from titan_hybrid.ops.mamba_core import mamba2_core
+from titan_hybrid.ops.mamba_core import mamba2_core, split_xbc
 from titan_hybrid.ops.ssd import discretized_dt, mamba_chunk_scan_combined
 
 
@@ -101,12 +101,7 @@ class ConvAndScan(nn.Module):
 
     def split_xbc(self, xbc_BTC: torch.Tensor, n_heads: int):
         """The conv output's x [B, T, H, P], B and C [B, T, G, N]."""
-        args = self.args
-        d_inner = n_heads * args.head_dim
-        group_state = (xbc_BTC.shape[-1] - d_inner) // 2
-        x, b, c = xbc_BTC.split([d_inner, group_state, group_state], -1)
-        return (x.unflatten(-1, (n_heads, args.head_dim)), b.unflatten(-1, (-1, args.d_state)),
-                c.unflatten(-1, (-1, args.d_state)))
+        return split_xbc(xbc_BTC, n_heads, self.args.head_dim, self.args.d_state)
 
     def scan(self, xbc_BTC, dt_BTH, A_log, D, dt_bias, seq_idx, return_final_states=False):
         """y [B, T, H, P]; with `return_final_states`, also the state at the end of each row

@@ -36,7 +36,8 @@ def _split(zxbcdt, heads, head_dim, conv_channels):
     return zxbcdt.split([d_inner, conv_channels, heads], -1)
 
 
-def _split_xbc(xbc_BTC, heads, head_dim, state_size):
+def split_xbc(xbc_BTC, heads, head_dim, state_size):
+    """The conv output's x [B, T, H, P], B and C [B, T, G, N]."""
     d_inner = heads * head_dim
     group_state = (xbc_BTC.shape[-1] - d_inner) // 2
     x, B, C = xbc_BTC.split([d_inner, group_state, group_state], -1)
@@ -65,7 +66,7 @@ def _core_fwd(zxbcdt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.
                                        seq_idx, None, None, True).transpose(1, 2)
     else:
         xbc_act = conv_triton.conv_forward(xbc, conv_weight, conv_bias, seq_idx, None, None, True)
-    x, B, C = _split_xbc(xbc_act, heads, head_dim, state_size)
+    x, B, C = split_xbc(xbc_act, heads, head_dim, state_size)
     y, _, dt_chunked, dA_cumsum, states, _ = kp.ssd_scan_fwd(
         x, dt, A, B, C, chunk_size, D=D, z=None, dt_bias=dt_bias, initial_states=None,
         seq_idx=seq_idx, dt_softplus=True, dt_limit=(dt_min, dt_max))
@@ -106,8 +107,8 @@ def _core_bwd(dout: torch.Tensor, zxbcdt: torch.Tensor, conv_weight: torch.Tenso
         _rows(dout.contiguous()), _rows(y), norm_weight, None, norm_eps, None, rstd, z=_rows(z),
         group_size=norm_group_size, norm_before_gate=False, is_rms_norm=True, dz=_rows(dz))
     dxbc_act = torch.empty_like(xbc_act)
-    x, B, C = _split_xbc(xbc_act, heads, head_dim, state_size)
-    dx, dB, dC = _split_xbc(dxbc_act, heads, head_dim, state_size)
+    x, B, C = split_xbc(xbc_act, heads, head_dim, state_size)
+    dx, dB, dC = split_xbc(dxbc_act, heads, head_dim, state_size)
     _, _, dA, _, _, dD, _, ddt_bias, _ = ssd_backward(
         dy.view(x.shape), None, y.view(x.shape), x, dt, A, B, C, chunk_size, D, None, dt_bias,
         None, seq_idx, True, (dt_min, dt_max), dt_chunked, dA_cumsum, states, dx=dx, ddt=ddt,

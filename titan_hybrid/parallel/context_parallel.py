@@ -21,6 +21,7 @@ The cores run between the TP regions' entry and exit, so heads here are already 
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -183,11 +184,11 @@ class ContextParallelHeadExchange(nn.Module):
             return _channels([(width, *taken[which]) for width, which in parts])
 
         streams = list(plan.exchanged)
-        offsets = torch.tensor([named[name].shape[-1] for name in streams]).cumsum(0).tolist()
+        starts = [0, *itertools.accumulate(named[name].shape[-1] for name in streams)]
 
         def sent(rank: int) -> torch.Tensor:  # indices into the concatenated streams
-            return torch.cat([start + channels(plan.exchanged[name], rank) for start, name
-                              in zip([0, *offsets[:-1]], streams)])
+            return torch.cat([start + channels(plan.exchanged[name], rank)
+                              for start, name in zip(starts, streams)])
 
         received = exchange.to_heads(torch.cat([named[name] for name in streams], -1),
                                      [sent(rank) for rank in range(exchange.cp)])

@@ -68,9 +68,8 @@ class HybridLoss(BaseLoss):
         when the trainer updates the model config from the job's."""
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
-        coeff = config.mtp_loss_coeff
-        self.fn = partial(hybrid_loss) if coeff is None else partial(hybrid_loss,
-                                                                     mtp_loss_coeff=coeff)
+        coeff = {} if config.mtp_loss_coeff is None else {"mtp_loss_coeff": config.mtp_loss_coeff}
+        self.fn = partial(hybrid_loss, **coeff)
         self._maybe_compile(compile_config)
 
 

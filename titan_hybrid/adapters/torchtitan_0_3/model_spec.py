@@ -29,7 +29,6 @@ from titan_hybrid.compat.torchtitan_0_3 import pipeline_module_splitter, pipelin
 from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.model.pattern import parse_hybrid_pattern
 from titan_hybrid.parallel.init import full_tensor_materializer
 from titan_hybrid.parallel.parallelize import parallelize_hybrid
 from titan_hybrid.parallel.pipeline import pipeline_hybrid
@@ -98,7 +97,7 @@ class HybridModelConfig(BaseModel.Config):
             return
         terms = [term for term, present in (
             ("an auxiliary loss (MoE / indexer layers)", self.args.has_aux_loss),
-            ("MTP logits", parse_hybrid_pattern(self.args.pattern).mtp_depths > 0)) if present]
+            ("MTP logits", self.args.parsed_pattern.mtp_depths > 0)) if present]
         if terms:
             report_and_exit(ValueError(
                 f"loss: {type(loss_config).__qualname__.removesuffix('.Config')} takes logits, "
