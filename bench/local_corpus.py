@@ -46,8 +46,10 @@ def tokens_per_second(job_args: list[str], limit_s: float | None = None) -> tupl
     config = run_config(parse_job([
         "--job.config_file", str(REPO / "train_configs" / "hybrid.toml"),
         "--training.seq_len", "2048", "--training.local_batch_size", "8", *job_args]))
-    tokenizer = build_hybrid_tokenizer(config)
-    loader = build_global_batch_dataloader(1, 0, tokenizer, config, infinite=False)
+    tokenizer = build_hybrid_tokenizer(config.data, vocab_size=config.model.vocab_size,
+                                       flavor=config.flavor)
+    loader = build_global_batch_dataloader(1, 0, tokenizer, config.data, config.training,
+                                           infinite=False)
     tokens, start = 0, time.perf_counter()
     for inputs, _ in loader:
         tokens += inputs["input"].numel()

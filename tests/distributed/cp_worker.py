@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from titan_hybrid.data.zigzag import packed_zigzag_index, zigzag_index
 from titan_hybrid.model.args import (
     AttentionArgs,
     DeepseekV4AttentionArgs,
@@ -34,7 +35,6 @@ from titan_hybrid.model.layout import packed_layout
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.collectives import record_traffic
 from titan_hybrid.parallel.context_parallel import apply_context_parallel
-from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
 
 
 def logits_and_aux(out):

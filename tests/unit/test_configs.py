@@ -2,16 +2,21 @@
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from tests.run_configs import run_from_args
 from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job, run_config
 from titan_hybrid.config.sections import HybridSection
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
+from titan_hybrid.parallel.parallelize import ParallelizeJob, parallelize_hybrid
+from titan_hybrid.parallel.validate import LayoutJob, validate_layout
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "train_configs").glob("*.toml"))
 
@@ -74,3 +79,21 @@ def test_a_job_titan_hybrid_cannot_run_is_refused_while_mapping(args, message):
     config = [c for c in CONFIGS if c.name == "hybrid.toml"][0]
     with pytest.raises(ValueError, match=message):
         run_config(parse_job(["--job.config_file", str(config), *args]))
+
+
+def test_the_layers_below_training_read_only_the_sections_they_declare():
+    """parallel/ takes what it reads of a run (its Protocols), not titan_hybrid's RunConfig:
+    objects holding just those sections give the same results."""
+    def only(run, protocol):
+        return SimpleNamespace(**{name: getattr(run, name) for name in protocol.__annotations__})
+
+    run = run_from_args("--parallelism.tensor_parallel_degree", "2",
+                        "--activation_checkpoint.mode", "full")
+    assert validate_layout(only(run, LayoutJob), 4) == validate_layout(run, 4) == 2
+    with torch.device("meta"):
+        model = HybridModel(run.model)
+    one_process = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                               world_size=1)
+    plan = parallelize_hybrid(model, one_process, only(run, ParallelizeJob))
+    assert plan.layouts and all(type(layer).__name__ == "CheckpointWrapper"
+                                for layer in model.layers.values())

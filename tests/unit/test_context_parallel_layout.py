@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tests.run_configs import run_from_args
+from titan_hybrid.data.zigzag import packed_zigzag_index, zigzag_index
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.parallel.context_parallel import heads_of_rank
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
 
 CONFIG = Path(__file__).resolve().parents[2] / "train_configs" / "hybrid.toml"
 DEBUG = hybrid_flavors["debug"]  # Mamba 16 heads / 2 groups, GDN 4 value / 2 key heads

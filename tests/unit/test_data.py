@@ -127,7 +127,7 @@ def test_torchtitan_hf_dataset_by_name_and_path(tmp_path, tokenizer):
     job = run_from_args("--training.dataset", "c4_test", "--training.dataset_path",
                         str(tmp_path), "--training.seq_len", "16",
                         "--training.local_batch_size", "2")
-    loader = build_global_batch_dataloader(1, 0, tokenizer, job)
+    loader = build_global_batch_dataloader(1, 0, tokenizer, job.data, job.training)
     inputs = next(iter(loader))[0]["input"]
     assert inputs.shape == (2, 16)
     expected = tokenizer.encode(texts[0], add_bos=True, add_eos=True)[:16]
@@ -172,7 +172,8 @@ def test_training_stream_never_contains_held_out_documents(tokenizer):
                                                                       add_eos=True)]
     train_tokens, held_tokens = encode(pydoc_split("train")), encode(pydoc_split("validation"))
     # One full pass of training windows is exactly the training documents' token stream,
-    stream = _stream(build_global_batch_dataloader(1, 0, tokenizer, job), len(train_tokens))
+    stream = _stream(build_global_batch_dataloader(1, 0, tokenizer, job.data, job.training),
+                     len(train_tokens))
     epoch = len(train_tokens) // 1024 * 1024
     assert stream[:epoch] == train_tokens[:epoch]
     # ... so no stretch of a held-out document appears in it.
@@ -181,7 +182,7 @@ def test_training_stream_never_contains_held_out_documents(tokenizer):
         ids = tokenizer.encode(doc, add_bos=False, add_eos=False)[:24]
         assert "," + ",".join(map(str, ids)) + "," not in text
     # The validation loader reads exactly the held-out documents, the same windows each pass.
-    loader = build_validation_dataloader(2, 1, tokenizer, job)
+    loader = build_validation_dataloader(2, 1, tokenizer, job.validation, job.data)
     first = [labels for _, labels in loader]
     loader.restart()
     again = [labels for _, labels in loader]

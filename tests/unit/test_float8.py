@@ -1,4 +1,4 @@
-"""FP8 training (titan_hybrid/training/float8.py): torchao's Float8Linear computes the recipe's
+"""FP8 training (titan_hybrid/quantize/float8.py): torchao's Float8Linear computes the recipe's
 float8 products, checked against an independent float64 reference that quantizes the GEMMs'
 operands itself; which Linear modules stay in high precision, and why; the job option in
 torchtitan's words. The training curves are in tests/distributed/test_float8.py."""
@@ -15,7 +15,7 @@ from torch import nn
 from titan_hybrid.config.sections import Float8Section
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.training.float8 import (
+from titan_hybrid.quantize.float8 import (
     apply_float8,
     float8_section,
     float8_summary,
@@ -176,7 +176,7 @@ def test_fsdp_gathers_float8_weights_with_precomputed_scales(one_rank_mesh):
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from titan_hybrid.parallel.data_parallel import apply_data_parallel
-    from titan_hybrid.training.float8 import float8_scales_step_hook
+    from titan_hybrid.quantize.float8 import float8_scales_step_hook
 
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M*-", dim=64)
     model = HybridModel(args)

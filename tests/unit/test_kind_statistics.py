@@ -11,14 +11,14 @@ import torch
 
 from titan_hybrid.model.args import DSAArgs, MLPArgs, MoEArgs, hybrid_flavors
 from titan_hybrid.model.dsa import DeepSeekSparseAttention
-from titan_hybrid.model.model import HybridModel
-from titan_hybrid.model.moe import MoE
-from titan_hybrid.training.kind_statistics import (
-    StatisticsCollector,
+from titan_hybrid.model.kind_counters import (
     reset_statistics,
     statistics_layers,
     statistics_set_aside,
 )
+from titan_hybrid.model.model import HybridModel
+from titan_hybrid.model.moe import MoE
+from titan_hybrid.training.kind_statistics import StatisticsCollector
 
 DIM, VOCAB, SEQ = 32, 64, 24
 

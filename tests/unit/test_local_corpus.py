@@ -49,9 +49,11 @@ def expected_windows(tokenizer, seq_len):
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
 def test_a_local_folder_is_read_in_order_and_packed_with_bos_eos(tmp_path, kind):
     config = job(write_corpus(tmp_path / "corpus", kind))
-    validate_dataset_config(config)
-    tokenizer = build_hybrid_tokenizer(config)
-    loader = build_global_batch_dataloader(1, 0, tokenizer, config, infinite=False)
+    validate_dataset_config(config.data)
+    tokenizer = build_hybrid_tokenizer(config.data, vocab_size=config.model.vocab_size,
+                                       flavor=config.flavor)
+    loader = build_global_batch_dataloader(1, 0, tokenizer, config.data, config.training,
+                                           infinite=False)
     windows = [row.tolist() + [label[-1].item()]
                for inputs, labels in loader for row, label in zip(inputs["input"], labels)]
     assert windows == expected_windows(tokenizer, 32)[:len(windows)]
@@ -61,13 +63,14 @@ def test_a_local_folder_is_read_in_order_and_packed_with_bos_eos(tmp_path, kind)
 def test_a_single_file_and_the_resumed_position_match_the_uninterrupted_batches(tmp_path):
     write_corpus(tmp_path / "corpus", "jsonl")
     config = job(tmp_path / "corpus" / "part0.jsonl")
-    tokenizer = build_hybrid_tokenizer(config)
-    straight = build_global_batch_dataloader(2, 1, tokenizer, config)
+    tokenizer = build_hybrid_tokenizer(config.data, vocab_size=config.model.vocab_size,
+                                       flavor=config.flavor)
+    straight = build_global_batch_dataloader(2, 1, tokenizer, config.data, config.training)
     batches = [batch[1] for _, batch in zip(range(12), straight)]
-    first = build_global_batch_dataloader(2, 1, tokenizer, config)
+    first = build_global_batch_dataloader(2, 1, tokenizer, config.data, config.training)
     list(zip(range(5), first))  # the run that stops: 5 batches drawn
     state = first.state_dict()
-    resumed = build_global_batch_dataloader(2, 1, tokenizer, config)
+    resumed = build_global_batch_dataloader(2, 1, tokenizer, config.data, config.training)
     resumed.load_state_dict(state)
     # mid-epoch and across the re-loop of this small file: the same batches as without a stop
     compared = 0
@@ -107,4 +110,4 @@ def test_an_unreadable_file_is_one_clear_line(tmp_path):
 
 def test_a_missing_path_is_one_clear_line(tmp_path):
     with pytest.raises(ValueError, match="training.dataset_path '.*/nowhere' does not exist"):
-        validate_dataset_config(job(tmp_path / "nowhere"))
+        validate_dataset_config(job(tmp_path / "nowhere").data)

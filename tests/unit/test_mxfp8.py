@@ -1,4 +1,4 @@
-"""MXFP8 training (`model.converters = ["quantize.linear.mx"]`, training/float8.py): torchao's
+"""MXFP8 training (`model.converters = ["quantize.linear.mx"]`, quantize/float8.py): torchao's
 MXFP8Linear computes the three GEMMs of a Linear on operands cast to e4m3 in blocks of 32
 along the GEMM's contraction, each block with its power-of-2 (e8m0) scale; checked against an
 independent float64 reference that quantizes the operands itself, in the emulated recipes
@@ -16,7 +16,7 @@ from torch import nn
 from titan_hybrid.config.sections import Float8Section
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
-from titan_hybrid.training.float8 import apply_float8, float8_section, float8_summary
+from titan_hybrid.quantize.float8 import apply_float8, float8_section, float8_summary
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 32
@@ -49,7 +49,7 @@ class Fields:
 def mx_linear(recipe: str, linear: nn.Linear) -> nn.Module:
     holder = nn.Sequential(linear)
     section = float8_section(["quantize.linear.mx"], None, (), Fields(recipe_name=recipe))
-    from titan_hybrid.training.float8 import convert_to_mxfp8
+    from titan_hybrid.quantize.float8 import convert_to_mxfp8
 
     convert_to_mxfp8(holder, {"0": None}, section.mx_recipe_name)
     return holder[0]

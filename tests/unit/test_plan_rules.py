@@ -32,7 +32,7 @@ ALLOWED = {
     ("data/build_tokenizer.py", "tokenizer.post_processor"): "building a tokenizer",
     ("checkpoint/manager.py", "checkpoint_config.async_mode"):
         "torchtitan's manager, replaced at once, built synchronous (no gloo group), then restored",
-    ("parallel/module_classes.py", "module.__class__"):
+    ("model/module_classes.py", "module.__class__"):
         "behaviour added by extending the module's class, as FSDP2's fully_shard does",
     ("parallel/compile.py", "module.__dict__"):
         "the compiled forward that the extended class's forward runs",

@@ -161,10 +161,13 @@ def test_good_and_disabled_validation_configs_pass():
 
 
 def test_validation_dataset_rule():
-    assert validation_dataset_name(job()) == "pydoc"  # torchtitan's default under pydoc
-    assert validation_dataset_name(job("--validation.dataset", "c4_test")) == "c4_test"
-    assert validation_dataset_name(job("--validation.dataset_path", "/data/c4")) == "c4_validation"
-    assert validation_dataset_name(job("--training.dataset", "c4_test")) == "c4_validation"
+    def validation_dataset_of(run):
+        return validation_dataset_name(run.validation, run.data)
+
+    assert validation_dataset_of(job()) == "pydoc"  # torchtitan's default under pydoc
+    assert validation_dataset_of(job("--validation.dataset", "c4_test")) == "c4_test"
+    assert validation_dataset_of(job("--validation.dataset_path", "/data/c4")) == "c4_validation"
+    assert validation_dataset_of(job("--training.dataset", "c4_test")) == "c4_validation"
 
 
 def test_loss_curve_path_and_resumed_rewrite(tmp_path):

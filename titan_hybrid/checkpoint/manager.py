@@ -74,10 +74,11 @@ from titan_hybrid.compat.dcp import (
     wait_before_the_optimizer,
 )
 from titan_hybrid.compat.torchtitan_hooks import CheckpointManagerHooks
+from titan_hybrid.config.sections import TrainingSection
+from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.common import TPLayout
 from titan_hybrid.runtime.cluster import restart_count
 from titan_hybrid.runtime.errors import JobError
-from titan_hybrid.training.run_config import RunConfig
 
 FRESH_OPTIMIZER_FLAG = "--checkpoint.resume_with_fresh_optimizer"
 BACKGROUND_SAVES_GROUP = "checkpoint_background_saves"
@@ -130,11 +131,14 @@ def holds_training_state(metadata) -> bool:
 
 
 class HybridCheckpointManager(CheckpointManagerHooks):
-    def __init__(self, *, run: RunConfig, tokenizer_folder: str | None,
-                 layouts: dict[str, TPLayout], **kwargs) -> None:
-        """`layouts`: the run's ParallelPlan.layouts (fused tensors are saved as components).
-        `kwargs`: torchtitan's CheckpointManager's (its config under `config` in 0.3,
-        `checkpoint_config` in 0.2)."""
+    def __init__(self, *, model_args: HybridModelArgs, training: TrainingSection,
+                 load_layers_by_order: bool, resume_with_fresh_optimizer: bool,
+                 tokenizer_folder: str | None, layouts: dict[str, TPLayout], **kwargs) -> None:
+        """`model_args`: the run's model; `training`: its batch shape (a fresh optimizer's
+        resume counts the tokens seen); the two flags are the job's `hybrid.` and
+        `checkpoint.` options. `layouts`: the run's ParallelPlan.layouts (fused tensors are
+        saved as components). `kwargs`: torchtitan's CheckpointManager's (its config under
+        `config` in 0.3, `checkpoint_config` in 0.2)."""
         config_key = "config" if "config" in kwargs else "checkpoint_config"
         background = AsyncMode(kwargs[config_key].async_mode.lower())
         # torchtitan's constructor would make the background saves' group, unnamed: it is made
@@ -142,11 +146,11 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         kwargs[config_key] = dataclasses.replace(kwargs[config_key],
                                                  async_mode=AsyncMode.DISABLED.value)
         super().__init__(**kwargs)
-        self.run = run
-        self.model_args = run.model
+        self.training = training
+        self.model_args = model_args
         self.tokenizer_folder = tokenizer_folder
-        self.by_order = run.hybrid.load_layers_by_order
-        self.fresh_optimizer = run.checkpoint.resume_with_fresh_optimizer
+        self.by_order = load_layers_by_order
+        self.fresh_optimizer = resume_with_fresh_optimizer
         self.verified: set[str] = set()
         self.commit: BackgroundCommit | None = None  # the latest background save's
         if not self.enable:
@@ -353,8 +357,8 @@ class HybridCheckpointManager(CheckpointManagerHooks):
         trainer = self.states[TRAIN_STATE]
         trainer.step = step
         batches = step * trainer.gradient_accumulation_steps
-        trainer.ntokens_seen = batches * self.run.training.local_batch_size \
-            * self.run.training.seq_len  # per rank, as the trainer counts them
+        trainer.ntokens_seen = batches * self.training.local_batch_size \
+            * self.training.seq_len  # per rank, as the trainer counts them
         with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(step):

@@ -29,9 +29,9 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets import DatasetConfig, text_datasets
 from torchtitan.tools.logging import logger
 
+from titan_hybrid.config.sections import DataSection, TrainingSection, ValidationSection
 from titan_hybrid.data.corpus import pydoc_split
 from titan_hybrid.data.local_files import check_corpus, is_local_path, local_documents
-from titan_hybrid.training.run_config import RunConfig
 
 PYDOC_DATASET = "pydoc"
 # torchtitan's default validation dataset (a download); a pydoc run reads pydoc's held-out
@@ -161,16 +161,16 @@ class GlobalBatchTextLoader(BaseDataLoader):
         self._saved = state_dict[_STATE_KEY]
 
 
-def validate_dataset_config(run: RunConfig) -> None:
+def validate_dataset_config(data: DataSection) -> None:
     """Cheap checks that must fail before any model is built."""
-    name = run.data.dataset.lower()
+    name = data.dataset.lower()
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(
-            f"training.dataset '{run.data.dataset}' is unknown: use '{PYDOC_DATASET}' "
+            f"training.dataset '{data.dataset}' is unknown: use '{PYDOC_DATASET}' "
             f"or one of torchtitan's datasets {sorted(text_datasets.DATASETS)}"
         )
     # A hub name ("allenai/c4") cannot be checked offline; an explicit local path can.
-    path = run.data.dataset_path
+    path = data.dataset_path
     if is_local_path(path):
         check_corpus("training.dataset_path", path)
     elif path and path.startswith((".", "/", "~")):
@@ -195,22 +195,23 @@ def build_global_batch_dataloader(
     dp_world_size: int,
     dp_rank: int,
     tokenizer: BaseTokenizer,
-    run: RunConfig,
+    data: DataSection,
+    training: TrainingSection,
     infinite: bool = True,
     microbatch_size: int | None = None,
 ) -> GlobalBatchTextLoader:
-    """The training loader of one data-parallel rank; with `microbatch_size` each batch comes
-    in pieces of that many rows."""
-    validate_dataset_config(run)
-    return _loader(run.data.dataset.lower(), run.data.dataset_path, "train", run.training,
+    """The training loader of one data-parallel rank, in batches of the training section's
+    shape; with `microbatch_size` each batch comes in pieces of that many rows."""
+    validate_dataset_config(data)
+    return _loader(data.dataset.lower(), data.dataset_path, "train", training,
                    tokenizer, dp_rank, dp_world_size, infinite, microbatch_size)
 
 
 def build_text_dataloader(dataset: str, dataset_path: str | None, tokenizer: BaseTokenizer, *,
                           seq_len: int, local_batch_size: int, dp_rank: int,
                           dp_world_size: int) -> GlobalBatchTextLoader:
-    """The training loader of one data-parallel rank for a job without a RunConfig (a user's
-    own torchtitan 0.3 job): the dataset and the batch shape given."""
+    """The training loader of one data-parallel rank for a job without titan_hybrid's
+    sections (a user's own torchtitan 0.3 job): the dataset and the batch shape given."""
     section = SimpleNamespace(seq_len=seq_len, local_batch_size=local_batch_size)
     return _loader(dataset.lower(), dataset_path, "train", section, tokenizer, dp_rank,
                    dp_world_size, infinite=True)
@@ -237,23 +238,23 @@ def _loader(name: str, path: str | None, pydoc_part: str, section, tokenizer: Ba
     )
 
 
-def validation_dataset_name(run: RunConfig) -> str:
+def validation_dataset_name(validation: ValidationSection, data: DataSection) -> str:
     """The dataset `--validation.enable` reads: the held-out pydoc documents when
     validation.dataset is "pydoc", or when a pydoc training run leaves validation.dataset at
     torchtitan's default ("c4_validation", a download) without a validation.dataset_path;
     otherwise validation.dataset, read like torchtitan reads it (its own documents)."""
-    validation = run.validation
     name = validation.dataset.lower()
     if (name == TORCHTITAN_VALIDATION_DATASET and not validation.dataset_path
-            and run.data.dataset.lower() == PYDOC_DATASET):
+            and data.dataset.lower() == PYDOC_DATASET):
         return PYDOC_DATASET
     return name
 
 
 def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer,
-                                run: RunConfig) -> GlobalBatchTextLoader:
+                                validation: ValidationSection,
+                                data: DataSection) -> GlobalBatchTextLoader:
     """One pass over the validation set in global batches of `validation.local_batch_size`
     windows per data-parallel rank; call `restart()` before each pass."""
-    validation = run.validation
-    return _loader(validation_dataset_name(run), validation.dataset_path, "validation",
+    return _loader(validation_dataset_name(validation, data), validation.dataset_path,
+                   "validation",
                    validation, tokenizer, dp_rank, dp_world_size, infinite=False)

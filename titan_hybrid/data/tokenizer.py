@@ -6,8 +6,8 @@ from pathlib import Path
 
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from titan_hybrid.config.sections import DataSection
 from titan_hybrid.data.corpus import ASSETS_DIR
-from titan_hybrid.training.run_config import RunConfig
 
 
 def resolve_assets_path(path: str) -> Path:
@@ -21,13 +21,14 @@ def resolve_assets_path(path: str) -> Path:
                      f"{', '.join(str(c) for c in candidates)})")
 
 
-def build_hybrid_tokenizer(run: RunConfig) -> HuggingFaceTokenizer:
-    tokenizer = HuggingFaceTokenizer(
-        tokenizer_path=str(resolve_assets_path(run.data.tokenizer_path)))
-    vocab_size = run.model.vocab_size
+def build_hybrid_tokenizer(data: DataSection, *, vocab_size: int,
+                           flavor: str) -> HuggingFaceTokenizer:
+    """The job's tokenizer; ValueError if the model (of `flavor`, embedding `vocab_size`
+    tokens) cannot embed its tokens."""
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(resolve_assets_path(data.tokenizer_path)))
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(
-            f"model.hf_assets_path '{run.data.tokenizer_path}' has a tokenizer of "
-            f"{tokenizer.get_vocab_size()} tokens, more than flavor '{run.flavor}' "
+            f"model.hf_assets_path '{data.tokenizer_path}' has a tokenizer of "
+            f"{tokenizer.get_vocab_size()} tokens, more than flavor '{flavor}' "
             f"embeds (vocab_size={vocab_size})")
     return tokenizer

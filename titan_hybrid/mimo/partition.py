@@ -5,7 +5,7 @@ language model's input arrives full length on every rank; `PartitionAdapter.shar
 to what this rank's decoder layers hold. Embeddings are sequence-first ([S, B, H]; packed
 sequences: [T, 1, H]), labels and loss_mask batch-first ([B, S]).
 
-- CP: the load-balanced zigzag of `titan_hybrid.parallel.zigzag`, the index the CP model code
+- CP: the load-balanced zigzag of `titan_hybrid.data.zigzag`, the index the CP model code
   uses, so the two agree by construction. Packed rows are zigzagged one sequence at a time.
 - SP: after CP, tp rank t keeps the t-th contiguous slice of the embeddings. Labels and
   loss_mask are not SP-sliced: the loss runs after the logits are gathered over TP.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titan_hybrid.parallel.zigzag import packed_zigzag_index, zigzag_index
+from titan_hybrid.data.zigzag import packed_zigzag_index, zigzag_index
 
 
 @dataclass

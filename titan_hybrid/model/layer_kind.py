@@ -163,7 +163,7 @@ class LayerKind:
     routed_experts: str | None = None
     # The mixer's submodules whose nn.Linear modules stay in high precision under FP8 training
     # (Megatron's exceptions: routers and gates, indexers and compressors, whose top-k and
-    # softmax choices float8 rounding would move); training/float8.py.
+    # softmax choices float8 rounding would move); quantize/float8.py.
     high_precision_modules: tuple[str, ...] = ()
     # ... and those its section keeps in high precision when asked to (KDA's
     # high_precision_projections, Megatron's kda_disable_fp8): (section) -> submodule names

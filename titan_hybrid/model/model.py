@@ -292,3 +292,15 @@ def _tied_head_from_embedding(module, state_dict, prefix, local_metadata, strict
                           f"'{prefix}{EMBEDDING_KEY}'; this state dict has a head of its own")
     elif prefix + EMBEDDING_KEY in state_dict:
         state_dict[prefix + TIED_HEAD_KEY] = state_dict[prefix + EMBEDDING_KEY]
+
+
+def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The routed experts of every layer whose kind has them (LayerKind.routed_experts), by
+    their modules' FQNs."""
+    found = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, HybridLayer) and layer.kind.routed_experts is not None:
+            prefix = f"{name}.{layer.kind.name}" if name else layer.kind.name
+            found[f"{prefix}.{layer.kind.routed_experts}"] = getattr(layer.mixer,
+                                                                     layer.kind.routed_experts)
+    return found

@@ -225,7 +225,7 @@ class GroupedExperts(nn.Module):
     def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
                    offs: torch.Tensor) -> torch.Tensor:
         """One of the experts' two grouped GEMMs (FP8 training extends the class with its
-        float8 one: training/float8.py)."""
+        float8 one: quantize/float8.py)."""
         return F.grouped_mm(x, weights, offs=offs)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:

@@ -35,8 +35,8 @@ from torch import nn
 from titan_hybrid.compat.dynamo import count_forward_side_effects_once_under_checkpoint
 from titan_hybrid.config.sections import CompileSection
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.module_classes import extend_class
 from titan_hybrid.ops.kernels import probe_kernels
-from titan_hybrid.parallel.module_classes import extend_class
 
 
 class _CompiledForward:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_hybrid.data.zigzag import zigzag_index
 from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
@@ -37,7 +38,6 @@ from titan_hybrid.parallel.context_parallel_chunkwise import (
 )
 from titan_hybrid.parallel.context_parallel_compressed import ContextParallelCompressedRows
 from titan_hybrid.parallel.context_parallel_window import ContextParallelWindowHalo
-from titan_hybrid.parallel.zigzag import zigzag_index
 
 
 # --------------------------------------------------------------------------- collectives

@@ -29,9 +29,9 @@ from torch import nn
 
 from titan_hybrid.model.deepseek_v4_hca import CompressedRows
 from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.module_classes import extend_class
 from titan_hybrid.parallel.collectives import all_gather
 from titan_hybrid.parallel.context_parallel_chunkwise import ZigzagPieces
-from titan_hybrid.parallel.module_classes import extend_class
 
 NOT_KEPT = torch.iinfo(torch.int64).max  # row order of a slot no piece keeps: sorts last
 _OWN_DOCUMENT = -1  # seq_idx of the zeros before a row's first piece

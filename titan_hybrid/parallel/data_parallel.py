@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_hybrid.compat.fsdp import replicate
-from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.model import HybridLayer, routed_experts
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -55,18 +55,6 @@ def ties_head_to_embedding(model: nn.Module) -> bool:
     output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
     return (output is not None and embedding is not None
             and output.weight is embedding.weight)
-
-
-def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """The routed experts of every layer whose kind has them (LayerKind.routed_experts), by
-    their modules' FQNs."""
-    found = {}
-    for name, layer in model.named_modules():
-        if isinstance(layer, HybridLayer) and layer.kind.routed_experts is not None:
-            prefix = f"{name}.{layer.kind.name}" if name else layer.kind.name
-            found[f"{prefix}.{layer.kind.routed_experts}"] = getattr(layer.mixer,
-                                                                     layer.kind.routed_experts)
-    return found
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

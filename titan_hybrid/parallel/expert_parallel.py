@@ -33,9 +33,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from titan_hybrid.model.model import routed_experts
 from titan_hybrid.model.moe import gather_rows, inverse_permutation
 from titan_hybrid.parallel.collectives import all_to_all
-from titan_hybrid.parallel.data_parallel import routed_experts
 from titan_hybrid.parallel.tensor_parallel import use_local_views
 
 

@@ -6,6 +6,7 @@ HybridBuild.parallelize, which keeps it)."""
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -13,6 +14,13 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.compat.device_mesh import split_dimensions
+from titan_hybrid.config.sections import (
+    ActivationCheckpointSection,
+    CompileSection,
+    Float8Section,
+    ParallelismSection,
+    TrainingSection,
+)
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_hybrid.parallel.compile import apply_compile
@@ -22,8 +30,17 @@ from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.expert_parallel import apply_expert_parallel
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.tensor_parallel import apply_tensor_parallel
-from titan_hybrid.training.float8 import apply_float8, float8_summary
-from titan_hybrid.training.run_config import RunConfig
+from titan_hybrid.quantize.float8 import apply_float8, float8_summary
+
+
+class ParallelizeJob(Protocol):
+    """What parallelizing reads of a run (the RunConfig has it)."""
+    parallelism: ParallelismSection
+    training: TrainingSection
+    compile: CompileSection
+    activation_checkpoint: ActivationCheckpointSection
+    float8: Float8Section
+    dump_folder: str
 
 
 def data_parallel_plan(parallel_dims: ParallelDims, strategy: str):
@@ -77,7 +94,7 @@ def _expert_meshes_beside_tp(world_mesh, sizes: tuple[int, ...], replicated: boo
 
 
 def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
-                       run: RunConfig) -> ParallelPlan:
+                       run: ParallelizeJob) -> ParallelPlan:
     """Parallelize `model` (a whole model or one pipeline stage, on the meta device) in place,
     for a run whose layout has been validated (parallel/validate.py)."""
     sequence_parallel = not run.parallelism.disable_sequence_parallel

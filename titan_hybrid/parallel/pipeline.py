@@ -19,19 +19,27 @@ actions (the EP-overlap's OVERLAP_F_B computes losses too).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.compat import pipelining
+from titan_hybrid.model.args import HybridModelArgs
+from titan_hybrid.model.kind_counters import reset_statistics
 from titan_hybrid.parallel.ep_overlap import install_overlap_hooks
 from titan_hybrid.parallel.ep_overlap_pipeline import overlap_pipeline_schedule
-from titan_hybrid.parallel.parallelize import parallelize_hybrid
+from titan_hybrid.parallel.parallelize import ParallelizeJob, parallelize_hybrid
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
 from titan_hybrid.parallel.plan import ParallelPlan
-from titan_hybrid.training.kind_statistics import reset_statistics
-from titan_hybrid.training.run_config import RunConfig
+
+
+class PipelineJob(ParallelizeJob, Protocol):
+    """What pipelining reads of a run: parallelizing's, and the model args that the stages'
+    split follows."""
+    model: HybridModelArgs
 
 
 class GlobalTokenScaledLoss:
@@ -65,7 +73,7 @@ def _forget_metadata_inference_routing(stage) -> None:
     pipelining.after_metadata_inference(stage, lambda: reset_statistics([stage.submod]))
 
 
-def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, run: RunConfig,
+def pipeline_hybrid(model: nn.Module, parallel_dims: ParallelDims, run: PipelineJob,
                     device: torch.device, loss_fn, *, split_module, build_schedule):
     """Split `model` into this rank's stages and parallelize each. Returns torchtitan's
     (schedule, model parts, has first stage, has last stage) and this rank's ParallelPlan.

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from titan_hybrid.model.common import TensorParallelHeadSum, TensorParallelPartialSum, TPLayout
 from titan_hybrid.model.model import HybridLayer
-from titan_hybrid.parallel.module_classes import extend_class
+from titan_hybrid.model.module_classes import extend_class
 
 
 def placement_of(layout: TPLayout) -> Placement:

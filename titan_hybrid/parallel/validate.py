@@ -6,15 +6,26 @@ layer-kind table (model/layer_kinds.py).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from titan_hybrid.config.sections import CompileSection, ParallelismSection, TrainingSection
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split, splits
 from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
-from titan_hybrid.training.run_config import RunConfig
+
+
+class LayoutJob(Protocol):
+    """What a layout check reads of a run (the RunConfig has it, and a test can pass just
+    these)."""
+    model: HybridModelArgs
+    parallelism: ParallelismSection
+    training: TrainingSection
+    compile: CompileSection
 
 
 def _require_divisible(field: str, value: int, degree_name: str, degree: int) -> None:
@@ -35,25 +46,24 @@ def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: i
         _require_divisible(field, value, name, tp)
 
 
-def validate_compile(run: RunConfig) -> None:
-    unknown = set(run.compile.components) - {"model", "loss"}
+def validate_compile(compile_section: CompileSection) -> None:
+    unknown = set(compile_section.components) - {"model", "loss"}
     if unknown:
         raise ValueError(f"compile.components {sorted(unknown)}: the hybrid model compiles "
                          "'model' and 'loss'")
 
 
-def validate_pipeline(run: RunConfig) -> None:
-    model_args = run.model
-    p = run.parallelism
+def validate_pipeline(model_args: HybridModelArgs, p: ParallelismSection,
+                      training: TrainingSection) -> None:
     if model_args.enable_weight_tying:
         raise ValueError(
             f"parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} with a model "
             "whose LM head shares the embedding's weight (enable_weight_tying, HF's "
             "tie_word_embeddings): the first and last stages would each train a copy; train "
             "it without pipeline parallelism")
-    virtual_stages = stages_per_rank(run.parallelism, model_args)
+    virtual_stages = stages_per_rank(p, model_args)
     module_names_per_stage(model_args, p.pipeline_parallel_degree, virtual_stages)  # split errors
-    local_batch, microbatch = (run.training.local_batch_size,
+    local_batch, microbatch = (training.local_batch_size,
                                p.pipeline_parallel_microbatch_size)
     if local_batch % microbatch:
         raise ValueError(f"training.local_batch_size={local_batch} is not divisible by "
@@ -103,11 +113,10 @@ def validate_expert_parallel(p, model_args: HybridModelArgs, *, shard: int,
             "'optim_grads_params' (experts are sharded over the ranks that hold the same experts)")
 
 
-def validate_context_parallel(run: RunConfig) -> None:
-    model_args = run.model
-    p = run.parallelism
+def validate_context_parallel(model_args: HybridModelArgs, p: ParallelismSection,
+                              training: TrainingSection) -> None:
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
-    seq_len = run.training.seq_len
+    seq_len = training.seq_len
     sequence_parallel = not p.disable_sequence_parallel
     chunks = 2 * cp * (tp if tp > 1 and sequence_parallel else 1)
     if seq_len % chunks:
@@ -164,8 +173,8 @@ def validate_context_parallel(run: RunConfig) -> None:
                 "a longer sequence or a smaller CP degree")
 
 
-def validate_overlap(run: RunConfig, *, data_parallel: int) -> None:
-    p, training = run.parallelism, run.training
+def validate_overlap(p: ParallelismSection, training: TrainingSection, *,
+                     data_parallel: int) -> None:
     if p.expert_parallel_degree < 2:
         raise ValueError(
             "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
@@ -188,7 +197,7 @@ def validate_overlap(run: RunConfig, *, data_parallel: int) -> None:
             f"{training.local_batch_size}) * data-parallel degree({data_parallel})")
 
 
-def validate_layout(run: RunConfig, world_size: int) -> int:
+def validate_layout(run: LayoutJob, world_size: int) -> int:
     """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
     p, model_args = run.parallelism, run.model
     degrees = {
@@ -239,15 +248,15 @@ def validate_layout(run: RunConfig, world_size: int) -> int:
     if p.expert_parallel_degree > 1:
         validate_expert_parallel(p, model_args, shard=shard, strategy=strategy)
     if p.expert_parallel_overlap:
-        validate_overlap(run, data_parallel=p.data_parallel_replicate_degree * shard)
+        validate_overlap(p, run.training, data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
-        validate_pipeline(run)
+        validate_pipeline(model_args, p, run.training)
     if p.context_parallel_linear_mode not in LINEAR_MODES:  # checked at any CP degree
         raise ValueError(f"parallelism.context_parallel_linear_mode="
                          f"'{p.context_parallel_linear_mode}': must be one of "
                          f"{', '.join(LINEAR_MODES)}")
     if p.context_parallel_degree > 1:
-        validate_context_parallel(run)
+        validate_context_parallel(model_args, p, run.training)
     if run.compile.enable:
-        validate_compile(run)
+        validate_compile(run.compile)
     return p.data_parallel_replicate_degree * shard

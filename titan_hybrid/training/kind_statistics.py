@@ -10,57 +10,18 @@ training log sees of them, with one rule for every kind:
   inference run (the first step runs each stage once to learn its shapes) is followed by
   `reset_statistics` of the stage.
 
-Layers are found as HybridLayers (model/model.py) whose kind declares statistics; a bracket
-group's sub-layers and the MTP depths' layers are HybridLayers too.
+Finding, zeroing and setting aside the counters is model/kind_counters.py's.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchtitan.distributed import ParallelDims
 
+from titan_hybrid.model.kind_counters import counters, statistics_layers
 from titan_hybrid.model.layer_kind import CONTEXT, DATA, PIPELINE, KindStatistics, LayerKind
-from titan_hybrid.model.model import HybridLayer
-
-
-def statistics_layers(model_parts: Iterable[nn.Module]) -> list[HybridLayer]:
-    """The layers whose kind declares statistics, in module order, each once."""
-    seen, layers = set(), []
-    for part in model_parts:
-        for module in part.modules():
-            if (isinstance(module, HybridLayer) and module.kind.statistics is not None
-                    and id(module) not in seen):
-                seen.add(id(module))
-                layers.append(module)
-    return layers
-
-
-def _counters(layer: HybridLayer) -> list[torch.Tensor]:
-    return [getattr(layer.mixer, name) for name in layer.kind.statistics.counters]
-
-
-def reset_statistics(model_parts: Iterable[nn.Module]) -> None:
-    """Zero every kind's counters (after the pipeline's shape-inference run)."""
-    for layer in statistics_layers(model_parts):
-        for counter in _counters(layer):
-            counter.zero_()
-
-
-@contextmanager
-def statistics_set_aside(model_parts: Iterable[nn.Module]) -> Iterator[None]:
-    """Forwards inside (a validation pass) leave every kind's counters as they were."""
-    saved = [(counter, counter.clone()) for layer in statistics_layers(model_parts)
-             for counter in _counters(layer)]
-    try:
-        yield
-    finally:
-        for counter, value in saved:
-            counter.copy_(value)
 
 
 def reduction_groups(parallel_dims: ParallelDims | None,
@@ -141,7 +102,7 @@ class StatisticsCollector:
                         for name, shape in shapes.items()}
             sums = self._reduce(sums, spec)
             for layer in own:
-                for counter in _counters(layer):
+                for counter in counters(layer):
                     counter.zero_()
             metrics |= spec.log(sums)
         return metrics

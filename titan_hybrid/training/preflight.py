@@ -19,7 +19,7 @@ from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
 from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
-from titan_hybrid.training.float8 import MX_BLOCK, check_float8
+from titan_hybrid.quantize.float8 import MX_BLOCK, check_float8
 from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.training.run_config import RunConfig
 from titan_hybrid.training.validation import validate_validation_config
@@ -124,8 +124,9 @@ def check_run(run: RunConfig, world_size: int) -> None:
         model_compile_enabled=run.compile.enable and "model" in run.compile.components)
     data_parallel = validate_layout(run, world_size)
     check_global_batch(run.training, data_parallel)
-    validate_dataset_config(run)
-    build_hybrid_tokenizer(run)  # found, and no larger than the model's vocabulary
+    validate_dataset_config(run.data)
+    # found, and no larger than the model's vocabulary
+    build_hybrid_tokenizer(run.data, vocab_size=run.model.vocab_size, flavor=run.flavor)
     if run.validation.enable:
         validate_validation_config(run)
     if run.checkpoint.initial_load_in_hf or run.checkpoint.last_save_in_hf:

@@ -36,7 +36,6 @@ class RunConfig:
     model: HybridModelArgs
     """The run's model args: its flavor with the job's pattern, sequence length and seed,
     validated. A copy of the run's own (nothing else holds it)."""
-    flavor: str = "debug"
     dump_folder: str = "./outputs"
     training: TrainingSection = field(default_factory=TrainingSection)
     data: DataSection = field(default_factory=DataSection)
@@ -51,3 +50,8 @@ class RunConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     hybrid: HybridSection = field(default_factory=HybridSection)
     float8: Float8Section = field(default_factory=Float8Section)
+
+    @property
+    def flavor(self) -> str:
+        """The model's named flavor (the job's `model.flavor`)."""
+        return self.hybrid.flavor

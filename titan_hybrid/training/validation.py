@@ -40,10 +40,10 @@ from titan_hybrid.data.loader import (
     validation_dataset_name,
 )
 from titan_hybrid.data.local_files import check_corpus, is_local_path
+from titan_hybrid.model.kind_counters import statistics_set_aside
 from titan_hybrid.parallel.pipeline import scaled_loss_of
 from titan_hybrid.runtime.errors import JobError
 from titan_hybrid.training.batch import prepare_batch
-from titan_hybrid.training.kind_statistics import statistics_set_aside
 from titan_hybrid.training.run_config import RunConfig
 
 
@@ -71,7 +71,7 @@ def validate_validation_config(run: RunConfig) -> None:
         raise ValueError(f"validation.seq_len={v.seq_len} must be <= training.seq_len="
                          f"{run.training.seq_len}: the model's positions are built for the "
                          "training windows")
-    name = validation_dataset_name(run)
+    name = validation_dataset_name(run.validation, run.data)
     if name != PYDOC_DATASET and name not in text_datasets.DATASETS:
         raise ValueError(f"validation.dataset '{v.dataset}' is unknown: use '{PYDOC_DATASET}' "
                          f"(the held-out documents) or one of torchtitan's datasets "
@@ -126,8 +126,9 @@ class HybridValidator:
                  pp_has_first_stage=None, pp_has_last_stage=None) -> None:
         validate_validation_config(run)  # again, for jobs started by torchtitan.train
         self.run = run
-        self.loader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer, run)
-        self.dataset_name = validation_dataset_name(run)
+        self.loader = build_validation_dataloader(dp_world_size, dp_rank, tokenizer,
+                                                  run.validation, run.data)
+        self.dataset_name = validation_dataset_name(run.validation, run.data)
         self.bos_id = tokenizer.bos_id
         self.parallel_dims = parallel_dims
         self.validation_context = validation_context

@@ -118,10 +118,13 @@ class HybridBuild:
             self.layout_checked = True
 
     def tokenizer(self, job_config: JobConfig):
-        return build_hybrid_tokenizer(self.resolved(job_config))
+        run = self.resolved(job_config)
+        return build_hybrid_tokenizer(run.data, vocab_size=run.model.vocab_size,
+                                      flavor=run.flavor)
 
     def dataloader(self, *, job_config: JobConfig, **kwargs):
-        return build_global_batch_dataloader(run=self.resolved(job_config), **kwargs)
+        run = self.resolved(job_config)
+        return build_global_batch_dataloader(data=run.data, training=run.training, **kwargs)
 
     def model(self, model_args: HybridModelArgs) -> HybridModel:
         return HybridModel(model_args, init_materializer=full_tensor_materializer)

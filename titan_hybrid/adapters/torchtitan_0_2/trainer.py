@@ -30,9 +30,9 @@ from titan_hybrid.compat.torchtitan_0_2 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
+from titan_hybrid.quantize.float8 import float8_scales_step_hook
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
-from titan_hybrid.training.float8 import float8_scales_step_hook
 from titan_hybrid.training.run_config import RunConfig
 
 
@@ -55,7 +55,7 @@ class HybridTrainer(Trainer):
         which validated the layout too); without it the build makes and checks it."""
         self.build = HybridBuild(run)
         # titan_hybrid converts the model itself, with the layer kinds' high-precision modules
-        # (parallelize_hybrid, training/float8.py); torchtitan's converter would swap them too.
+        # (parallelize_hybrid, quantize/float8.py); torchtitan's converter would swap them too.
         job_config = dataclasses.replace(
             job_config, model=dataclasses.replace(job_config.model, converters=[]))
         with replaced_without_a_group(job_config.checkpoint), warnings.catch_warnings():
@@ -95,7 +95,10 @@ class HybridTrainer(Trainer):
             checkpoint_config=job_config.checkpoint,
             sd_adapter=built.sd_adapter if built.enable else None,
             base_folder=self.run.dump_folder,
-            run=self.run,
+            model_args=self.run.model,
+            training=self.run.training,
+            load_layers_by_order=self.run.hybrid.load_layers_by_order,
+            resume_with_fresh_optimizer=self.run.checkpoint.resume_with_fresh_optimizer,
             tokenizer_folder=str(resolve_assets_path(self.run.data.tokenizer_path)),
             layouts=self.build.plan.layouts,
         )

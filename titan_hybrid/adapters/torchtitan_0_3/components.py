@@ -19,10 +19,13 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import BaseLoss
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.validate import Validator
 from torchtitan.config import CompileConfig, Configurable
 
-from titan_hybrid.adapters.torchtitan_0_3.config import HybridOptimizerSettings
+from titan_hybrid.adapters.torchtitan_0_3.config import (
+    CheckpointOptions,
+    HybridOptimizerSettings,
+    ValidatorOptions,
+)
 from titan_hybrid.adapters.torchtitan_0_3.user_errors import report_user_error
 from titan_hybrid.config.sections import CheckpointSection, OptimizerSection, section_from
 from titan_hybrid.data.loader import build_global_batch_dataloader, build_text_dataloader
@@ -92,7 +95,8 @@ class HybridDataLoaderConfig(BaseDataLoader.Config):
                                          dp_rank=dp_rank, dp_world_size=dp_world_size)
         # Under PP torchtitan 0.3 fetches one microbatch at a time (local_batch_size is then
         # the microbatch size): the same rows as a whole batch, in consecutive pieces.
-        return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer, build.run,
+        return build_global_batch_dataloader(dp_world_size, dp_rank, tokenizer, build.run.data,
+                                             build.run.training,
                                              microbatch_size=local_batch_size)
 
 
@@ -112,13 +116,11 @@ def _held_out_documents() -> BaseDataLoader.Config:
 
 
 @dataclass(kw_only=True, slots=True)
-class HybridValidatorConfig(Validator.Config):
+class HybridValidatorConfig(ValidatorOptions):
     """`--validator.*`: titan_hybrid's validator (training/validation.py), with the window
     shape of its own (the TOML jobs' validation.seq_len / local_batch_size)."""
 
     dataloader: BaseDataLoader.Config = field(default_factory=_held_out_documents)
-    seq_len: int = 2048
-    local_batch_size: int = 8
 
     def __post_init__(self) -> None:
         """Not torchtitan's assertion on `steps` (a traceback): titan_hybrid's pre-flight
@@ -151,16 +153,11 @@ class HybridMetricsProcessor(HybridMetrics, MetricsProcessor):
 
 
 @dataclass(kw_only=True, slots=True)
-class HybridCheckpointConfig(CheckpointManager.Config):
+class HybridCheckpointConfig(CheckpointOptions):
     """`--checkpoint.*` with titan_hybrid's field and default (as in a 0.2 job): the last step's
     checkpoint holds the optimizer too, so a finished run can be extended. torchtitan builds
     its own manager from it; HybridTrainer replaces that with titan_hybrid's
     (checkpoint/manager.py), as under 0.2."""
-
-    last_save_model_only: bool = False
-    resume_with_fresh_optimizer: bool = False
-    """Resume from a model-only checkpoint: the weights load, the optimizer starts fresh, and
-    the step, LR schedule and data position continue from the checkpoint's step."""
 
     def __post_init__(self) -> None:
         # 0.3 wants an absolute initial_load_path (0.2 took a relative one), and an HF export

@@ -53,10 +53,10 @@ from titan_hybrid.compat.torchtitan_0_3 import without_final_sleep
 from titan_hybrid.data.tokenizer import resolve_assets_path
 from titan_hybrid.parallel.ep_overlap import CombinedOneFOneB
 from titan_hybrid.parallel.pipeline import scaled_loss_of
+from titan_hybrid.quantize.float8 import float8_scales_step_hook
 from titan_hybrid.runtime.errors import reported_at_once
 from titan_hybrid.training.batch import prepare_batch
 from titan_hybrid.training.divergence import DivergenceGuard
-from titan_hybrid.training.float8 import float8_scales_step_hook
 from titan_hybrid.training.preflight import check_run
 
 
@@ -141,7 +141,10 @@ class HybridTrainer(Trainer):
             states={"train_state": self},
             sd_adapter=built.sd_adapter if built.enable else None,
             base_folder=self.run.dump_folder,
-            run=self.run,
+            model_args=self.run.model,
+            training=self.run.training,
+            load_layers_by_order=self.run.hybrid.load_layers_by_order,
+            resume_with_fresh_optimizer=self.run.checkpoint.resume_with_fresh_optimizer,
             tokenizer_folder=self.config.hf_assets_path,
             layouts=self.build.plan.layouts,
         )

@@ -38,10 +38,9 @@ import torch
 from torch import nn
 
 from titan_hybrid.config.sections import Float8Section
-from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.model import HybridLayer, routed_experts
+from titan_hybrid.model.module_classes import extend_class
 from titan_hybrid.ops.float8_grouped_mm import float8_grouped_mm
-from titan_hybrid.parallel.data_parallel import routed_experts
-from titan_hybrid.parallel.module_classes import extend_class
 
 LINEAR_FLOAT8 = "quantize.linear.float8"
 GROUPED_FLOAT8 = "quantize.grouped_mm.float8"

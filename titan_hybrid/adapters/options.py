@@ -1,0 +1,126 @@
+"""titan_hybrid's options on each torchtitan's command line, and the RunConfig read back from
+a parsed job: both built from the one declaration of each option (titan_hybrid/config).
+
+- `with_options` makes a torchtitan section class (or a new one) with the options that this
+  torchtitan lacks, each with the declared default and help text (a dataclass made at import,
+  so that a new option is one field in titan_hybrid/config and nothing here).
+- `read_sections` fills the RunConfig's sections from any parsed job, through a `read(path)`
+  that finds a field by its TOML / torchtitan 0.2 path; the 0.3 adapter's reader translates
+  the path with adapters/command_line.py's table of the names 0.3 spells differently.
+
+Generated classes rather than hand-written mixins: torchtitan 0.3's config classes use
+`slots=True`, which forbids combining two dataclass bases that both hold fields, and the
+declarations are frozen (the RunConfig's) while tyro needs mutable sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Iterator
+
+import tyro
+
+from titan_hybrid.config.quantize import QUANTIZE_OPTIONS
+from titan_hybrid.config.sections import OVERRIDES_TORCHTITAN, help_text, job_path
+from titan_hybrid.hf.families import model_args_from_hf
+from titan_hybrid.model.args import resolve_model_args
+from titan_hybrid.training.run_config import RunConfig
+
+MISSING = object()
+"""What a reader returns for a field the parsed job does not have."""
+
+RUN_SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+                if f.default_factory is not dataclasses.MISSING and f.name != "float8"}
+"""The RunConfig's sections that hold options, by name (`float8` is derived from `quantize`)."""
+
+
+def declared_options() -> Iterator[tuple[str, dataclasses.Field, object]]:
+    """Each option titan_hybrid declares: (its job path, its field, its resolved type)."""
+    for name, section_cls in (*RUN_SECTIONS.items(), *QUANTIZE_OPTIONS.items()):
+        types = typing.get_type_hints(section_cls)
+        for section_field in dataclasses.fields(section_cls):
+            if help_text(section_field) is not None:
+                yield job_path(name, section_field), section_field, types[section_field.name]
+
+
+def _command_line_field(section_field: dataclasses.Field, field_type) -> tuple:
+    """(type, dataclasses.field) of an option on a command line: tuples become lists (tyro's
+    and torchtitan's sequences), the help goes where tyro reads it."""
+    default = section_field.default
+    if typing.get_origin(field_type) is tuple:
+        field_type = list[typing.get_args(field_type)[0]]
+        spec = dataclasses.field(default_factory=lambda: list(default))
+    else:
+        spec = dataclasses.field(default=default)
+    return typing.Annotated[field_type, tyro.conf.arg(help=help_text(section_field))], spec
+
+
+def with_options(name: str, base: type | None, section: str,
+                 place: Callable[[str], str | None] = lambda path: path, *,
+                 module: str, doc: str | None = None, **dataclass_options) -> type:
+    """A dataclass `name`: `base` (a torchtitan section class; None: a section of
+    titan_hybrid's own) plus each option that `place` puts at `<section>.<field>` and `base`
+    lacks (or whose declaration overrides torchtitan's). `place` maps a job path to this
+    torchtitan's (None: not on its command line). `module` is where the class is kept, so
+    that it pickles; `doc` its docstring."""
+    have = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+    fields = []
+    for path, section_field, field_type in declared_options():
+        placed = place(path)
+        if placed is None or placed.rpartition(".")[0] != section:
+            continue
+        field_name = placed.rpartition(".")[2]
+        if field_name in have and not section_field.metadata.get(OVERRIDES_TORCHTITAN):
+            continue
+        fields.append((field_name, *_command_line_field(section_field, field_type)))
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base else (),
+                                     **dataclass_options)
+    cls.__module__, cls.__qualname__ = module, name
+    cls.__doc__ = doc or (f"`--{section}.*`: " + (f"torchtitan's {base.__qualname__} with "
+                                                  if base else "") + "titan_hybrid's options.")
+    return cls
+
+
+def attribute_reader(root, place: Callable[[str], str | None] = lambda path: path):
+    """read(path): the field of the parsed job `root` at `place(path)`, or MISSING."""
+    def read(path: str):
+        placed = place(path)
+        if placed is None:
+            return MISSING
+        value = root
+        for part in placed.split("."):
+            value = getattr(value, part, MISSING)
+            if value is MISSING:
+                return MISSING
+        return value
+    return read
+
+
+def read_section(section_cls: type, section: str, read):
+    """`section_cls` from a parsed job: each field that `read` finds, else its default. Lists
+    become tuples, so the section stays immutable."""
+    values = {}
+    for section_field in dataclasses.fields(section_cls):
+        value = read(job_path(section, section_field))
+        if value is not MISSING:
+            values[section_field.name] = tuple(value) if isinstance(value, list) else value
+    return section_cls(**values)
+
+
+def read_sections(read) -> dict:
+    """The RunConfig's option sections from a parsed job."""
+    return {name: read_section(cls, name, read) for name, cls in RUN_SECTIONS.items()}
+
+
+def run_config_from(sections: dict, *, dump_folder: str, float8, model=None) -> RunConfig:
+    """The RunConfig of these sections, its model args resolved from the flavor (or the HF
+    config `hybrid.model_config`) with the job's pattern, sequence length and seed unless
+    `model` is given; ValueError names a field titan_hybrid cannot run."""
+    hybrid, training = sections["hybrid"], sections["training"]
+    if model is None:
+        model = resolve_model_args(hybrid.flavor, pattern=hybrid.pattern,
+                                   seq_len=training.seq_len, seed=training.seed,
+                                   base=model_args_from_hf(hybrid.model_config)
+                                   if hybrid.model_config else None)
+    return RunConfig(model=model, dump_folder=dump_folder, float8=float8, **sections)
