@@ -20,7 +20,8 @@ gpu_check's baseline), `ac_none` (no activation checkpointing), `ac_op` (per-op 
 checkpointing), `bN` (local batch N). Jobs run in order until --deadline
 seconds have passed; the markdown tables go to stdout and to OUT/tables.md, and the Triton and
 inductor caches into OUT/compile_caches.tar.gz (to skip a cold autotune next time: unpack it
-into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, README "Autotune cost"), and the
+into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, docs/gpu_and_performance.md,
+"Autotune cost"), and the
 autotune picks table those caches hold into OUT/autotune_picks.json (bench/autotune_picks.py:
 the refreshed titan_hybrid/assets/autotune_picks/smXY.json). The workers install the shipped
 picks first, as the trainer does; --no-autotune-picks tunes every kernel afresh (a cold start

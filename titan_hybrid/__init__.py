@@ -6,6 +6,6 @@ Importing the package or any library module changes nothing global. The entry po
 `--experimental.custom_import` (registers the TrainSpec "hybrid" and the pydoc dataset, and on
 machines without an accelerator applies the CPU runtime, titan_hybrid.runtime.cpu).
 
-The package's map, module by module in the order a job reaches a stepping trainer, is the
-README's "How the code is organised".
+The package's map, module by module in the order a job reaches a stepping trainer, is
+docs/architecture.md, "How the code is organised".
 """

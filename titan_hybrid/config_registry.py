@@ -48,6 +48,6 @@ def _job_function(path: Path):
 JOBS = sorted(TRAIN_CONFIGS.glob("*.toml"))
 globals().update({path.stem: _job_function(path) for path in JOBS})
 # The config functions, and `model_spec`, `HybridLoss` (and `HybridDataLoader`, the
-# layout-independent batches) for a torchtitan 0.3 job of your own (README, "Using the model
-# from any torchtitan job").
+# layout-independent batches) for a torchtitan 0.3 job of your own (docs/torchtitan_0_3.md,
+# "Using the model from any torchtitan job").
 __all__ = [path.stem for path in JOBS] + ["model_spec", "HybridLoss", "HybridDataLoader"]

@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     # Triton keeps its autotuning results beside the kernels it compiles in TRITON_CACHE_DIR,
-    # so only a host's first run pays the SSD kernels' tuning (~100 s on an H100; README,
-    # "Autotune cost"). TRITON_CACHE_AUTOTUNING=0 retunes every run.
+    # so only a host's first run pays the SSD kernels' tuning (~100 s on an H100;
+    # docs/gpu_and_performance.md, "Autotune cost"). TRITON_CACHE_AUTOTUNING=0 retunes every run.
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     if options.nproc == 1 and cluster.nnodes == 1 and not cluster.max_restarts:
         run_here(job_args)

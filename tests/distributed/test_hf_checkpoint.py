@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from transformers.models.deepseek_v32 import DeepseekV32ForCausalLM
 
 from tests.launch import run_training
-from titan_hybrid.checkpoint.hf_deepseek import to_deepseek
-from titan_hybrid.checkpoint.hf_nemotron_h import nemotron_h_config
 from titan_hybrid.checkpoint.state import NON_MODEL_PREFIXES
 from titan_hybrid.data.corpus import TOKENIZER_DIR as TOKENIZER
+from titan_hybrid.hf.deepseek import to_deepseek
+from titan_hybrid.hf.nemotron_h import nemotron_h_config
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 

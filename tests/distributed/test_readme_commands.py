@@ -1,5 +1,5 @@
-"""The README's training commands work as written (plus a short step count and a private dump
-folder, the overrides the README says any job takes)."""
+"""The training commands of the README and of docs/ work as written (plus a short step count and
+a private dump folder, the overrides the README says any job takes)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,22 @@ import pytest
 
 from tests.launch import REPO_ROOT
 
-README = (REPO_ROOT / "README.md").read_text()
+README = "\n".join(path.read_text() for path in
+                   [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 # torchtitan 0.2 commands; those of a torchtitan 0.3 job (`--module ...`) run in the 0.3 leg
-# (tests/torchtitan_0_3).
-COMMANDS = [line.split("  #")[0].strip() for block in BLOCKS for line in block.splitlines()
-            if re.match(r"\s*(NGPU=\d+ )?(\./run_train\.sh|torchrun) ", line)
-            and "--module" not in line]
+# (tests/torchtitan_0_3). A command shown twice (the README's tour repeats some) runs once.
+COMMANDS = list(dict.fromkeys(
+    line.split("  #")[0].strip() for block in BLOCKS for line in block.splitlines()
+    if re.match(r"\s*(NGPU=\d+ )?(\./run_train\.sh|torchrun) ", line)
+    and "--module" not in line))
 
 
 def test_the_readme_shows_the_commands_this_file_runs():
-    assert len(COMMANDS) == 4, COMMANDS
+    # 5: the README's four of before the docs/ split (train, PP2 + checkpoints, FP8, torchtitan's
+    # own trainer: now in the README and docs/fp8.md, docs/torchtitan_0_3.md), and the tour's
+    # hybrid pattern.
+    assert len(COMMANDS) == 5, COMMANDS
 
 
 # The README's text is the same under every torch (the trainer's runs under each are other

@@ -269,9 +269,9 @@ def test_async_saves_commit_intact_checkpoints_and_leave_the_curve_unchanged(tmp
 
 
 def _groups_readme_documents(async_mode: str) -> list[str]:
-    """The rank-connecting process groups README's "Process groups" table lists for a run
-    with `--checkpoint.async_mode async_mode`."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """The rank-connecting process groups the "Process groups" table lists (docs/operating.md,
+    the README's until issue 48) for a run with `--checkpoint.async_mode async_mode`."""
+    text = (REPO_ROOT / "docs" / "operating.md").read_text()
     rows = re.findall(r"^  \| `(\w+)` \| [^|]+ \| (.+) \|$",
                       text[text.index("**Process groups.**"):], re.M)
     return [name for name, when in rows

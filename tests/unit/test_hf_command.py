@@ -315,9 +315,8 @@ def test_the_adapters_name_a_tensor_without_a_place_in_either_direction(family):
     """torchtitan's checkpointer hands the adapters plain state dicts, titan_hybrid's split
     ones: in both, a model tensor the format does not name, and an HF tensor the model has no
     place for, are errors naming it (nothing is dropped)."""
-    from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
     from titan_hybrid.checkpoint.state import SplitModelWrapper
-    from titan_hybrid.hf.families import family_of
+    from titan_hybrid.hf.families import family_of, hybrid_state_dict_adapter
     from titan_hybrid.model.common import tensor_parallel_layouts
 
     config_class, _, fields = FAMILIES[family]
@@ -342,11 +341,10 @@ def test_the_adapters_map_transformers_own_tensors_onto_the_models(tmp_path, fam
     """An HF state dict of transformers' own making (not a view of our model: an offline
     conversion, torchtitan's checkpointer) maps onto our tensors' values, whatever order the
     format keeps its rows in (Qwen3-Next's by key-head group)."""
-    from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
     from titan_hybrid.checkpoint.split import ComponentChunks
     from titan_hybrid.checkpoint.state import SplitModelWrapper
     from titan_hybrid.hf.convert import load_hf_into
-    from titan_hybrid.hf.families import model_args_from_hf
+    from titan_hybrid.hf.families import hybrid_state_dict_adapter, model_args_from_hf
     from titan_hybrid.model.common import tensor_parallel_layouts
 
     save_tiny(family, tmp_path)
@@ -491,8 +489,7 @@ def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_pa
     """DCP's HF writer keeps one piece of a tensor per rank and drops the others (measured on
     torch 2.13: of a 2-piece tensor, only one piece's rows were written): pieces that would
     not be gathered for writing (GatheredRows) are an error naming the tensor."""
-    from titan_hybrid.checkpoint.hf_adapter import GatheredRows, check_writable
-    from titan_hybrid.checkpoint.split import ComponentChunks
+    from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, check_writable
 
     source = torch.arange(12.0).reshape(6, 2)
     two = ComponentChunks(torch.Size([6, 2]), [(torch.Size([0, 0]), source[3:]),
@@ -512,15 +509,18 @@ def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_pa
 
 @pytest.mark.once_per_ci  # the README's text: the same under every torch
 def test_the_readme_commands_run_as_written(tmp_path):
-    """The README's two command lines, with its placeholders filled in: a transformers folder
-    in, the imported checkpoint out again, loaded by transformers."""
+    """The two command lines of docs/checkpoints_and_hf.md (the README's tour repeats the first),
+    with their placeholders filled in: a transformers folder in, the imported checkpoint out
+    again, loaded by transformers."""
     import re
     import shlex
 
-    readme = (REPO_ROOT / "README.md").read_text()
-    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
-             for line in block.splitlines() if "-m titan_hybrid.hf " in line
-             and not line.strip().startswith("#")]
+    readme = "\n".join(path.read_text() for path in
+                       [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))])
+    lines = list(dict.fromkeys(
+        line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+        for line in block.splitlines() if "-m titan_hybrid.hf " in line
+        and not line.strip().startswith("#")))
     assert [shlex.split(line)[3] for line in lines] == ["import", "export"]
     reference = save_tiny("nemotron_h", tmp_path / "hf")
     places = {"HF_DIR": tmp_path / "hf", "OUT": tmp_path / "out", "HF_OUT": tmp_path / "back",
@@ -625,7 +625,7 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
 def test_a_copy_is_compared_bit_for_bit():
     """A copy is the same bits as its original: NaNs copied (uninitialized memory holds them)
     are equal, and a -0.0 for a 0.0 or another dtype is a difference."""
-    from titan_hybrid.checkpoint.hf_adapter import SharedCopy, check_copy
+    from titan_hybrid.hf.adapter import SharedCopy, check_copy
 
     copy = SharedCopy(key="tok_embeddings.weight", original="a")
     original = torch.tensor([[float("nan"), 0.0], [1.0, 2.0]])

@@ -10,14 +10,14 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from titan_hybrid.checkpoint.hf_deepseek import (
+from titan_hybrid.hf.deepseek import (
     DeepSeekStateDictAdapter,
     deepseek_config,
     from_deepseek,
     to_deepseek,
 )
-from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hybrid_state_dict_adapter
-from titan_hybrid.checkpoint.hf_nemotron_h import NemotronHStateDictAdapter
+from titan_hybrid.hf.families import check_hf_compatible, hybrid_state_dict_adapter
+from titan_hybrid.hf.nemotron_h import NemotronHStateDictAdapter
 from titan_hybrid.model.args import DSAArgs, MLAArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 

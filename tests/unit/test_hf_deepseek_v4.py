@@ -1,5 +1,5 @@
 """DeepSeek-V4 attention blocks to and from transformers' deepseek_v4 naming
-(checkpoint/hf_deepseek_v4.py).
+(hf/deepseek_v4.py).
 
 - Export: our `MC-MH-MW-` model's C, H and W layers become `model.layers.{0,1,2}.self_attn.*`
   of a DeepseekV4ForCausalLM built from the exported config: every self_attn tensor of that
@@ -22,7 +22,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from tests.unit.test_deepseek_v4 import _relative, randomize_
 from tests.unit.test_deepseek_v4_hca import hf_forward
-from titan_hybrid.checkpoint.hf_deepseek_v4 import (
+from titan_hybrid.hf.deepseek_v4 import (
     deepseek_v4_attention_config,
     from_deepseek_v4_attention,
     to_deepseek_v4_attention,

@@ -18,13 +18,13 @@ import torch.distributed.checkpoint as dcp
 import transformers  # noqa: E402  (the test extra installs it)
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from titan_hybrid.checkpoint.hf_nemotron_h import (
+from titan_hybrid.checkpoint.state import SplitModelWrapper
+from titan_hybrid.hf.nemotron_h import (
     NemotronHStateDictAdapter,
     check_nemotron_h_compatible,
     model_args_from_nemotron_h_config,
     nemotron_h_config,
 )
-from titan_hybrid.checkpoint.state import SplitModelWrapper
 from titan_hybrid.model.args import AttentionArgs, MambaArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel

@@ -60,8 +60,7 @@ from torchtitan.components.checkpoint import (
 from torchtitan.tools.logging import logger
 
 from titan_hybrid.checkpoint import integrity
-from titan_hybrid.checkpoint.hf_adapter import check_writable
-from titan_hybrid.checkpoint.hf_formats import hf_config
+from titan_hybrid.checkpoint.split import check_writable
 from titan_hybrid.checkpoint.state import (
     NON_MODEL_PREFIXES,
     SplitModelWrapper,
@@ -219,7 +218,7 @@ class HybridCheckpointManager(CheckpointManagerHooks):
     def _complete_hf_export(self, folder: Path) -> None:
         # torchtitan writes per-rank shards under sharded/, then consolidates them next to it.
         shutil.rmtree(folder / "sharded", ignore_errors=True)
-        (folder / "config.json").write_text(json.dumps(hf_config(self.model_args), indent=2))
+        (folder / "config.json").write_text(json.dumps(self.sd_adapter.hf_config(), indent=2))
         if self.tokenizer_folder:
             for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 source = Path(self.tokenizer_folder) / name

@@ -18,10 +18,17 @@ describes only the shard.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from titan_hybrid.compat.dcp import Chunk, ChunkedTensor, shard_shape_and_offsets
-from titan_hybrid.parallel.tensor_parallel import TPLayout, tp_degree
+from titan_hybrid.parallel.tensor_parallel import TPLayout, deinterleave_from_tp, tp_degree
 
 
 class ComponentChunks(ChunkedTensor):
@@ -169,3 +176,69 @@ def concat_components(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     shape[dim] = start
     return ComponentChunks(torch.Size(shape), merged_chunks(chunks, dim), parts[0].source,
                            parts[0].fused_key, parts[0].tp_layout)
+
+
+class GatheredRows(ComponentChunks):
+    """An HF tensor made of runs of one fused parameter's rows (Mamba2's in_proj, Qwen3.5's
+    in_proj_qkv, Qwen3-Next's in_proj_qkvz). Reading lands in place through the pieces. DCP's
+    HF writer keeps one piece of a tensor per rank and drops the others, so when a rank's pieces
+    can be several (`gather`: under TP, whose ranks hold slices of every component, or when the
+    rows come in turn from several components) the HF tensor is gathered for writing, one at a
+    time, and each rank writes an even block of its rows. Whether to gather depends on the
+    layout and the format alone, never on a rank's own pieces, so that every rank takes part in
+    the same collectives."""
+
+    rows: tuple[tuple[int, int], ...]  # (first row in the fused [A; B; ...] order, count)
+    gather: bool
+
+    @staticmethod
+    def __new__(cls, value: ComponentChunks, source: torch.Tensor,
+                rows: tuple[tuple[int, int], ...], gather: bool):
+        """`value`'s pieces, with `source` (the fused parameter) and the HF tensor's rows."""
+        self = ComponentChunks.__new__(cls, value.shape, value.chunks, source, value.fused_key,
+                                       value.tp_layout)
+        self.rows, self.gather = rows, gather
+        return self
+
+    def cast(self, **to_kwargs) -> GatheredRows:
+        pieces = ComponentChunks(self.shape, self.chunks, self.source, self.fused_key,
+                                 self.tp_layout).cast(**to_kwargs)
+        return GatheredRows(pieces, self.source, self.rows, self.gather)
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        if not self.gather:
+            return super().__create_write_items__(fqn, obj)
+        full = self.source.full_tensor() if isinstance(self.source, DTensor) else self.source
+        if self.tp_layout is not None:
+            full = deinterleave_from_tp(full, self.tp_layout, tp_degree(self.source))
+        whole = torch.cat([full.narrow(0, first, count) for first, count in self.rows])
+        rank, world = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
+                       else (0, 1))
+        block = -(-whole.shape[0] // world)
+        rows = whole[rank * block:(rank + 1) * block].to(self.dtype).clone()
+        if rows.shape[0] == 0:
+            return []
+        offsets = torch.Size([rank * block] + [0] * (whole.dim() - 1))
+        self._write_piece = (offsets, rows)
+        return [WriteItem(
+            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
+                properties=TensorProperties.create_from_tensor(rows), size=self.shape))]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        piece = getattr(self, "_write_piece", None)
+        if piece is not None and piece[0] == index.offset:
+            return piece[1]
+        return super().__get_tensor_shard__(index)
+
+
+def check_writable(hf_state_dict: dict) -> None:
+    """DCP's HF writer keeps one piece of each tensor per rank and drops the others: an HF
+    tensor this rank holds as several pieces, and would not gather, is an error naming it,
+    before anything is written."""
+    for hf_key, value in hf_state_dict.items():
+        if (isinstance(value, ComponentChunks) and len(value.chunks) > 1
+                and not (isinstance(value, GatheredRows) and value.gather)):
+            raise ValueError(f"HF tensor '{hf_key}' is {len(value.chunks)} pieces on this "
+                             "rank, and DCP's HF writer keeps one")

@@ -24,8 +24,8 @@ def live_process_groups() -> list[str]:
 
 
 def log_process_groups() -> None:
-    """One log line: how many groups this process holds, and which (README, "Process
-    groups", lists those a run makes)."""
+    """One log line: how many groups this process holds, and which (docs/operating.md,
+    "Process groups", lists those a run makes)."""
     from torchtitan.tools.logging import logger
 
     groups = live_process_groups()

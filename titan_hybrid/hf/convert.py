@@ -30,10 +30,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_hybrid.checkpoint import integrity
-from titan_hybrid.checkpoint.hf_formats import check_hf_compatible, hf_config, hf_format_of
 from titan_hybrid.checkpoint.state import SplitModelWrapper, check_against_checkpoint
 from titan_hybrid.hf import safetensors_io
-from titan_hybrid.hf.families import CONFIG_FILE, model_args_and_config
+from titan_hybrid.hf.families import (
+    CONFIG_FILE,
+    check_hf_compatible,
+    hf_config,
+    hf_format_of,
+    model_args_and_config,
+)
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.common import tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel

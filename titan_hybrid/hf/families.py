@@ -1,94 +1,65 @@
-"""Hugging Face model families: which `model_type` of a config.json titan_hybrid reads and
-writes, the model args each one gives, and the families it refuses, with the reason.
+"""The Hugging Face model families titan_hybrid reads and writes: one registry (FAMILIES), each
+family declared by its own module (hf/<family>.py: its FAMILY, a family.py Family), and the
+families it refuses, with the reason.
 
-A family ties three things together: the model args from its config.json (`to_args`), the
-config.json from model args (`to_config`, checkpoint/hf_formats.py's), and the state-dict
-adapter that names its tensors (checkpoint/hf_*.py). `family_of(config)` picks one by
-`model_type`; a type we cannot express exactly is refused by name (REFUSED), and an unknown
-one lists the supported types.
+A config.json picks its family by `model_type` (`family_of`); a type we cannot express exactly
+is refused by name (REFUSED), and an unknown one lists the supported types. A model's HF
+checkpoints (`--checkpoint.initial_load_in_hf`, `--checkpoint.last_save_in_hf`,
+`python -m titan_hybrid.hf export`) take the family its args name (`hf_format`: a model
+imported from Bamba exports as Bamba), else the one its layer kinds belong to (RULE):
+
+    DeepSeek-V3 / V3.2   models with MLA (`+`) or DSA (`D`) layers: deepseek.py
+    Nemotron-H           all others: nemotron_h.py
+    the others           by hf_format only
+
+A model the chosen format cannot hold is refused when the job is checked, before anything is
+built, with the format's first unmet condition and this rule.
+
+Every family but DeepSeek's and Kimi Linear's can tie the LM head to the embedding
+(`tie_word_embeddings`: the model's `enable_weight_tying`). A tied model's state dict names the
+weight once, as the embedding's, so its HF checkpoint has no `lm_head.weight`, as transformers
+writes it.
+
+A new family is its module plus one line in FAMILIES.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from titan_hybrid.checkpoint.hf_bamba import model_args_from_bamba_config
-from titan_hybrid.checkpoint.hf_deepseek import model_args_from_deepseek_config
-from titan_hybrid.checkpoint.hf_formats import (
-    BAMBA,
-    DEEPSEEK,
-    GRANITE,
-    KIMI_LINEAR,
-    NEMOTRON_H,
-    OLMO_HYBRID,
-    QWEN3_5,
-    QWEN3_NEXT,
-    HFFormat,
+from titan_hybrid.hf import (
+    bamba,
+    deepseek,
+    granite,
+    kimi_linear,
+    nemotron_h,
+    olmo_hybrid,
+    qwen3_5,
+    qwen3_next,
+    safetensors_io,
 )
-from titan_hybrid.checkpoint.hf_granite import model_args_from_granite_config
-from titan_hybrid.checkpoint.hf_kimi_linear import model_args_from_kimi_linear_config
-from titan_hybrid.checkpoint.hf_nemotron_h import model_args_from_nemotron_h_config
-from titan_hybrid.checkpoint.hf_olmo_hybrid import model_args_from_olmo_hybrid_config
-from titan_hybrid.checkpoint.hf_qwen3_5 import model_args_from_qwen3_5_config
-from titan_hybrid.checkpoint.hf_qwen3_next import model_args_from_qwen3_next_config
-from titan_hybrid.hf import safetensors_io
+from titan_hybrid.hf.adapter import HFStateDictAdapter
+from titan_hybrid.hf.deepseek import ARCHITECTURES, ATTENTION_KINDS
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
 
+FAMILIES = {family.name: family for family in (
+    nemotron_h.FAMILY,
+    deepseek.FAMILY,
+    bamba.FAMILY,
+    qwen3_5.FAMILY,
+    granite.FAMILY,
+    qwen3_next.FAMILY,
+    olmo_hybrid.FAMILY,
+    kimi_linear.FAMILY,
+)}
 
-@dataclass(frozen=True)
-class Family:
-    model_types: tuple[str, ...]
-    hf_format: HFFormat  # the adapter and the config.json of an export
-    to_args: Callable[[dict], HybridModelArgs]  # ValueError naming a setting it cannot hold
-    # The HF tensor that a folder holds when it has the MTP layers its config declares, and
-    # the config's field of their count. transformers models no MTP layer: its save_pretrained
-    # keeps the config's MTP fields but writes no MTP tensor.
-    mtp_marker: Callable[[HybridModelArgs], str] | None = None
-    mtp_count_field: str = ""
-
-    def model_args(self, config: dict) -> HybridModelArgs:
-        """The model args of a config.json of this family: `to_args`'s, with the LM head tied
-        to the embedding where the config says so (a multimodal config may say it in its
-        `text_config`)."""
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-        tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-        if tied and not self.hf_format.ties_embeddings:
-            raise ValueError("tie_word_embeddings=True is not supported: titan_hybrid's "
-                             f"{'/'.join(self.model_types)} models have an LM head of its own")
-        return dataclasses.replace(self.to_args(config), enable_weight_tying=tied)
-
-    def without_mtp(self, args: HybridModelArgs, config: dict) -> tuple[HybridModelArgs, dict]:
-        """The args and config.json of the model without its MTP layers."""
-        config = {**config, self.mtp_count_field: 0}
-        if isinstance(config.get("text_config"), dict):
-            config["text_config"] = {**config["text_config"], self.mtp_count_field: 0}
-        return dataclasses.replace(args, pattern=args.pattern.split("/")[0]), config
-
-
-FAMILIES = (
-    Family(("nemotron_h",), NEMOTRON_H, model_args_from_nemotron_h_config,
-           mtp_marker=lambda args: "mtp.layers.0.eh_proj.weight",
-           mtp_count_field="num_nextn_predict_layers"),
-    Family(("deepseek_v3", "deepseek_v32"), DEEPSEEK, model_args_from_deepseek_config,
-           mtp_marker=lambda args: "model.layers.{}.eh_proj.weight".format(
-               len(args.parsed_pattern.physical_layer_symbols()) // 2),
-           mtp_count_field="num_nextn_predict_layers"),
-    Family(("bamba",), BAMBA, model_args_from_bamba_config),
-    Family(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), QWEN3_5,
-           model_args_from_qwen3_5_config, mtp_marker=lambda args: "mtp.fc.weight",
-           mtp_count_field="mtp_num_hidden_layers"),
-    Family(("granitemoehybrid",), GRANITE, model_args_from_granite_config),
-    Family(("qwen3_next",), QWEN3_NEXT, model_args_from_qwen3_next_config,
-           mtp_marker=lambda args: "mtp.fc.weight", mtp_count_field="num_nextn_predict_layers"),
-    Family(("olmo_hybrid",), OLMO_HYBRID, model_args_from_olmo_hybrid_config),
-    Family(("kimi_linear",), KIMI_LINEAR, model_args_from_kimi_linear_config),
-)
+RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
+        f"models with MLA / DSA layers ({', '.join(kind.symbol for kind in ATTENTION_KINDS)}), "
+        "Nemotron-H for the others")
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
 REFUSED = {
@@ -107,13 +78,13 @@ REFUSED = {
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for family in FAMILIES for t in family.model_types)
+    return sorted(t for family in FAMILIES.values() for t in family.model_types)
 
 
 def family_of(config: dict, where: str = CONFIG_FILE) -> Family:
     """The family of an HF config.json; ValueError naming `model_type` and the rule."""
     model_type = config.get("model_type")
-    for family in FAMILIES:
+    for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
     if model_type in REFUSED:
@@ -166,3 +137,40 @@ def _stored_names(folder: Path) -> set[str]:
         return set(safetensors_io.folder_files(folder))
     except ValueError:
         return set()
+
+
+def hf_format_of(args: HybridModelArgs) -> Family:
+    """The model's format (its hf_format, else RULE), whether or not it can hold the model."""
+    if args.hf_format:
+        if args.hf_format not in FAMILIES:
+            raise ValueError(f"hf_format '{args.hf_format}' is not one of {sorted(FAMILIES)}")
+        return FAMILIES[args.hf_format]
+    kinds = {kind.name for kind in args.kinds()}
+    return FAMILIES["deepseek" if kinds & set(ARCHITECTURES) else "nemotron_h"]
+
+
+def check_hf_compatible(args: HybridModelArgs) -> Family:
+    """The model's HF format; ValueError naming its first unmet condition, and RULE."""
+    hf_format = hf_format_of(args)
+    try:
+        hf_format.check(args)
+        if args.enable_weight_tying and not hf_format.ties_embeddings:
+            raise ValueError("enable_weight_tying=True: this format's LM head has its own weight")
+    except ValueError as error:
+        raise ValueError(f"{error} ({RULE})") from None
+    return hf_format
+
+
+def hf_config(args: HybridModelArgs) -> dict:
+    """The config.json that `transformers` reads with the model's HF checkpoint."""
+    return {**check_hf_compatible(args).config(args),
+            "tie_word_embeddings": args.enable_weight_tying}
+
+
+def hybrid_state_dict_adapter(model_args: HybridModelArgs,
+                              hf_assets_path: str | None) -> HFStateDictAdapter:
+    """The TrainSpec's `state_dict_adapter` (torchtitan calls it with these two arguments on
+    every run): the adapter of the model's format. A model the format cannot hold fails only
+    when the adapter is used, and the pre-flight check (training/preflight.py) refuses such a
+    job before that."""
+    return hf_format_of(model_args).adapter(model_args, hf_assets_path, config_json=hf_config)

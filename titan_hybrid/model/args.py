@@ -63,7 +63,7 @@ class HybridModelArgs:
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone
     mtp_loss_coeff: float = 0.1
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
-    # "bamba": checkpoint/hf_formats.py), set by a conversion from one; empty: chosen by the
+    # "bamba": hf/formats.py), set by a conversion from one; empty: chosen by the
     # layer kinds.
     hf_format: str = ""
     # One section per layer kind, named like the kind (LayerKind.name).

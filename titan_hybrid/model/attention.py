@@ -20,7 +20,7 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import AcrossHeadsRMSNorm, RMSNorm
 
@@ -204,8 +204,4 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [("attention.n_heads", args.n_heads),
                                              ("attention.n_kv_heads", args.n_kv_heads)],
     context_parallel=ContextParallelRule(core="core", gather=("k_BSHD", "v_BSHD")),
-    hf_names={"nemotron_h": HFNames(
-        block_type="attention",
-        renames={"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",
-                 "wv.weight": "v_proj.weight", "wo.weight": "o_proj.weight"})},
 )

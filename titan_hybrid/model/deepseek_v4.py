@@ -36,7 +36,7 @@ from torch import nn
 
 from titan_hybrid.model.attention import apply_rotary_pairs
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
-from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -319,6 +319,5 @@ KIND = LayerKind(
     # Context parallelism: each rank's pieces read the window's keys from the piece before
     # them (parallel/context_parallel_window.py).
     context_parallel=ContextParallelRule(core="window_core", window_halo=True),
-    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
-    hf_names={"deepseek_v4": HFNames(block_type="sliding_attention", renames={})},
+    # transformers' layer type; the parameter names are its own (hf/deepseek_v4.py)
 )

@@ -77,7 +77,6 @@ from titan_hybrid.model.layer_kind import (
     DATA,
     PIPELINE,
     ContextParallelRule,
-    HFNames,
     KindStatistics,
     LayerKind,
 )
@@ -340,8 +339,7 @@ KIND = LayerKind(
     context_parallel=ContextParallelRule(core="window_core", window_halo=True,
                                          compressor="compressor"),
     high_precision_modules=("compressor",),  # its indexer included
-    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
-    hf_names={"deepseek_v4": HFNames(block_type="compressed_sparse_attention", renames={})},
+    # transformers' layer type; the parameter names are its own (hf/deepseek_v4.py)
     # Summed over every rank that may hold other tokens or other layers.
     statistics=KindStatistics(counters=("indexer_loss_sum",),
                               summed_over=(DATA, CONTEXT, PIPELINE), per_layer=False,

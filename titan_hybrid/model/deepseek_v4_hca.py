@@ -55,7 +55,7 @@ from titan_hybrid.model.deepseek_v4 import (
     validate_shapes,
     yarn_inverse_frequencies,
 )
-from titan_hybrid.model.layer_kind import ContextParallelRule, HFNames, LayerKind
+from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 
@@ -260,6 +260,5 @@ KIND = LayerKind(
     context_parallel=ContextParallelRule(core="window_core", window_halo=True,
                                          compressor="compressor"),
     high_precision_modules=("compressor",),
-    # transformers' layer type; the parameter names are its own (checkpoint/hf_deepseek_v4.py)
-    hf_names={"deepseek_v4": HFNames(block_type="heavily_compressed_attention", renames={})},
+    # transformers' layer type; the parameter names are its own (hf/deepseek_v4.py)
 )

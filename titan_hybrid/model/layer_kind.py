@@ -11,7 +11,7 @@ statistics a kind logs. A kind's name, title and pattern rules are its symbol's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,20 +34,6 @@ def _nothing_to_split(section: Any, dim: int) -> list[tuple[str, int]]:
 
 def _all_active(section: Any, dim: int) -> int:
     return 0
-
-
-@dataclass(frozen=True)
-class HFNames:
-    """How one Hugging Face format names this kind's layers."""
-
-    block_type: str  # the format's layer-type word (Nemotron-H: hybrid_override_pattern)
-    renames: dict[str, str]  # our parameter -> the format's parameter under `mixer.`
-    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF tensor -> components
-    # our [experts, ...] parameter -> the format's name of one expert's slice, with "{}" for
-    # the expert's number (one HF tensor per expert)
-    per_expert: dict[str, str] = field(default_factory=dict)
-    # our optional parameter -> whether the kind's args (its section) give the layer one
-    optional: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,7 +130,6 @@ class LayerKind:
     # (field, size) pairs that the tensor-parallel degree must divide.
     tensor_parallel_sizes: Callable[[Any, int], list[tuple[str, int]]] = _nothing_to_split
     context_parallel: ContextParallelRule | None = None  # None: token-wise, nothing to do
-    hf_names: dict[str, HFNames] = field(default_factory=dict)  # by HF format
     # Under torch.compile a layer is one graph, unless its kind names the mixer's submodules
     # to compile on their own instead (the rest then runs eagerly): for layers whose shapes
     # depend on the data, such as MoE's tokens per expert.

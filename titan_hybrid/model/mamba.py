@@ -25,7 +25,6 @@ from titan_hybrid.model.layer_kind import (
     HEADS,
     ContextParallelRule,
     HeadChannels,
-    HFNames,
     LayerKind,
 )
 from titan_hybrid.model.layout import TokenLayout
@@ -226,9 +225,4 @@ KIND = LayerKind(
         head_groups=lambda args, dim: (("mamba.nheads", args.n_heads(dim)),
                                        ("mamba.n_groups", args.n_groups)),
         head_channels=_head_channels, state_passing="decay"),
-    hf_names={"nemotron_h": HFNames(
-        block_type="mamba",
-        renames={name: name for name in ("A_log", "D", "dt_bias", "norm.weight",
-                                         "out_proj.weight")},
-        fused=FUSED_COMPONENTS)},  # HF fuses the same components in the same order
 )

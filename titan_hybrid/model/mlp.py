@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import TPLayout, init_linear, sharded
-from titan_hybrid.model.layer_kind import HFNames, LayerKind
+from titan_hybrid.model.layer_kind import LayerKind
 
 ACTIVATIONS = ("swiglu", "relu2")
 
@@ -75,7 +75,4 @@ KIND = LayerKind(
     symbol="-", args_type=MLPArgs,
     build=lambda args, dim, norm_eps: build_mlp(args, dim), validate=_validate,
     tensor_parallel_sizes=lambda args, dim: [("mlp.hidden_dim", args.hidden_dim)],
-    hf_names={"nemotron_h": HFNames(
-        block_type="mlp", renames={"fc1.weight": "up_proj.weight",
-                                   "fc2.weight": "down_proj.weight"})},
 )

@@ -8,7 +8,7 @@ On CUDA, bf16 on sm90 / sm100 is one CUTLASS kernel per grouped GEMM; other dtyp
 offsets to the host. Rows move into and out of slot order by gathers, forward and backward: no
 zero-filled buffer and no scatter-add (whose atomics make CUDA nondeterministic).
 
-Shape suffixes (README, "Shape suffixes"): X tokens (batch x time), D width, E experts,
+Shape suffixes (docs/architecture.md, "Shape suffixes"): X tokens (batch x time), D width, E experts,
 A routing choices per token (top-k). Tensors named `*_sorted_XD` hold one row per slot
 (X * A of them), sorted by expert.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
-from titan_hybrid.model.layer_kind import DATA, HFNames, KindStatistics, LayerKind
+from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
 from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -359,19 +359,7 @@ KIND = LayerKind(
     routed_experts="experts", inactive_params=_inactive_params,
     high_precision_modules=("router", "shared_expert_gate"),
     # Nemotron 3's MoE layers (squared-ReLU experts, the biased sigmoid router): checked by
-    # checkpoint/hf_nemotron_h.py.
-    hf_names={"nemotron_h": HFNames(
-        block_type="moe",
-        renames={"router.gate.weight": "gate.weight",
-                 "router.e_score_correction_bias": "gate.e_score_correction_bias",
-                 "shared_expert.fc1.weight": "shared_experts.up_proj.weight",
-                 "shared_expert.fc2.weight": "shared_experts.down_proj.weight",
-                 "fc1_latent.weight": "fc1_latent_proj.weight",
-                 "fc2_latent.weight": "fc2_latent_proj.weight"},
-        per_expert={"experts.fc1": "experts.{}.up_proj.weight",
-                    "experts.fc2": "experts.{}.down_proj.weight"},
-        optional={"fc1_latent.weight": lambda section: section.latent_dim > 0,
-                  "fc2_latent.weight": lambda section: section.latent_dim > 0})},
+    # hf/nemotron_h.py.
     # Counts describe the global batch of each layer: summed over the data-parallel ranks.
     statistics=KindStatistics(counters=("routed_tokens", "aux_loss_sum"), summed_over=(DATA,),
                               per_layer=True, log=_router_log),

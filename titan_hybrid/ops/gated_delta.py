@@ -1,6 +1,6 @@
 """Gated delta rule (gated DeltaNet) in pure PyTorch, with flash-linear-attention's API.
 
-Shape suffixes follow the package legend (README, "Shape suffixes"): B batch, T time, H heads,
+Shape suffixes follow the package legend (docs/architecture.md, "Shape suffixes"): B batch, T time, H heads,
 K key/query dim, V value dim, J chunks, Q positions in a chunk (chunk length); a lower-case b
 is B*H flattened. Sequences: the B rows, or the packed documents when `cu_seqlens` is given.
 

@@ -13,7 +13,7 @@ Per head (state ``[p, n]``)::
     S_t   = exp(dt_t * A) * S_{t-1} + dt_t * outer(x_t, B_t)
     y_t   = S_t @ C_t + D * x_t ;   y = y * silu(z)   # if z is given
 
-Shape suffixes follow the package legend (README, "Shape suffixes"), e.g. ``x_BTHP``;
+Shape suffixes follow the package legend (docs/architecture.md, "Shape suffixes"), e.g. ``x_BTHP``;
 lower-case letters are the sizes: b batch, t time, h heads, p head dim, g B/C groups,
 r heads per group (h = g * r; head hh uses group hh // r), n state size, j chunks,
 q positions in a chunk (chunk_size); ``QQ`` is (position, source position) in a chunk.

@@ -1,5 +1,5 @@
 """Where this launch sits in a job: nodes, rendezvous and restarts, from run_train.sh's
-environment (README, "Running on a cluster").
+environment (docs/operating.md, "Running on a cluster").
 
     NNODES          nodes in the job (default 1)
     NODE_RANK       this node's index; node 0 hosts the rendezvous store (default 0)

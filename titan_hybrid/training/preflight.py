@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from titan_hybrid.checkpoint.hf_formats import check_hf_compatible
 from titan_hybrid.data.loader import validate_dataset_config
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.hf.families import check_hf_compatible
 from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.quantize.float8 import MX_BLOCK, check_float8

@@ -36,9 +36,9 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from titan_hybrid.adapters.torchtitan_0_2.job_config import run_config
-from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.data.loader import build_global_batch_dataloader
 from titan_hybrid.data.tokenizer import build_hybrid_tokenizer
+from titan_hybrid.hf.families import hybrid_state_dict_adapter
 from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.init import full_tensor_materializer

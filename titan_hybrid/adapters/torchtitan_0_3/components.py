@@ -61,8 +61,8 @@ class HybridLoss(BaseLoss):
     """Token cross-entropy + the layers' auxiliary losses (MoE load balancing, DSA / V4
     indexers) + MTP losses (training/loss.py), summed and divided by the step's global
     valid-token count, as torchtitan 0.3's losses are: the loss of a hybrid model whatever its
-    pattern, in titan_hybrid's trainer and in a job of the user's own (README, "Using the model
-    from any torchtitan job"), where torchtitan's CrossEntropyLoss takes only logits."""
+    pattern, in titan_hybrid's trainer and in a job of the user's own (docs/torchtitan_0_3.md,
+    "Using the model from any torchtitan job"), where torchtitan's CrossEntropyLoss takes only logits."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseLoss.Config):

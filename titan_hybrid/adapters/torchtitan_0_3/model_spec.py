@@ -1,8 +1,8 @@
 """torchtitan 0.3's ModelSpec for hybrid models, and the run's builders behind it.
 
 `model_spec(flavor, **overrides)` is the public entry for a torchtitan 0.3 job of a user's own
-(README, "Using the model from any torchtitan job"): put it in a `Trainer.Config` with
-torchtitan's components. titan_hybrid's own trainer (trainer.py) uses the same spec, built from
+(docs/torchtitan_0_3.md, "Using the model from any torchtitan job"): put it in a
+`Trainer.Config` with torchtitan's components. titan_hybrid's own trainer (trainer.py) uses the same spec, built from
 the run's RunConfig.
 
 Under a stock trainer the spec's functions receive torchtitan's config sections only; the
@@ -24,9 +24,8 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from titan_hybrid.adapters.torchtitan_0_3.components import HybridLoss
 from titan_hybrid.adapters.torchtitan_0_3.config import run_from_parts
-from titan_hybrid.checkpoint.hf_formats import hybrid_state_dict_adapter
 from titan_hybrid.compat.torchtitan_0_3 import pipeline_module_splitter, pipeline_schedule_builder
-from titan_hybrid.hf.families import model_args_from_hf
+from titan_hybrid.hf.families import hybrid_state_dict_adapter, model_args_from_hf
 from titan_hybrid.model.args import HybridModelArgs, resolve_model_args
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.init import full_tensor_materializer

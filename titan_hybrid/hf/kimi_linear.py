@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import ExpertSlice
-from titan_hybrid.checkpoint.hf_deepseek import (
+from titan_hybrid.hf.adapter import ExpertSlice
+from titan_hybrid.hf.deepseek import (
     DeepSeekStateDictAdapter,
     Reshaped,
     feed_forward_problems,
     mixer_parameter_names,
 )
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.kda import KIND as KDA
 from titan_hybrid.model.mla import KIND as MLA
@@ -221,3 +222,13 @@ def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
                            default=base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"))
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="kimi_linear", model_types=("kimi_linear",),
+    adapter=KimiLinearStateDictAdapter,
+    check=check_kimi_linear_compatible,
+    config=kimi_linear_config,
+    to_args=model_args_from_kimi_linear_config,
+    ties_embeddings=False)

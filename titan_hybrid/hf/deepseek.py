@@ -1,7 +1,7 @@
 """Hugging Face DeepSeek-V3 / V3.2 interop for models whose layers pair up as DeepSeek's dense
 decoder layers: patterns `+-+-...` (DeepseekV3ForCausalLM) or `D-D-...` (DeepseekV32ForCausalLM),
 SwiGLU MLPs, no MTP. The state-dict adapter of `--checkpoint.initial_load_in_hf` /
-`--checkpoint.last_save_in_hf` for such models (hf_formats.py picks it by the layer kinds),
+`--checkpoint.last_save_in_hf` for such models (formats.py picks it by the layer kinds),
 offline conversion of full (unsharded) state dicts, and config.json.
 
 HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`: the MLA / DSA layer,
@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from titan_hybrid.checkpoint.hf_adapter import (
+from titan_hybrid.checkpoint.state import logical_keys, physical_keys
+from titan_hybrid.hf.adapter import (
     ExpertSlice,
     HFStateDictAdapter,
     SharedCopy,
@@ -29,7 +30,7 @@ from titan_hybrid.checkpoint.hf_adapter import (
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.state import logical_keys, physical_keys
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.dsa import KIND as DSA
 from titan_hybrid.model.layer_kind import LayerKind
@@ -191,8 +192,9 @@ class DeepSeekStateDictAdapter(HFStateDictAdapter):
 
     FORMAT_NAME = "DeepSeek-V3 / V3.2"
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        super().__init__(model_args, hf_assets_path)
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
+                 **options) -> None:
+        super().__init__(model_args, hf_assets_path, **options)
         # In a plain state dict (torchtitan's own checkpointer) fc1 is whole: the fused keys
         # whose gate / up halves to_hf handed out (and their dimension), for from_hf to join.
         self._halved: dict[str, int] = {}
@@ -393,3 +395,16 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"),
         **{kind.name: dataclasses.replace(base.section(kind), **section)})
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="deepseek", model_types=("deepseek_v3", "deepseek_v32"),
+    adapter=DeepSeekStateDictAdapter,
+    check=check_deepseek_compatible,
+    config=deepseek_config,
+    to_args=model_args_from_deepseek_config,
+    ties_embeddings=False,
+    mtp_marker=lambda args: "model.layers.{}.eh_proj.weight".format(
+        len(args.parsed_pattern.physical_layer_symbols()) // 2),
+    mtp_count_field="num_nextn_predict_layers")

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import softmax_routed
-from titan_hybrid.checkpoint.hf_bamba import mamba_args_from_config, mamba_config
-from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
-from titan_hybrid.checkpoint.hf_nemotron_h import FORMAT as NEMOTRON_H
+from titan_hybrid.hf.adapter import softmax_routed
+from titan_hybrid.hf.bamba import mamba_args_from_config, mamba_config
+from titan_hybrid.hf.engine import ComponentsStateDictAdapter
+from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
@@ -74,7 +75,7 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
         module = f"{hf}{MIXERS[kind.symbol]}."
         mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
         mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
-        names = kind.hf_names[NEMOTRON_H]  # the same tensor names as Nemotron-H's mixers
+        names = MIXER_NAMES[kind.name]  # the same tensor names as Nemotron-H's mixers
         for ours, theirs in names.renames.items():
             mapping[module + theirs] = f"{mixer}{kind.name}.{ours}"
         for name, parts in names.fused.items():
@@ -175,3 +176,12 @@ def model_args_from_granite_config(config: dict) -> HybridModelArgs:
                     hidden_dim=config.get("intermediate_size", base.moe.hidden_dim),
                     shared_expert_hidden_dim=shared, score_func="softmax",
                     norm_topk_prob=True) if with_experts else base.moe)
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="granite", model_types=("granitemoehybrid",),
+    adapter=GraniteStateDictAdapter,
+    check=check_granite_compatible,
+    config=granite_config,
+    to_args=model_args_from_granite_config)

@@ -6,16 +6,17 @@ HF decoder layer j is our layers 2j (`input_layernorm`, then `mamba.*` or `self_
 Nemotron-H's names for the same tensors: the Mamba2 mixer's fused in_proj [z|x|B|C|dt] and
 conv [x|B|C] are our components end to end) and 2j + 1 (`pre_ff_layernorm`,
 `feed_forward.gate_proj` / `up_proj` = the halves of our fused fc1, `down_proj` = fc2). The
-state-dict adapter is checkpoint/hf_components.py's with these names.
+state-dict adapter is hf/engine.py's with these names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import json_float, tagged_float
-from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter
-from titan_hybrid.checkpoint.hf_nemotron_h import FORMAT as NEMOTRON_H
+from titan_hybrid.hf.adapter import json_float, tagged_float
+from titan_hybrid.hf.engine import ComponentsStateDictAdapter
+from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
@@ -61,7 +62,7 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
     for j in range(len(symbols) // 2):
         hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
         kind = LAYER_KINDS[symbols[2 * j]]
-        names, module = kind.hf_names[NEMOTRON_H], f"{hf}{MIXERS[kind.symbol]}."
+        names, module = MIXER_NAMES[kind.name], f"{hf}{MIXERS[kind.symbol]}."
         mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
         for ours, theirs in names.renames.items():
             mapping[module + theirs] = f"{mixer}{kind.name}.{ours}"
@@ -162,3 +163,12 @@ def model_args_from_bamba_config(config: dict) -> HybridModelArgs:
         mlp=MLPArgs(hidden_dim=config["intermediate_size"], activation="swiglu"),
         mamba=mamba_args_from_config(config),
         hf_format="bamba")
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="bamba", model_types=("bamba",),
+    adapter=BambaStateDictAdapter,
+    check=check_bamba_compatible,
+    config=bamba_config,
+    to_args=model_args_from_bamba_config)

@@ -1,5 +1,6 @@
-"""What the Hugging Face state-dict adapters (hf_nemotron_h.py, hf_deepseek.py) share: the file
-layout of an HF export and the reader of an HF checkpoint. hf_formats.py picks the adapter."""
+"""What the Hugging Face state-dict adapters share: the file layout of an HF export, the reader of
+an HF checkpoint, and the entries of a key map beyond a plain rename (an expert's slice, a copy
+of a shared tensor). families.py picks a model's adapter."""
 
 from __future__ import annotations
 
@@ -7,23 +8,16 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, local_placement
 from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.parallel.tensor_parallel import deinterleave_from_tp, tp_degree
 
 
 class HFStateDictAdapter(BaseStateDictAdapter):
@@ -36,9 +30,13 @@ class HFStateDictAdapter(BaseStateDictAdapter):
 
     FORMAT_NAME: str  # the format's name in messages
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None, *,
+                 config_json: Callable[[HybridModelArgs], dict] | None = None) -> None:
+        """`config_json`: the config.json of the model's export (formats.py's hf_config), for
+        the checkpoint manager's last save in HF."""
         self.model_args = model_args
         self.hf_assets_path = hf_assets_path
+        self.config_json = config_json
         # {logical key: the state dict's own key} of the last to_hf (a plain state dict's
         # grouped sub-layers), for from_hf to give the same keys back
         self._physical: dict[str, str] = {}
@@ -49,6 +47,13 @@ class HFStateDictAdapter(BaseStateDictAdapter):
                 weight_map = json.load(f)["weight_map"]
             self.fqn_to_index_mapping = {key: int(re.search(r"\d+", file).group(0))
                                          for key, file in weight_map.items()}
+
+    def hf_config(self) -> dict:
+        """The config.json that `transformers` reads with this model's HF checkpoint."""
+        if self.config_json is None:
+            raise ValueError(f"this {self.FORMAT_NAME} adapter writes no config.json (build it "
+                             "with titan_hybrid.hf.families.hybrid_state_dict_adapter)")
+        return self.config_json(self.model_args)
 
     def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
         """Before reading a file whose tensors have these shapes: a format whose files come in
@@ -102,72 +107,6 @@ def whole_fused(state_dict: dict, fused_key: str, hf_key: str):
                 "model without TP, or through titan_hybrid's trainer (its checkpoint manager "
                 "splits the components)")
     return value
-
-
-class GatheredRows(ComponentChunks):
-    """An HF tensor made of runs of one fused parameter's rows (Mamba2's in_proj, Qwen3.5's
-    in_proj_qkv, Qwen3-Next's in_proj_qkvz). Reading lands in place through the pieces. DCP's
-    HF writer keeps one piece of a tensor per rank and drops the others, so when a rank's pieces
-    can be several (`gather`: under TP, whose ranks hold slices of every component, or when the
-    rows come in turn from several components) the HF tensor is gathered for writing, one at a
-    time, and each rank writes an even block of its rows. Whether to gather depends on the
-    layout and the format alone, never on a rank's own pieces, so that every rank takes part in
-    the same collectives."""
-
-    rows: tuple[tuple[int, int], ...]  # (first row in the fused [A; B; ...] order, count)
-    gather: bool
-
-    @staticmethod
-    def __new__(cls, value: ComponentChunks, source: torch.Tensor,
-                rows: tuple[tuple[int, int], ...], gather: bool):
-        """`value`'s pieces, with `source` (the fused parameter) and the HF tensor's rows."""
-        self = ComponentChunks.__new__(cls, value.shape, value.chunks, source, value.fused_key,
-                                       value.tp_layout)
-        self.rows, self.gather = rows, gather
-        return self
-
-    def cast(self, **to_kwargs) -> GatheredRows:
-        pieces = ComponentChunks(self.shape, self.chunks, self.source, self.fused_key,
-                                 self.tp_layout).cast(**to_kwargs)
-        return GatheredRows(pieces, self.source, self.rows, self.gather)
-
-    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        if not self.gather:
-            return super().__create_write_items__(fqn, obj)
-        full = self.source.full_tensor() if isinstance(self.source, DTensor) else self.source
-        if self.tp_layout is not None:
-            full = deinterleave_from_tp(full, self.tp_layout, tp_degree(self.source))
-        whole = torch.cat([full.narrow(0, first, count) for first, count in self.rows])
-        rank, world = ((dist.get_rank(), dist.get_world_size()) if dist.is_initialized()
-                       else (0, 1))
-        block = -(-whole.shape[0] // world)
-        rows = whole[rank * block:(rank + 1) * block].to(self.dtype).clone()
-        if rows.shape[0] == 0:
-            return []
-        offsets = torch.Size([rank * block] + [0] * (whole.dim() - 1))
-        self._write_piece = (offsets, rows)
-        return [WriteItem(
-            index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
-                properties=TensorProperties.create_from_tensor(rows), size=self.shape))]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        piece = getattr(self, "_write_piece", None)
-        if piece is not None and piece[0] == index.offset:
-            return piece[1]
-        return super().__get_tensor_shard__(index)
-
-
-def check_writable(hf_state_dict: dict) -> None:
-    """DCP's HF writer keeps one piece of each tensor per rank and drops the others: an HF
-    tensor this rank holds as several pieces, and would not gather, is an error naming it,
-    before anything is written."""
-    for hf_key, value in hf_state_dict.items():
-        if (isinstance(value, ComponentChunks) and len(value.chunks) > 1
-                and not (isinstance(value, GatheredRows) and value.gather)):
-            raise ValueError(f"HF tensor '{hf_key}' is {len(value.chunks)} pieces on this "
-                             "rank, and DCP's HF writer keeps one")
 
 
 def check_all_used(keys, used: set[str], what: str, rule: str) -> None:

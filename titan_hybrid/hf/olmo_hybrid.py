@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter, KeyMap, RowPieces
+from titan_hybrid.hf.engine import ComponentsStateDictAdapter, KeyMap, RowPieces
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model import attention, gdn, mlp
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, HybridModelArgs, MLPArgs
 
@@ -66,8 +67,9 @@ def check_olmo_hybrid_compatible(args: HybridModelArgs) -> None:
 class OlmoHybridStateDictAdapter(ComponentsStateDictAdapter):
     FORMAT_NAME = NAME
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        super().__init__(model_args, hf_assets_path)
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
+                 **options) -> None:
+        super().__init__(model_args, hf_assets_path, **options)
         # The file variant (the module docstring); the published one until fit_to_file.
         self.saved_by_transformers = False
         delta = model_args.gdn
@@ -212,3 +214,12 @@ def model_args_from_olmo_hybrid_config(config: dict) -> HybridModelArgs:
                     allow_neg_eigval=config.get("linear_allow_neg_eigval", True),
                     norm_eps=DELTA_RULE_NORM_EPS),
         mlp=MLPArgs(hidden_dim=config["intermediate_size"], activation="swiglu"))
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="olmo_hybrid", model_types=("olmo_hybrid",),
+    adapter=OlmoHybridStateDictAdapter,
+    check=check_olmo_hybrid_compatible,
+    config=olmo_hybrid_config,
+    to_args=model_args_from_olmo_hybrid_config)

@@ -6,7 +6,7 @@ counterpart here, so no whole V4 checkpoint maps onto a hybrid model. Its attent
 our `W`, `C` and `H` layers carry transformers' DeepseekV4Attention parameter names, so the
 j-th V4 attention layer of our pattern (physical order, main part) is HF decoder layer j's
 `model.layers.{j}.self_attn.*`, with layer type `sliding_attention`, `compressed_sparse_attention`
-or `heavily_compressed_attention` (each kind's `hf_names["deepseek_v4"].block_type`).
+or `heavily_compressed_attention` (V4_KINDS).
 
 - `to_deepseek_v4_attention`: our state dict -> those keys; `deepseek_v4_attention_config`: the
   config fields they need (layer_types and the attention shapes, which transformers holds once
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kind import LayerKind
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
-HF_FORMAT = "deepseek_v4"  # the key of this format's names in LayerKind.hf_names
 # Our kind of each transformers layer type.
-V4_KINDS: dict[str, LayerKind] = {kind.hf_names[HF_FORMAT].block_type: kind
-                                  for kind in LAYER_KINDS.values() if HF_FORMAT in kind.hf_names}
+V4_KINDS: dict[str, LayerKind] = {"sliding_attention": deepseek_v4.KIND,
+                                  "compressed_sparse_attention": deepseek_v4_csa.KIND,
+                                  "heavily_compressed_attention": deepseek_v4_hca.KIND}
 FORMAT = "DeepSeek-V4 attention blocks"
 
 

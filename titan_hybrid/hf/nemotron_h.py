@@ -18,12 +18,16 @@ field when the adapter is used.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from titan_hybrid.checkpoint.hf_adapter import (
+from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, concat_components
+from titan_hybrid.checkpoint.state import logical_keys, physical_keys
+from titan_hybrid.hf.adapter import (
     ExpertSlice,
-    GatheredRows,
     HFStateDictAdapter,
     check_all_used,
     check_present,
@@ -31,19 +35,62 @@ from titan_hybrid.checkpoint.hf_adapter import (
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.split import ComponentChunks, concat_components
-from titan_hybrid.checkpoint.state import logical_keys, physical_keys
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.model.mamba import fused_component_sizes
+from titan_hybrid.model.mamba import FUSED_COMPONENTS, fused_component_sizes
 from titan_hybrid.parallel.tensor_parallel import tp_degree
 
-FORMAT = "nemotron_h"  # the key of this format's names in LayerKind.hf_names
+FORMAT = "nemotron_h"
+
+
+@dataclass(frozen=True)
+class MixerNames:
+    """How Nemotron-H names one kind's layers (Bamba's and Granite's mixers take the same
+    tensor names)."""
+
+    block_type: str  # the format's layer-type word (hybrid_override_pattern)
+    renames: dict[str, str]  # our parameter -> the format's parameter under `mixer.`
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF tensor -> components
+    # our [experts, ...] parameter -> the format's name of one expert's slice, with "{}" for
+    # the expert's number (one HF tensor per expert)
+    per_expert: dict[str, str] = field(default_factory=dict)
+    # our optional parameter -> whether the kind's args (its section) give the layer one
+    optional: dict[str, Callable[[Any], bool]] = field(default_factory=dict)
+
+
+# The kinds this format holds, by kind name.
+MIXER_NAMES = {
+    mamba.KIND.name: MixerNames(
+        block_type="mamba",
+        renames={name: name for name in ("A_log", "D", "dt_bias", "norm.weight",
+                                         "out_proj.weight")},
+        fused=FUSED_COMPONENTS),  # HF fuses the same components in the same order
+    attention.KIND.name: MixerNames(
+        block_type="attention",
+        renames={"wq.weight": "q_proj.weight", "wk.weight": "k_proj.weight",
+                 "wv.weight": "v_proj.weight", "wo.weight": "o_proj.weight"}),
+    mlp.KIND.name: MixerNames(
+        block_type="mlp", renames={"fc1.weight": "up_proj.weight",
+                                   "fc2.weight": "down_proj.weight"}),
+    moe.KIND.name: MixerNames(
+        block_type="moe",
+        renames={"router.gate.weight": "gate.weight",
+                 "router.e_score_correction_bias": "gate.e_score_correction_bias",
+                 "shared_expert.fc1.weight": "shared_experts.up_proj.weight",
+                 "shared_expert.fc2.weight": "shared_experts.down_proj.weight",
+                 "fc1_latent.weight": "fc1_latent_proj.weight",
+                 "fc2_latent.weight": "fc2_latent_proj.weight"},
+        per_expert={"experts.fc1": "experts.{}.up_proj.weight",
+                    "experts.fc2": "experts.{}.down_proj.weight"},
+        optional={"fc1_latent.weight": lambda section: section.latent_dim > 0,
+                  "fc2_latent.weight": lambda section: section.latent_dim > 0}),
+}
 # hybrid_override_pattern symbols: the kinds this format names.
-HF_BLOCK_TYPES = {symbol: kind.hf_names[FORMAT].block_type
-                  for symbol, kind in LAYER_KINDS.items() if FORMAT in kind.hf_names}
+HF_BLOCK_TYPES = {symbol: MIXER_NAMES[kind.name].block_type
+                  for symbol, kind in LAYER_KINDS.items() if kind.name in MIXER_NAMES}
 # layers_block_type words (configs without hybrid_override_pattern) -> our symbols: each
 # kind's block type, and the other words transformers uses for the same layers.
 _BLOCK_TYPE_ALIASES = {"linear_attention": mamba.KIND, "full_attention": attention.KIND}
@@ -111,15 +158,16 @@ def _prefixes(items, base: str) -> list[tuple[str, LayerKind]]:
 class NemotronHStateDictAdapter(HFStateDictAdapter):
     FORMAT_NAME = "Nemotron-H"
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        super().__init__(model_args, hf_assets_path)
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
+                 **options) -> None:
+        super().__init__(model_args, hf_assets_path, **options)
         # HF key -> (fused value handed out by to_hf, {our key: component}) so that from_hf
         # returns the very components a load wrote into.
         self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
 
     def _layer_entries(self, hf: str, prefix: str, kind: LayerKind) -> dict:
         """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
-        names, section = kind.hf_names[FORMAT], self.model_args.section(kind)
+        names, section = MIXER_NAMES[kind.name], self.model_args.section(kind)
         entries: dict = {hf + "norm.weight": f"{prefix}{kind.name}_norm.weight"}
         for ours, theirs in names.renames.items():
             if ours not in names.optional or names.optional[ours](section):
@@ -329,12 +377,12 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
         mtp = (_symbols(config, "mtp_hybrid_override_pattern", "mtp_layers_block_type")
                or "*E")  # transformers' default: ["full_attention", "moe"]
         pattern += f"/{mtp}" * depths
-    for field, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
-                            ("use_bias", False),
-                            ("mlp_bias", False), ("attention_bias", False),
-                            ("use_conv_bias", True)):
-        if config.get(field, expected) != expected:
-            raise ValueError(f"Nemotron-H config: {field}={config[field]!r} is not supported "
+    for name, expected in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu"),
+                           ("use_bias", False),
+                           ("mlp_bias", False), ("attention_bias", False),
+                           ("use_conv_bias", True)):
+        if config.get(name, expected) != expected:
+            raise ValueError(f"Nemotron-H config: {name}={config[name]!r} is not supported "
                              f"(expected {expected!r})")
     dim = config["hidden_size"]
     d_inner = config["mamba_num_heads"] * config["mamba_head_dim"]
@@ -374,3 +422,14 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
                         dt_init_floor=config.get("time_step_floor", 1e-4),
                         dt_limit=(config.get("time_step_min", 1e-3), float("inf"))),
     )
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="nemotron_h", model_types=("nemotron_h",),
+    adapter=NemotronHStateDictAdapter,
+    check=check_nemotron_h_compatible,
+    config=nemotron_h_config,
+    to_args=model_args_from_nemotron_h_config,
+    mtp_marker=lambda args: "mtp.layers.0.eh_proj.weight",
+    mtp_count_field="num_nextn_predict_layers")

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_adapter import ExpertSlice, softmax_routed
-from titan_hybrid.checkpoint.hf_components import ComponentsStateDictAdapter, KeyMap
+from titan_hybrid.hf.adapter import ExpertSlice, softmax_routed
+from titan_hybrid.hf.engine import ComponentsStateDictAdapter, KeyMap
+from titan_hybrid.hf.family import Family
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
     AttentionArgs,
@@ -295,3 +296,14 @@ def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
     pattern += mtp_pattern(config, "mtp_num_hidden_layers", ffn)
     experts = experts_of(config) if with_experts else HybridModelArgs().moe
     return dataclasses.replace(text_model_args(config, pattern, experts), hf_format=FORMAT)
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+    adapter=Qwen35StateDictAdapter,
+    check=check_qwen3_5_compatible,
+    config=qwen3_5_config,
+    to_args=model_args_from_qwen3_5_config,
+    mtp_marker=lambda args: "mtp.fc.weight",
+    mtp_count_field="mtp_num_hidden_layers")

@@ -20,9 +20,9 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_hybrid.checkpoint.hf_adapter import (
+from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, merged_chunks
+from titan_hybrid.hf.adapter import (
     ExpertSlice,
-    GatheredRows,
     HFStateDictAdapter,
     check_all_used,
     check_present,
@@ -30,7 +30,6 @@ from titan_hybrid.checkpoint.hf_adapter import (
     held_layers,
     whole_fused,
 )
-from titan_hybrid.checkpoint.split import ComponentChunks, merged_chunks
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.model import HybridModel
@@ -72,8 +71,9 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
         consecutive components an HF tensor is made of, its RowPieces, or one expert's
         slice."""
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None) -> None:
-        super().__init__(model_args, hf_assets_path)
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
+                 **options) -> None:
+        super().__init__(model_args, hf_assets_path, **options)
         # HF key -> (the value handed out, {our key: what a load through it fills})
         self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
         self._plain_fused: list[str] = []  # a plain state dict's fused keys, split by to_hf

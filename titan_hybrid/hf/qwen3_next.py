@@ -1,5 +1,5 @@
 """Hugging Face Qwen3-Next interop (`transformers`' `qwen3_next`): Qwen3.5's decoder layers
-(hf_qwen3_5.py: gated DeltaNet or gated attention, zero-centred norms) with an MLP or a MoE
+(qwen3_5.py: gated DeltaNet or gated attention, zero-centred norms) with an MLP or a MoE
 layer each (`mlp_only_layers`, `decoder_sparse_step`), and the gated DeltaNet's projection in
 two HF tensors whose rows go by key-head group:
 
@@ -9,19 +9,20 @@ two HF tensors whose rows go by key-head group:
 where "of g" is the r = value heads / key heads value heads that read key head g (value head
 m reads key head m // r, as in our layer). Our in_proj is [query | key | value | z | beta |
 alpha] end to end, so each HF tensor is RowPieces of those components, read in place and
-gathered for the trainer's HF export (hf_components.py).
+gathered for the trainer's HF export (engine.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.checkpoint.hf_components import (
+from titan_hybrid.hf.engine import (
     ComponentsStateDictAdapter,
     KeyMap,
     RowPieces,
 )
-from titan_hybrid.checkpoint.hf_qwen3_5 import (
+from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.qwen3_5 import (
     check_qwen3_5_compatible,
     check_text_config,
     experts_config,
@@ -108,3 +109,14 @@ def model_args_from_qwen3_next_config(config: dict) -> HybridModelArgs:
     config = {**defaults, **config}
     experts = experts_of(config) if moe.KIND.symbol in pattern else HybridModelArgs().moe
     return dataclasses.replace(text_model_args(config, pattern, experts), hf_format=FORMAT)
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name="qwen3_next", model_types=("qwen3_next",),
+    adapter=Qwen3NextStateDictAdapter,
+    check=check_qwen3_next_compatible,
+    config=qwen3_next_config,
+    to_args=model_args_from_qwen3_next_config,
+    mtp_marker=lambda args: "mtp.fc.weight",
+    mtp_count_field="num_nextn_predict_layers")
