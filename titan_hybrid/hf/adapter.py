@@ -159,6 +159,13 @@ def check_copy(hf_state_dict: dict, hf_key: str, copy: SharedCopy) -> None:
                          "copies: titan_hybrid's MTP depth shares the model's tensor")
 
 
+class Reshaped(NamedTuple):
+    """An HF tensor that is our flat parameter `key` in another shape (Kimi Linear's A_log,
+    [1, 1, heads, 1] for our [heads])."""
+    key: str
+    hf_shape: tuple[int, ...]
+
+
 class ExpertSlice(NamedTuple):
     """An HF tensor that is one expert's slice of our [experts, ...] parameter (or of one of
     its components: the split state dict's `experts.fc1_w` / `_v`)."""

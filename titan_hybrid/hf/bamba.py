@@ -14,15 +14,15 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.adapter import json_float, tagged_float
-from titan_hybrid.hf.engine import ComponentsStateDictAdapter
+from titan_hybrid.hf.engine import StateDictAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
+from titan_hybrid.hf.vocabulary import swiglu_mlp
 from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
 MIXERS = {mamba.KIND.symbol: "mamba", attention.KIND.symbol: "self_attn"}  # HF module names
-GATE, UP = "fc1.weight_w", "fc1.weight_v"  # the split state dict's halves of SwiGLU's fc1
 
 
 def check_bamba_compatible(args: HybridModelArgs) -> None:
@@ -69,13 +69,11 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
         for name, parts in names.fused.items():
             mapping[module + name] = tuple(f"{mixer}{kind.name}.{name}{part}" for part in parts)
         mapping[hf + "pre_ff_layernorm.weight"] = f"{ffn}mlp_norm.weight"
-        mapping[hf + "feed_forward.gate_proj.weight"] = f"{ffn}mlp.{GATE}"
-        mapping[hf + "feed_forward.up_proj.weight"] = f"{ffn}mlp.{UP}"
-        mapping[hf + "feed_forward.down_proj.weight"] = f"{ffn}mlp.fc2.weight"
+        mapping.update(swiglu_mlp(hf + "feed_forward.", f"{ffn}mlp."))
     return mapping
 
 
-class BambaStateDictAdapter(ComponentsStateDictAdapter):
+class BambaStateDictAdapter(StateDictAdapter):
     FORMAT_NAME = "Bamba"
 
     def key_map(self) -> dict[str, str | tuple[str, ...]]:

@@ -14,23 +14,13 @@ MoE layers (group-limited sigmoid routing, routed scaling) are not our `E`, so p
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 
-from titan_hybrid.checkpoint.state import logical_keys, physical_keys
-from titan_hybrid.hf.adapter import (
-    ExpertSlice,
-    HFStateDictAdapter,
-    SharedCopy,
-    check_all_used,
-    check_copy,
-    check_present,
-    expert_slice,
-    held_layers,
-    whole_fused,
-)
+from titan_hybrid.hf.adapter import ExpertSlice, SharedCopy
+from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.dsa import KIND as DSA
 from titan_hybrid.model.layer_kind import LayerKind
@@ -44,13 +34,6 @@ from titan_hybrid.model.moe import KIND as MOE
 ARCHITECTURES = {MLA.name: ("DeepseekV3ForCausalLM", "deepseek_v3"),
                  DSA.name: ("DeepseekV32ForCausalLM", "deepseek_v32")}
 ATTENTION_KINDS = [kind for kind in LAYER_KINDS.values() if kind.name in ARCHITECTURES]
-
-
-class Reshaped(NamedTuple):
-    """An HF tensor that is our flat parameter `key` in another shape (Kimi Linear's A_log,
-    [1, 1, heads, 1] for our [heads])."""
-    key: str
-    hf_shape: tuple[int, ...]
 
 
 def feed_forward_problems(args: HybridModelArgs, has_experts: bool, whose: str) -> list[str]:
@@ -106,7 +89,7 @@ def mixer_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[str]:
     return list(layer.state_dict())
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | ExpertSlice | SharedCopy | Reshaped]:
+def _key_map(args: HybridModelArgs) -> KeyMap:
     """HF key -> our key, one expert's slice of our experts' parameter, or a copy of a tensor
     our model shares; the gate / up halves of an MLP or expert map to our fc1 with a suffix _w
     / _v (the split state dict's components).
@@ -148,119 +131,24 @@ def _decoder_layer(args: HybridModelArgs, kind: LayerKind, attention_names: list
     ffn_kind = LAYER_KINDS[ffn_symbol].name
     mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind}_norm.weight"
     if ffn_symbol == MLP.symbol:
-        mapping[hf + "mlp.gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
-        mapping[hf + "mlp.up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
-        mapping[hf + "mlp.down_proj.weight"] = f"{ffn}mlp.fc2.weight"
-        return mapping
+        return mapping | swiglu_mlp(hf + "mlp.", f"{ffn}mlp.")
     moe = f"{ffn}moe."
     mapping[hf + "mlp.gate.weight"] = moe + "router.gate.weight"
     mapping[hf + "mlp.gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
-    mapping[hf + "mlp.shared_experts.gate_proj.weight"] = moe + "shared_expert.fc1.weight_w"
-    mapping[hf + "mlp.shared_experts.up_proj.weight"] = moe + "shared_expert.fc1.weight_v"
-    mapping[hf + "mlp.shared_experts.down_proj.weight"] = moe + "shared_expert.fc2.weight"
-    for expert in range(args.moe.num_experts):
-        experts = f"{hf}mlp.experts.{expert}."
-        mapping[experts + "gate_proj.weight"] = ExpertSlice(moe + "experts.fc1_w", expert)
-        mapping[experts + "up_proj.weight"] = ExpertSlice(moe + "experts.fc1_v", expert)
-        mapping[experts + "down_proj.weight"] = ExpertSlice(moe + "experts.fc2", expert)
-    return mapping
+    mapping.update(swiglu_mlp(hf + "mlp.shared_experts.", moe + "shared_expert."))
+    return mapping | routed_experts(hf + "mlp.experts.", moe + "experts.", args.moe.num_experts)
 
 
-def _halves(state_dict: dict) -> tuple[dict, dict[str, int]]:
-    """A plain state dict's fused SwiGLU fc1 (MLPs' [gate; up] rows, experts' [E, gate; up])
-    as the split state dict's halves `<fc1>_w` / `_v` (views; whole without TP); and
-    {fused key: the dimension halved}, for from_hf to join them again."""
-    out, halved = dict(state_dict), {}
-    for key in list(out):
-        dim = (0 if key.endswith("fc1.weight") else 1 if key.endswith("experts.fc1")
-               else None)
-        if dim is None or key + "_w" in out:
-            continue
-        gate, up = whole_fused(out, key, key).chunk(2, dim=dim)
-        del out[key]
-        out[key + "_w"], out[key + "_v"] = gate, up
-        halved[key] = dim
-    return out, halved
-
-
-class DeepSeekStateDictAdapter(HFStateDictAdapter):
-    """The adapter sees SplitModelWrapper's state dict, where the fused fc1 is already its
-    components `fc1.weight_w` / `_v` in global coordinates: DeepSeek's gate_proj / up_proj as
-    they are. No MLA / DSA parameter is fused, so every HF tensor is one entry of ours under
-    another key: each rank writes or reads the pieces it holds under any TP / FSDP layout,
-    nothing is gathered, and a load lands in the very entries `to_hf` handed out."""
+class DeepSeekStateDictAdapter(StateDictAdapter):
+    """No MLA / DSA parameter is fused: every HF tensor is one entry of ours under another key
+    (fc1's halves are its split components `fc1.weight_w` / `_v`), so each rank writes or reads
+    the pieces it holds under any TP / FSDP layout, nothing is gathered, and a load lands in
+    the very entries `to_hf` handed out."""
 
     FORMAT_NAME = "DeepSeek-V3 / V3.2"
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
-                 **options) -> None:
-        super().__init__(model_args, hf_assets_path, **options)
-        # In a plain state dict (torchtitan's own checkpointer) fc1 is whole: the fused keys
-        # whose gate / up halves to_hf handed out (and their dimension), for from_hf to join.
-        self._halved: dict[str, int] = {}
-        # HF key -> (the expert's view handed out, {our key: the parameter it is a view of})
-        self._experts_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
-
-    def to_hf(self, state_dict: dict) -> dict:
-        """Split state dicts (titan_hybrid's manager: fc1's halves `fc1.weight_w` / `_v`) and
-        plain ones (fc1 whole, halved here; without TP its rows are gate then up); each
-        expert's tensors are views of the rank's own experts. ValueError names an HF tensor
-        of a held layer with no source."""
-        hf_state_dict, self._experts_handed_out = {}, {}
-        state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
-        state_dict, self._halved = _halves(state_dict)
-        layers = held_layers(state_dict)
-        used: set[str] = set()
-        for hf_key, ours in self.key_map().items():
-            key = ours if isinstance(ours, str) else ours.key
-            if key not in state_dict:
-                check_present(state_dict, key, hf_key, layers)
-                continue
-            used.add(key)
-            if isinstance(ours, SharedCopy):  # its own memory: a read of it is checked
-                hf_state_dict[hf_key] = state_dict[key].detach().clone()
-            elif isinstance(ours, Reshaped):  # a view: a load lands in place
-                hf_state_dict[hf_key] = state_dict[key].view(ours.hf_shape)
-            elif not isinstance(ours, ExpertSlice):
-                hf_state_dict[hf_key] = state_dict[key]
-            elif (view := expert_slice(state_dict[key], ours.expert)) is not None:
-                hf_state_dict[hf_key] = view
-                self._experts_handed_out[hf_key] = (view, {key: state_dict[key]})
-        check_all_used(state_dict, used, "model tensor(s)", f"HF {self.FORMAT_NAME} format")
-        return hf_state_dict
-
-    def key_map(self) -> dict:
+    def key_map(self) -> KeyMap:
         return _key_map(self.model_args)
-
-    def from_hf(self, hf_state_dict: dict) -> dict:
-        key_map = self.key_map()
-        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
-        state_dict, experts = {}, {}
-        for hf_key, ours in key_map.items():
-            if hf_key not in hf_state_dict:
-                continue
-            value = hf_state_dict[hf_key]
-            if isinstance(ours, SharedCopy):
-                check_copy(hf_state_dict, hf_key, ours)
-                continue
-            if isinstance(ours, Reshaped):
-                state_dict[ours.key] = value.reshape(-1)
-                continue
-            if not isinstance(ours, ExpertSlice):
-                state_dict[ours] = value
-                continue
-            handed_out = self._experts_handed_out.get(hf_key)
-            if handed_out is not None and handed_out[0] is value:
-                state_dict.update(handed_out[1])  # loaded in place, through the views
-            else:
-                experts.setdefault(ours.key, {})[ours.expert] = value
-        for key, slices in experts.items():  # an HF state dict of its own: stacked
-            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
-        for fused_key, dim in self._halved.items():
-            if fused_key + "_w" in state_dict:
-                state_dict[fused_key] = torch.cat((state_dict.pop(fused_key + "_w"),
-                                                   state_dict.pop(fused_key + "_v")), dim=dim)
-        return physical_keys(state_dict, self._physical)
 
 
 def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:

@@ -1,15 +1,22 @@
-"""The state-dict adapter of formats whose HF tensors are our tensors, our fused parameters'
-components, runs of consecutive components, rows taken in turn from several components
-(RowPieces: Qwen3-Next's in_proj_qkvz), or one expert's slice of our experts (Qwen3.5,
-Qwen3-Next, Granite 4.0-H): a subclass gives the key map and its name.
+"""The one state-dict adapter engine: a family gives its key map (HF key -> what it is made of
+of ours) and its name, and this turns our state dicts into HF ones and back, for every family.
+
+A key map entry is our tensor under another name, a tuple of consecutive components of one of
+our fused parameters (Mamba2's in_proj, a SwiGLU fc1's halves), runs of rows taken in turn
+from several components (RowPieces: Qwen3-Next's in_proj_qkvz), one expert's slice of our
+experts (ExpertSlice), our flat tensor in another shape (Reshaped: Kimi Linear's A_log), or a
+copy of a tensor our model shares (SharedCopy: DeepSeek's MTP embedding and head).
 
 It sees titan_hybrid's split state dict (fused parameters as components in global
-coordinates: ComponentChunks, whose pieces a load fills in place) or a plain one (torchtitan's
-own checkpointer, the conversions), whose fused parameters it splits into views of their
-components first. An HF tensor made of several components is one view of them when their rows
-lie end to end in memory, else GatheredRows of the pieces this rank holds, which a load (DCP's
-HF reader, safetensors_io) fills in place and a write through DCP gathers where a rank may
-hold several pieces (its HF writer keeps one per rank).
+coordinates: ComponentChunks, whose pieces a load fills in place; grouped sub-layers under
+their logical keys) or a plain one (torchtitan's own checkpointer, the conversions), whose
+fused parameters it splits into views of their components first (a parameter FSDP shards
+stays whole where an HF tensor is all of it, and is split as a DTensor where an HF tensor is a
+part of it) and whose grouped sub-layers it renames to their logical keys and back. An HF
+tensor made of several components is one view of them when their rows lie end to end in
+memory, else GatheredRows of the pieces this rank holds, which a load (DCP's HF reader,
+safetensors_io) fills in place and a write through DCP gathers where a rank may hold several
+pieces (its HF writer keeps one per rank).
 """
 
 from __future__ import annotations
@@ -18,13 +25,17 @@ from abc import abstractmethod
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, merged_chunks
+from titan_hybrid.checkpoint.state import logical_keys, physical_keys
 from titan_hybrid.hf.adapter import (
     ExpertSlice,
     HFStateDictAdapter,
+    Reshaped,
+    SharedCopy,
     check_all_used,
+    check_copy,
     check_present,
     expert_slice,
     held_layers,
@@ -42,12 +53,13 @@ class RowPieces(NamedTuple):
     pieces: tuple[tuple[str, int, int], ...]
 
 
-KeyMap = dict[str, str | tuple[str, ...] | RowPieces | ExpertSlice]
+KeyMap = dict[str, str | tuple[str, ...] | RowPieces | ExpertSlice | Reshaped | SharedCopy]
+SINGLE = (ExpertSlice, Reshaped, SharedCopy)  # entries of one of our tensors, under `.key`
 
 
 def sources(ours) -> tuple[str, ...]:
     """Our keys an HF tensor is made of (each once, in order)."""
-    if isinstance(ours, ExpertSlice):
+    if isinstance(ours, SINGLE):
         return (ours.key,)
     if isinstance(ours, RowPieces):
         return tuple(dict.fromkeys(key for key, _, _ in ours.pieces))
@@ -55,21 +67,30 @@ def sources(ours) -> tuple[str, ...]:
 
 
 def _fused_layouts(args: HybridModelArgs) -> dict[str, TPLayout]:
-    """{fqn: TPLayout} of the model's fused parameters (their components' names and sizes)."""
+    """{logical fqn: TPLayout} of the model's fused parameters (their components' names and
+    sizes)."""
     with torch.device("meta"):
         model = HybridModel(args)
-    return {fqn: layout for fqn, layout in tensor_parallel_layouts(model).items()
-            if layout.partition_names}
+    return logical_keys({fqn: layout for fqn, layout in tensor_parallel_layouts(model).items()
+                         if layout.partition_names})[0]
 
 
-class ComponentsStateDictAdapter(HFStateDictAdapter):
+def _tp_sharded(value) -> bool:
+    names = value.device_mesh.mesh_dim_names or ()
+    return any(name in ("tp", "etp") and isinstance(placement, Shard)
+               for name, placement in zip(names, value.placements))
+
+
+class StateDictAdapter(HFStateDictAdapter):
+    """A family's adapter: its `key_map` and FORMAT_NAME (hf/<family>.py)."""
+
     FORMAT_NAME: str
 
     @abstractmethod
     def key_map(self) -> KeyMap:
         """HF key -> our key (a fused parameter's component: `<fqn><part>`), the tuple of
-        consecutive components an HF tensor is made of, its RowPieces, or one expert's
-        slice."""
+        consecutive components an HF tensor is made of, its RowPieces, one expert's slice,
+        our tensor reshaped, or a copy of a tensor our model shares."""
 
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
                  **options) -> None:
@@ -87,49 +108,85 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
             self._layouts = _fused_layouts(self.model_args)
         return self._layouts
 
-    def _components(self, state_dict: dict) -> dict:
-        """A plain state dict's fused parameters as their components (views: without TP the
-        rows are the components end to end); the split state dict as it is."""
-        out, self._plain_fused, self._plain_values = dict(state_dict), [], {}
-        for fqn, layout in self.fused_layouts.items():
-            if fqn not in out:
-                continue
-            value = whole_fused(out, fqn, fqn)
-            if isinstance(value, DTensor):
-                raise ValueError(f"'{fqn}' is a sharded parameter of a plain state dict; read "
-                                 "or write HF checkpoints of this model through titan_hybrid's "
-                                 "trainer or `python -m titan_hybrid.hf`")
-            del out[fqn]
-            pieces = value.split(list(layout.partition_sizes), dim=layout.shard_dim)
-            out.update({fqn + name: piece
-                        for name, piece in zip(layout.partition_names, pieces)})
-            self._plain_fused.append(fqn)
-            self._plain_values[fqn] = value
-        return out
+    def _plain_fused_parameters(self, state_dict: dict) -> None:
+        """Note the fused parameters a plain state dict holds whole (the split state dict holds
+        their components instead)."""
+        self._plain_fused = [fqn for fqn in self.fused_layouts if fqn in state_dict]
+        self._plain_values = {fqn: state_dict[fqn] for fqn in self._plain_fused}
+
+    def _whole_fused(self, hf_key: str, keys: tuple[str, ...],
+                     state_dict: dict) -> tuple[str, torch.Tensor] | None:
+        """For components `keys` of a fused parameter that a plain state dict holds whole:
+        (its fqn, it) when they are all of it in order (the HF tensor is the parameter itself:
+        a load lands in it); else the parameter is split into its components, which replace
+        it in `state_dict` (views: without TP its rows are the components end to end; a DTensor
+        that FSDP shards splits as a DTensor, and from_hf joins the loaded pieces), and None,
+        as when `keys` are not such components. ValueError when tensor parallelism splits the
+        parameter (its rows are interleaved per rank), naming the HF tensor."""
+        component = (self._component(keys[0], missing=None) if keys[0] not in state_dict
+                     else None)
+        if component is None or component[0] not in state_dict:
+            return None
+        fqn, layout, _ = component
+        value = state_dict[fqn]
+        if isinstance(value, DTensor) and _tp_sharded(value):
+            whole_fused({fqn: value}, fqn, hf_key)  # raises, naming the HF tensor
+        names = tuple(fqn + name for name in layout.partition_names)
+        if keys == names:
+            return fqn, value
+        del state_dict[fqn]
+        state_dict.update(zip(names, value.split(list(layout.partition_sizes),
+                                                 dim=layout.shard_dim)))
+        return None
 
     def to_hf(self, state_dict: dict) -> dict:
-        state_dict = self._components(state_dict)
+        """Our state dict as HF tensors; ValueError names an HF tensor of a held layer with no
+        source, and a tensor of ours with no place in the format."""
+        state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
+        self._plain_fused_parameters(state_dict)
         layers, used = held_layers(state_dict), set()
         hf_state_dict, self._handed_out = {}, {}
         for hf_key, ours in self.key_map().items():
             keys = sources(ours)
-            if not all(key in state_dict for key in keys):
-                check_present(state_dict, keys[0], hf_key, layers)
-                continue
-            used.update(keys)
-            parts = {key: state_dict[key] for key in keys}
-            if isinstance(ours, ExpertSlice):
-                value = expert_slice(parts[ours.key], ours.expert)
-                if value is None:
-                    continue
-            elif isinstance(ours, (tuple, RowPieces)):
-                value = self._rows(ours, parts)
+            whole = self._whole_fused(hf_key, keys, state_dict)
+            if whole is not None:  # the parameter itself is the HF tensor
+                parts, value = dict([whole]), whole[1]
+            elif all(key in state_dict for key in keys):
+                parts = {key: state_dict[key] for key in keys}
+                value = self._value(ours, parts)
             else:
-                value = parts[ours]
+                check_present(state_dict, self._missing(keys, state_dict), hf_key, layers)
+                continue
+            used.update(parts)
+            if value is None:
+                continue
             hf_state_dict[hf_key] = value
-            self._handed_out[hf_key] = (value, parts)
+            if not isinstance(ours, SharedCopy):
+                self._handed_out[hf_key] = (value, parts)
         check_all_used(state_dict, used, "model tensor(s)", f"HF {self.FORMAT_NAME} format")
         return hf_state_dict
+
+    def _missing(self, keys: tuple[str, ...], state_dict: dict) -> str:
+        """The name of what a state dict lacks for an HF tensor: the fused parameter when it
+        holds none of the parameter's components, else the first component missing."""
+        component = self._component(keys[0], missing=None)
+        if component is not None and not any(
+                component[0] + name in state_dict for name in component[1].partition_names):
+            return component[0]
+        return next(key for key in keys if key not in state_dict)
+
+    def _value(self, ours, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The HF tensor of one key-map entry from our `parts` (None: this rank holds none of
+        the expert)."""
+        if isinstance(ours, ExpertSlice):
+            return expert_slice(parts[ours.key], ours.expert)
+        if isinstance(ours, SharedCopy):  # its own memory: a read of it is checked
+            return parts[ours.key].detach().clone()
+        if isinstance(ours, Reshaped):  # a view: a load lands in place
+            return parts[ours.key].view(ours.hf_shape)
+        if isinstance(ours, (tuple, RowPieces)):
+            return self._rows(ours, parts)
+        return parts[ours]
 
     def _pieces(self, ours: tuple[str, ...] | RowPieces) -> tuple[tuple[str, int, int], ...]:
         """(component, first row, row count) of each run of an HF tensor's rows, in order."""
@@ -185,6 +242,9 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
         return sum(layout.partition_sizes[:layout.partition_names.index(part)])
 
     def from_hf(self, hf_state_dict: dict) -> dict:
+        """Our state dict of HF tensors: the very entries to_hf handed out where a load
+        filled them in place, else ours built from the HF tensors (stacked experts, joined
+        components, our grouped sub-layers' own keys)."""
         key_map = self.key_map()
         check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
         state_dict, experts = {}, {}
@@ -194,8 +254,12 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
                 continue
             value = hf_state_dict[hf_key]
             handed_out = self._handed_out.get(hf_key)
-            if handed_out is not None and handed_out[0] is value:
+            if isinstance(ours, SharedCopy):
+                check_copy(hf_state_dict, hf_key, ours)
+            elif handed_out is not None and handed_out[0] is value:
                 state_dict.update(handed_out[1])  # loaded in place, through the views
+            elif isinstance(ours, Reshaped):
+                state_dict[ours.key] = value.reshape(-1)
             elif isinstance(ours, ExpertSlice):
                 experts.setdefault(ours.key, {})[ours.expert] = value
             elif isinstance(ours, (tuple, RowPieces)):
@@ -215,7 +279,7 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
             if all(name in state_dict for name in names):
                 state_dict[fqn] = torch.cat([state_dict.pop(name) for name in names],
                                             dim=layout.shard_dim)
-        return state_dict
+        return physical_keys(state_dict, self._physical)
 
     def _add_runs(self, runs: dict, pieces, value: torch.Tensor) -> None:
         """Each piece of an HF tensor of another state dict, as (first row, rows) of its
@@ -226,10 +290,15 @@ class ComponentsStateDictAdapter(HFStateDictAdapter):
             runs.setdefault(key, []).append((first, value.narrow(dim, row, count)))
             row += count
 
-    def _component(self, key: str) -> tuple[str, TPLayout, str]:
-        """(fused parameter, its layout, part name) of a component key."""
+    _NO_DEFAULT = object()
+
+    def _component(self, key: str, missing=_NO_DEFAULT) -> tuple[str, TPLayout, str] | None:
+        """(fused parameter, its layout, part name) of a component key; `missing` (else
+        KeyError) for a key that is no component."""
         for fqn, layout in self.fused_layouts.items():
             part = key[len(fqn):]
             if key.startswith(fqn) and part in layout.partition_names:
                 return fqn, layout, part
-        raise KeyError(key)
+        if missing is self._NO_DEFAULT:
+            raise KeyError(key)
+        return missing

@@ -17,7 +17,7 @@ import dataclasses
 
 from titan_hybrid.hf.adapter import softmax_routed
 from titan_hybrid.hf.bamba import mamba_args_from_config, mamba_config
-from titan_hybrid.hf.engine import ComponentsStateDictAdapter
+from titan_hybrid.hf.engine import StateDictAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp, moe
@@ -93,7 +93,7 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
     return mapping
 
 
-class GraniteStateDictAdapter(ComponentsStateDictAdapter):
+class GraniteStateDictAdapter(StateDictAdapter):
     FORMAT_NAME = "Granite 4.0-H"
 
     def key_map(self) -> dict[str, str | tuple[str, ...]]:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import ExpertSlice
+from titan_hybrid.hf.adapter import Reshaped
 from titan_hybrid.hf.deepseek import (
     DeepSeekStateDictAdapter,
-    Reshaped,
     feed_forward_problems,
     mixer_parameter_names,
 )
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.kda import KIND as KDA
 from titan_hybrid.model.mla import KIND as MLA
@@ -83,20 +83,14 @@ def _key_map(args: HybridModelArgs, dense: str = "mlp.") -> dict:
         ffn_kind = MLP if symbols[2 * j + 1] == MLP.symbol else MOE
         mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
         if ffn_kind is MLP:
-            mapping[f"{hf}{dense}gate_proj.weight"] = f"{ffn}mlp.fc1.weight_w"
-            mapping[f"{hf}{dense}up_proj.weight"] = f"{ffn}mlp.fc1.weight_v"
-            mapping[f"{hf}{dense}down_proj.weight"] = f"{ffn}mlp.fc2.weight"
+            mapping.update(swiglu_mlp(f"{hf}{dense}", f"{ffn}mlp."))
             continue
         theirs, moe = hf + "block_sparse_moe.", f"{ffn}moe."
         mapping[theirs + "gate.weight"] = moe + "router.gate.weight"
         mapping[theirs + "gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
-        for part, ours in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
-                           ("down_proj", "fc2.weight")):
-            mapping[f"{theirs}shared_experts.{part}.weight"] = f"{moe}shared_expert.{ours}"
-        for expert in range(args.moe.num_experts):
-            for part, ours in (("w1", "fc1_w"), ("w3", "fc1_v"), ("w2", "fc2")):
-                mapping[f"{theirs}experts.{expert}.{part}.weight"] = ExpertSlice(
-                    f"{moe}experts.{ours}", expert)
+        mapping.update(swiglu_mlp(f"{theirs}shared_experts.", f"{moe}shared_expert."))
+        mapping.update(routed_experts(f"{theirs}experts.", f"{moe}experts.",
+                                      args.moe.num_experts, names=("w1", "w3", "w2")))
     return mapping
 
 

@@ -22,26 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, concat_components
-from titan_hybrid.checkpoint.state import logical_keys, physical_keys
-from titan_hybrid.hf.adapter import (
-    ExpertSlice,
-    HFStateDictAdapter,
-    check_all_used,
-    check_present,
-    expert_slice,
-    held_layers,
-    whole_fused,
-)
+from titan_hybrid.hf.adapter import ExpertSlice
+from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.model.mamba import FUSED_COMPONENTS, fused_component_sizes
-from titan_hybrid.parallel.tensor_parallel import tp_degree
+from titan_hybrid.model.mamba import FUSED_COMPONENTS
 
 FORMAT = "nemotron_h"
 
@@ -155,15 +143,11 @@ def _prefixes(items, base: str) -> list[tuple[str, LayerKind]]:
     return layers
 
 
-class NemotronHStateDictAdapter(HFStateDictAdapter):
-    FORMAT_NAME = "Nemotron-H"
+class NemotronHStateDictAdapter(StateDictAdapter):
+    """An HF tensor is one of ours, one expert's slice of ours, or a whole fused parameter
+    (Mamba2's in_proj and conv1d: HF fuses the same components in the same order)."""
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
-                 **options) -> None:
-        super().__init__(model_args, hf_assets_path, **options)
-        # HF key -> (fused value handed out by to_hf, {our key: component}) so that from_hf
-        # returns the very components a load wrote into.
-        self._fused_handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
+    FORMAT_NAME = "Nemotron-H"
 
     def _layer_entries(self, hf: str, prefix: str, kind: LayerKind) -> dict:
         """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
@@ -181,7 +165,7 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
                     f"{prefix}{kind.name}.{ours}", expert)
         return entries
 
-    def _key_map(self) -> dict[str, str | tuple[str, ...] | ExpertSlice]:
+    def key_map(self) -> KeyMap:
         """HF key -> our key, the tuple of our component keys of a fused HF tensor, or one
         expert's slice of our parameter."""
         check_nemotron_h_compatible(self.model_args)
@@ -206,87 +190,6 @@ class NemotronHStateDictAdapter(HFStateDictAdapter):
             mapping[f"mtp.layers.{last}.final_layernorm.weight"] = (
                 f"mtp.{depth}.final_norm.weight")
         return mapping
-
-    def to_hf(self, state_dict: dict) -> dict:
-        """Split state dicts (titan_hybrid's manager) and plain ones (torchtitan's own
-        checkpointer: an HF tensor is then the fused parameter itself, rows in HF order
-        without TP); ValueError names an HF tensor of a held layer with no source."""
-        hf_state_dict = {}
-        self._fused_handed_out = {}
-        state_dict, self._physical = logical_keys(state_dict)  # a plain one's grouped layers
-        layers = held_layers(state_dict)
-        used: set[str] = set()
-        for hf_key, ours in self._key_map().items():
-            if isinstance(ours, ExpertSlice):
-                if ours.key not in state_dict:
-                    check_present(state_dict, ours.key, hf_key, layers)
-                    continue
-                view = expert_slice(state_dict[ours.key], ours.expert)
-                if view is not None:
-                    hf_state_dict[hf_key] = view
-                    self._fused_handed_out[hf_key] = (view, {ours.key: state_dict[ours.key]})
-                used.add(ours.key)
-                continue
-            if isinstance(ours, str):
-                if ours in state_dict:
-                    hf_state_dict[hf_key] = state_dict[ours]
-                    used.add(ours)
-                else:
-                    check_present(state_dict, ours, hf_key, layers)
-                continue
-            if all(key in state_dict for key in ours):
-                # The HF tensor is the whole fused parameter, its components in order (plain
-                # components: their concatenation).
-                fused = concat_components([state_dict[key] for key in ours], dim=0)
-                if isinstance(fused, ComponentChunks):
-                    fused = GatheredRows(fused, fused.source, ((0, fused.shape[0]),),
-                                         gather=tp_degree(fused.source) > 1)
-                components = {key: state_dict[key] for key in ours}
-            else:
-                fused_key = ours[0].rsplit(".", 1)[0]
-                fused = whole_fused(state_dict, fused_key, hf_key)
-                if fused is None:
-                    check_present(state_dict, fused_key, hf_key, layers)
-                    continue
-                components = {fused_key: fused}
-            hf_state_dict[hf_key] = fused
-            self._fused_handed_out[hf_key] = (fused, components)
-            used.update(components)
-        check_all_used(state_dict, used, "model tensor(s)", "HF Nemotron-H format")
-        return hf_state_dict
-
-    def from_hf(self, hf_state_dict: dict) -> dict:
-        # Rows of each component (the same for a component wherever it is fused).
-        sizes = {part: rows for parts in fused_component_sizes(self.model_args.mamba,
-                                                               self.model_args.dim).values()
-                 for part, rows in parts.items()}
-        state_dict, experts = {}, {}
-        key_map = self._key_map()
-        check_all_used(hf_state_dict, set(key_map), "HF tensor(s)", "model")
-        for hf_key, ours in key_map.items():
-            if hf_key not in hf_state_dict:
-                continue
-            value = hf_state_dict[hf_key]
-            if isinstance(ours, str):
-                state_dict[ours] = value
-                continue
-            handed_out = self._fused_handed_out.get(hf_key)
-            if isinstance(ours, ExpertSlice):
-                if handed_out is not None and handed_out[0] is value:
-                    state_dict.update(handed_out[1])  # loaded in place, through the views
-                else:
-                    experts.setdefault(ours.key, {})[ours.expert] = value
-                continue
-            if handed_out is not None and handed_out[0] is value:
-                # loaded in place (through the components' views, or into the fused parameter)
-                state_dict.update(handed_out[1])
-                continue
-            parts = [key.rsplit(".", 1)[1] for key in ours]
-            pieces = value.split([sizes["." + part] for part in parts], dim=0)
-            state_dict.update(zip(ours, pieces))
-        for key, slices in experts.items():  # an HF state dict of its own: stacked
-            state_dict[key] = torch.stack([slices[expert] for expert in sorted(slices)])
-        return physical_keys(state_dict, self._physical)
 
 
 # --------------------------------------------------------------------------- config.json

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.engine import ComponentsStateDictAdapter, KeyMap, RowPieces
+from titan_hybrid.hf.engine import KeyMap, RowPieces, StateDictAdapter
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.vocabulary import llama_attention, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, HybridModelArgs, MLPArgs
 
@@ -64,7 +65,7 @@ def check_olmo_hybrid_compatible(args: HybridModelArgs) -> None:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 
 
-class OlmoHybridStateDictAdapter(ComponentsStateDictAdapter):
+class OlmoHybridStateDictAdapter(StateDictAdapter):
     FORMAT_NAME = NAME
 
     def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
@@ -99,15 +100,12 @@ class OlmoHybridStateDictAdapter(ComponentsStateDictAdapter):
                           else "post_attention_layernorm")
         for j in range(len(symbols) // 2):
             hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
-            for theirs, name in (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
-                                 ("down_proj", "fc2.weight")):
-                mapping[f"{hf}mlp.{theirs}.weight"] = f"{ffn}mlp.{name}"
+            mapping.update(swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp."))
             if symbols[2 * j] == attention.KIND.symbol:
                 mapping[f"{hf}{post_attention}.weight"] = f"{mixer}attention_norm.weight"
                 mapping[f"{hf}post_feedforward_layernorm.weight"] = f"{ffn}mlp_norm.weight"
-                for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
-                                     ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
-                    mapping[f"{hf}self_attn.{theirs}.weight"] = f"{mixer}attention.{name}.weight"
+                mapping.update(llama_attention(f"{hf}self_attn.", f"{mixer}attention.",
+                                               qk_norm=True))
                 continue
             mapping[f"{hf}attention_layer_norm.weight"] = f"{mixer}gdn_norm.weight"
             mapping[f"{hf}feedforward_layer_norm.weight"] = f"{ffn}mlp_norm.weight"

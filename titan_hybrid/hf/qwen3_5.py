@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import ExpertSlice, softmax_routed
-from titan_hybrid.hf.engine import ComponentsStateDictAdapter, KeyMap
+from titan_hybrid.hf.adapter import softmax_routed
+from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
     AttentionArgs,
@@ -126,10 +127,7 @@ def decoder_layer(hf: str, mixer: str, ffn: str, symbols, args: HybridModelArgs,
     mapping: KeyMap = {hf + "input_layernorm.weight": f"{mixer}{kind.name}_norm.weight",
                        hf + "post_attention_layernorm.weight": f"{ffn}{ffn_kind.name}_norm.weight"}
     if kind is attention.KIND:
-        ours = f"{mixer}attention."
-        for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
-                             ("o_proj", "wo"), ("q_norm", "q_norm"), ("k_norm", "k_norm")):
-            mapping[f"{module}{theirs}.weight"] = f"{ours}{name}.weight"
+        mapping.update(llama_attention(module, f"{mixer}attention.", qk_norm=True))
     else:
         ours = f"{mixer}gdn."
         in_proj, conv = f"{ours}in_proj.weight", f"{ours}conv1d.weight"
@@ -138,26 +136,17 @@ def decoder_layer(hf: str, mixer: str, ffn: str, symbols, args: HybridModelArgs,
             f"{conv}.{part}" for part in ("query", "key", "value"))
         for name in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
             mapping[module + name] = ours + name
-    swiglu = (("gate_proj", "fc1.weight_w"), ("up_proj", "fc1.weight_v"),
-              ("down_proj", "fc2.weight"))
     if ffn_kind is mlp.KIND:
-        for theirs, name in swiglu:
-            mapping[f"{hf}mlp.{theirs}.weight"] = f"{ffn}mlp.{name}"
-        return mapping
+        return mapping | swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp.")
     ours = f"{ffn}moe."
     mapping[hf + "mlp.gate.weight"] = ours + "router.gate.weight"
     mapping[hf + "mlp.shared_expert_gate.weight"] = ours + "shared_expert_gate.weight"
-    for theirs, name in swiglu:
-        mapping[f"{hf}mlp.shared_expert.{theirs}.weight"] = f"{ours}shared_expert.{name}"
-    for expert in range(args.moe.num_experts):
-        for theirs, name in (("gate_proj", "fc1_w"), ("up_proj", "fc1_v"),
-                             ("down_proj", "fc2")):
-            mapping[f"{hf}mlp.experts.{expert}.{theirs}.weight"] = ExpertSlice(
-                f"{ours}experts.{name}", expert)
-    return mapping
+    mapping.update(swiglu_mlp(f"{hf}mlp.shared_expert.", f"{ours}shared_expert."))
+    return mapping | routed_experts(f"{hf}mlp.experts.", f"{ours}experts.",
+                                    args.moe.num_experts)
 
 
-class Qwen35StateDictAdapter(ComponentsStateDictAdapter):
+class Qwen35StateDictAdapter(StateDictAdapter):
     FORMAT_NAME = "Qwen3.5"
 
     def key_map(self) -> KeyMap:

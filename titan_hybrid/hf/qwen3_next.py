@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.engine import (
-    ComponentsStateDictAdapter,
     KeyMap,
     RowPieces,
+    StateDictAdapter,
 )
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.qwen3_5 import (
@@ -64,7 +64,7 @@ def grouped_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
             module + "in_proj_ba.weight": RowPieces(tuple(ba))}
 
 
-class Qwen3NextStateDictAdapter(ComponentsStateDictAdapter):
+class Qwen3NextStateDictAdapter(StateDictAdapter):
     FORMAT_NAME = NAME
 
     def key_map(self) -> KeyMap:
