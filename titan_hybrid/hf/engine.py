@@ -97,7 +97,7 @@ class StateDictAdapter(HFStateDictAdapter):
         super().__init__(model_args, hf_assets_path, **options)
         # HF key -> (the value handed out, {our key: what a load through it fills})
         self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
-        self._plain_fused: list[str] = []  # a plain state dict's fused keys, split by to_hf
+        self._plain_fused: list[str] = []  # the fused parameters a plain state dict held whole
         self._plain_values: dict[str, torch.Tensor] = {}  # and their values
         self._layouts: dict | None = None
 
