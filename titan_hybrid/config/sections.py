@@ -242,6 +242,10 @@ class HybridSection:
         `python -m titan_hybrid.hf import` writes jobs that name one). With
         checkpoint.initial_load_path set to the same folder and checkpoint.initial_load_in_hf,
         training starts from its weights.""")
+    hc_mult: int | None = option(None, """
+        Hyper-connections (mHC, DeepSeek-V4 / Megatron's HybridModel) for any pattern: the
+        residual stream becomes this many parallel streams, mixed around each layer by learned,
+        Sinkhorn-projected weights; 0 turns them off. Unset: the flavor's.""")
     load_layers_by_order: bool = option(False, """
         Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
         loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init.

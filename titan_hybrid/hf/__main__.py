@@ -39,7 +39,7 @@ def model_args_of_job(job_file: Path) -> tuple[HybridModelArgs, str | None]:
     base = model_args_from_hf(hybrid["model_config"]) if hybrid.get("model_config") else None
     seq_len = job.get("training", {}).get("seq_len", 2048)
     args = resolve_model_args(model.get("flavor", "debug"), pattern=hybrid.get("pattern", ""),
-                              seq_len=seq_len, base=base)
+                              seq_len=seq_len, hc_mult=hybrid.get("hc_mult"), base=base)
     return args, model.get("hf_assets_path")
 
 

@@ -62,8 +62,15 @@ class HybridModelArgs:
     init_std: float = 0.02
     init_seed: int = 0  # each unit's weights derive from (init_seed, unit name) alone
     mtp_loss_coeff: float = 0.1
+    # Manifold-constrained hyper-connections (model/hyper_connections.py: DeepSeek-V4,
+    # Megatron's HybridModel): with hc_mult = N > 0 the residual stream is N streams, each
+    # physical layer reads and writes them through a hyper-connection, and a hyper head
+    # collapses them before the final norm. 0: the plain residual stream.
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20  # Sinkhorn steps of each layer's stream-mixing matrix
+    hc_eps: float = 1e-6  # added to the pre / comb weights and to every Sinkhorn division
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
-    # "bamba": hf/formats.py), set by a conversion from one; empty: chosen by the
+    # "bamba": hf/families.py), set by a conversion from one; empty: chosen by the
     # layer kinds.
     hf_format: str = ""
     # One section per layer kind, named like the kind (LayerKind.name).
@@ -118,6 +125,10 @@ class HybridModelArgs:
         """Raise ValueError for shapes that cannot work; cheap, runs before any model is built."""
         for kind in self.kinds():  # parsing the pattern also validates it
             kind.validate(self.section(kind), self.dim)
+        if self.hc_mult < 0:
+            raise ValueError(f"hc_mult={self.hc_mult} must be >= 0 (0: no hyper-connections)")
+        if self.hc_mult and self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters={self.hc_sinkhorn_iters} must be >= 1")
         wrong = [s for s in self.post_norm_mixers
                  if s not in LAYER_KINDS or not LAYER_KINDS[s].mixes_sequence]
         if wrong:
@@ -261,18 +272,19 @@ hybrid_flavors = FlavorRegistry({
 
 
 def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
-                       seed: int | None = None,
+                       seed: int | None = None, hc_mult: int | None = None,
                        base: HybridModelArgs | None = None) -> HybridModelArgs:
     """The model args a run trains: a copy of the flavor's (or of `base`, the args of
     `hybrid.model_config`, which replace the flavor), with the run's pattern (if given),
-    sequence length and init seed (if given), validated (ValueError for an unknown flavor or
-    shapes that cannot work)."""
+    sequence length, init seed and hyper-connection streams (if given), validated (ValueError
+    for an unknown flavor or shapes that cannot work)."""
     flavor_args = base if base is not None else hybrid_flavors[flavor]
     # One new object whose sections are copies too: nothing is shared with the flavor table.
     fields = {f.name: copy.deepcopy(getattr(flavor_args, f.name))
               for f in dataclasses.fields(flavor_args) if f.init}
     fields.update(pattern=pattern or flavor_args.pattern, max_seq_len=seq_len,
-                  init_seed=flavor_args.init_seed if seed is None else seed)
+                  init_seed=flavor_args.init_seed if seed is None else seed,
+                  hc_mult=flavor_args.hc_mult if hc_mult is None else hc_mult)
     model_args = HybridModelArgs(**fields)
     model_args.validate()
     return model_args

@@ -7,6 +7,8 @@ sequence as torchtitan counts it; MLA and DSA causally, as Megatron's hybrid FLO
 them, MLA T * heads * (qk_head_dim + v_head_dim), DSA min(T, 2 * top-k) * heads *
 (qk_head_dim + v_head_dim) + T * indexer heads * indexer head dim; the chunked SSD and
 gated-delta scans).
+With hyper-connections (`hc_mult`), each layer's stream mixing, collapse and write-back and
+the hyper heads' collapses count as cores; their projections are matmul weights.
 Backward is counted as twice the forward for the cores too. Parameters a token does not use
 are left out (`LayerKind.inactive_params`: MoE layers count only the top_k routed experts a
 token visits), and the LM head counts once more per MTP depth.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from titan_hybrid.model.hyper_connections import mixing_flops
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
 
@@ -34,4 +37,8 @@ def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[i
         kind = LAYER_KINDS[symbol]
         active_matmul_params -= kind.inactive_params(args.section(kind), args.dim)
         core += kind.core_flops(args.section(kind), args.dim, seq_len)
+        if args.hc_mult:
+            core += mixing_flops(args.dim, args.hc_mult)
+    if args.hc_mult:  # the hyper heads' collapses (main, and each MTP depth's)
+        core += (1 + pattern.mtp_depths) * 2 * args.hc_mult * args.dim
     return total_params, 6 * active_matmul_params + 3 * core

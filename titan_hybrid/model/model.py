@@ -2,7 +2,11 @@
 and optional multi-token-prediction (MTP) depths.
 
 Every physical layer is a residual block, pre-norm `h + mixer(norm(h))` or, in the decoder layers
-of the mixers named in `post_norm_mixers`, post-norm `h + norm(mixer(h))`. A bracket group is a
+of the mixers named in `post_norm_mixers`, post-norm `h + norm(mixer(h))`. With hyper-connections
+(`hc_mult` = N > 0, model/hyper_connections.py) the residual stream is N streams [B, T, N, D]:
+each layer reads its input from them and writes its output back through its own
+`hyper_connection`, the embedding enters as N copies, and `hc_head` collapses the streams before
+the final norm. A bracket group is a
 nested HybridStack: a scheduling / sharding / checkpoint unit that computes exactly what the same
 layers computed flat. Layers are kept in ModuleDicts keyed by their index so that pipeline stages
 can drop layers without renaming the others (torchtitan's convention).
@@ -24,6 +28,7 @@ from torch import nn
 
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.attention import rotary_tables
+from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead, expand_streams
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
@@ -49,6 +54,10 @@ class HybridLayer(nn.Module):
         self.add_module(self.kind.name,
                         self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
         self.residual_multiplier = args.residual_multiplier
+        self.hyper_connection = (HyperConnection(args.dim, args.hc_mult,
+                                                 sinkhorn_iters=args.hc_sinkhorn_iters,
+                                                 eps=args.hc_eps, norm_eps=args.norm_eps)
+                                 if args.hc_mult else None)
 
     @property
     def mixer(self) -> nn.Module:
@@ -59,7 +68,13 @@ class HybridLayer(nn.Module):
         return getattr(self, f"{self.kind.name}_norm")
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
-        x = h if self.post_norm else self.norm(h)
+        """`h`: the residual stream [B, T, D], or the streams [B, T, N, D] with
+        hyper-connections."""
+        if self.hyper_connection is not None:
+            x, post, comb = self.hyper_connection(h)
+        else:
+            x = h
+        x = x if self.post_norm else self.norm(x)
         out = self.mixer(x, layout) if self.kind.mixes_sequence else self.mixer(x)
         if self.kind.has_aux_loss:
             out, layer_aux_loss = out
@@ -68,11 +83,15 @@ class HybridLayer(nn.Module):
             out = self.norm(out)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
+        if self.hyper_connection is not None:
+            return self.hyper_connection.combine(h, out, post, comb), aux_loss
         return h + out, aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         self.norm.init_weights()
         self.mixer.init_weights(init_std=init_std, out_std=out_std)
+        if self.hyper_connection is not None:
+            self.hyper_connection.init_weights(init_std=init_std)
 
 
 class HybridStack(nn.Module):
@@ -101,34 +120,60 @@ class HybridStack(nn.Module):
 
 
 class MTPDepth(nn.Module):
-    """One MTP depth (DeepSeek-V3 style): combine the previous depth's output with the
-    embedding of the token k steps ahead, run the MTP layers, and predict one token further.
-    As in Megatron (and the published checkpoints' inference code: vLLM, SGLang), the input
-    is the previous output AFTER its final norm (the main model's, for depth 1), and eh_proj
-    reads [normed embedding | normed input], in that order."""
+    """One MTP depth: combine the previous depth's output with the embedding of the token k
+    steps ahead, run the MTP layers, and predict one token further.
+
+    DeepSeek-V3 style (no hyper-connections): as in Megatron (and the published checkpoints'
+    inference code: vLLM, SGLang), the input is the previous output AFTER its final norm (the
+    main model's, for depth 1), and eh_proj reads [normed embedding | normed input], in that
+    order.
+
+    DeepSeek-V4 style (with hyper-connections, as DeepSeek's reference code and Megatron's
+    HybridModel): the input is the previous depth's streams BEFORE their hyper head (the main
+    model's, for depth 1), each stream normed by `hidden_norm`; `e_proj` of the normed
+    embedding is added to every stream's `h_proj`; the block's layers have hyper-connections,
+    and the depth has a hyper head of its own before its final norm."""
 
     def __init__(self, items: list[Item], args: HybridModelArgs) -> None:
         super().__init__()
         self.hidden_norm = model_norm(args)
         self.embedding_norm = model_norm(args)
-        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        if args.hc_mult:
+            self.e_proj = nn.Linear(args.dim, args.dim, bias=False)
+            self.h_proj = nn.Linear(args.dim, args.dim, bias=False)
+        else:
+            self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.block = HybridStack(items, args)
+        self.hc_head = (HyperHead(args.dim, args.hc_mult, eps=args.hc_eps,
+                                  norm_eps=args.norm_eps) if args.hc_mult else None)
         self.final_norm = model_norm(args)
 
-    def forward(self, normed, future_embedding, aux_loss, layout):
-        """Returns (this depth's output after its final norm: the LM head's input and the next
-        depth's, aux loss)."""
-        x = self.eh_proj(torch.cat((self.embedding_norm(future_embedding),
-                                    self.hidden_norm(normed)), -1))
+    def forward(self, previous, future_embedding, aux_loss, layout):
+        """`previous`: the previous depth's normed output, or its streams with
+        hyper-connections. Returns (this depth's output after its final norm: the LM head's
+        input, what the next depth reads, aux loss)."""
+        embedding = self.embedding_norm(future_embedding)
+        if self.hc_head is None:
+            x = self.eh_proj(torch.cat((embedding, self.hidden_norm(previous)), -1))
+        else:
+            x = self.e_proj(embedding).unsqueeze(2) + self.h_proj(self.hidden_norm(previous))
         x, aux_loss = self.block(x, aux_loss, layout)
         # The final norm runs here, inside this depth's FSDP unit, where its weight is gathered.
-        return self.final_norm(x), aux_loss
+        if self.hc_head is None:
+            normed = self.final_norm(x)
+            return normed, normed, aux_loss
+        return self.final_norm(self.hc_head(x)), x, aux_loss
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for norm in (self.hidden_norm, self.embedding_norm, self.final_norm):
             norm.init_weights()
-        nn.init.trunc_normal_(self.eh_proj.weight, std=init_std, a=-3 * init_std, b=3 * init_std)
+        projections = ((self.eh_proj,) if self.hc_head is None else (self.e_proj, self.h_proj))
+        for projection in projections:
+            nn.init.trunc_normal_(projection.weight, std=init_std, a=-3 * init_std,
+                                  b=3 * init_std)
         self.block.init_weights(init_std=init_std, out_std=out_std)
+        if self.hc_head is not None:
+            self.hc_head.init_weights(init_std=init_std)
 
 
 UnitInitContext = Callable[[nn.Module], contextlib.AbstractContextManager]
@@ -151,6 +196,8 @@ class HybridModel(nn.Module):
         pattern = model_args.parsed_pattern
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = HybridStack(pattern.main, model_args).layers
+        self.hc_head = (HyperHead(model_args.dim, model_args.hc_mult, eps=model_args.hc_eps,
+                                  norm_eps=model_args.norm_eps) if model_args.hc_mult else None)
         self.norm = model_norm(model_args)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.enable_weight_tying:
@@ -205,6 +252,7 @@ class HybridModel(nn.Module):
                   for key, layer in self.layers.items()]
         units += [(f"mtp.{i}", depth, lambda m: m.init_weights(**stds))
                   for i, depth in enumerate(self.mtp)]
+        units += [("hc_head", self.hc_head, lambda m: m.init_weights(init_std=args.init_std))]
         units += [("norm", self.norm, lambda m: m.init_weights())]
         cutoff = 3 / math.sqrt(args.dim)
         # A tied weight takes the head's init, after the embedding's (torchtitan's Qwen3).
@@ -234,6 +282,8 @@ class HybridModel(nn.Module):
             h = self.tok_embeddings(tokens)
             if self.model_args.embedding_multiplier != 1.0:
                 h = h * self.model_args.embedding_multiplier
+            if self.model_args.hc_mult:
+                h = expand_streams(h, self.model_args.hc_mult)
             # Depth k sees the embedding of token t+k; the last k positions have no such token
             # (their targets are ignored by the loss), so they read a padding token 0.
             futures = [self.tok_embeddings(F.pad(tokens[:, depth:], (0, depth)))
@@ -257,13 +307,14 @@ class HybridModel(nn.Module):
         if self.output is None:  # a pipeline stage before the last
             carry = ([aux_loss] if self.has_aux_loss else []) + futures
             return (h, *carry) if carry else h
-        normed = self.norm(h)
+        normed = self.norm(h if self.hc_head is None else self.hc_head(h))
         logits = self._logits(normed)
         if not self.mtp_depths and not self.has_aux_loss:
             return logits
         mtp_logits = []
+        previous = normed if self.hc_head is None else h  # V4's MTP reads the streams
         for mtp_depth, future in zip(self.mtp, futures, strict=True):
-            normed, aux_loss = mtp_depth(normed, future, aux_loss, layout)
+            normed, previous, aux_loss = mtp_depth(previous, future, aux_loss, layout)
             mtp_logits.append(self._logits(normed))
         return (logits, aux_loss, *mtp_logits)
 

@@ -169,6 +169,7 @@ def module_names_per_stage(model_args: HybridModelArgs, pp: int,
         if stage.index == 0:
             kept.insert(0, "tok_embeddings")
         if stage.index == len(stages) - 1:
+            kept += ["hc_head"] if model_args.hc_mult else []
             kept += ["norm", "output"] + [f"mtp.{depth}" for depth in range(pattern.mtp_depths)]
         names.append(kept)
     return names
