@@ -191,3 +191,19 @@ def test_the_flops_count_the_hyper_connections_as_torchs_flop_counter_does():
     assert (streams.model_args.get_nparams_and_flops(streams, 64)[1]
             - args.get_nparams_and_flops(plain, 64)[1]
             == 6 * added + 3 * (layers * mixing_flops(64, N) + 2 * N * 64))
+
+
+def test_a_job_that_hyper_connections_cannot_run_is_one_line_naming_the_field():
+    from tests.run_configs import run_from_args
+    from titan_hybrid.parallel.validate import validate_layout
+
+    with pytest.raises(ValueError, match=r"^hc_mult=-1 must be >= 0"):
+        run_from_args("--hybrid.hc_mult", "-1")
+    run = run_from_args("--hybrid.hc_mult", "4", "--model.flavor", "debug_moe",
+                        "--parallelism.expert_parallel_degree", "2",
+                        "--parallelism.expert_parallel_overlap",
+                        "--training.global_batch_size", "32")
+    assert run.model.hc_mult == 4
+    with pytest.raises(ValueError, match=r"^parallelism.expert_parallel_overlap with "
+                                         r"hyper-connections \(hc_mult=4\) is not supported"):
+        validate_layout(run, 2)

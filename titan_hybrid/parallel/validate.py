@@ -173,8 +173,13 @@ def validate_context_parallel(model_args: HybridModelArgs, p: ParallelismSection
                 "a longer sequence or a smaller CP degree")
 
 
-def validate_overlap(p: ParallelismSection, training: TrainingSection, *,
-                     data_parallel: int) -> None:
+def validate_overlap(model_args: HybridModelArgs, p: ParallelismSection,
+                     training: TrainingSection, *, data_parallel: int) -> None:
+    if model_args.hc_mult:
+        raise ValueError(
+            f"parallelism.expert_parallel_overlap with hyper-connections (hc_mult="
+            f"{model_args.hc_mult}) is not supported yet (its overlapped backward is not safe "
+            "with the stream-mixed residual); train with expert_parallel_degree alone")
     if p.expert_parallel_degree < 2:
         raise ValueError(
             "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
@@ -248,7 +253,8 @@ def validate_layout(run: LayoutJob, world_size: int) -> int:
     if p.expert_parallel_degree > 1:
         validate_expert_parallel(p, model_args, shard=shard, strategy=strategy)
     if p.expert_parallel_overlap:
-        validate_overlap(p, run.training, data_parallel=p.data_parallel_replicate_degree * shard)
+        validate_overlap(model_args, p, run.training,
+                         data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(model_args, p, run.training)
     if p.context_parallel_linear_mode not in LINEAR_MODES:  # checked at any CP degree

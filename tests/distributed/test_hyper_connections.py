@@ -1,0 +1,78 @@
+"""Hyper-connections (`--hybrid.hc_mult 4`: four residual streams) in the real trainer: the loss
+curve of one process under FSDP2, TP2 + SP, PP2 (the stage boundary carries [B, T, 4, D]) and
+CP2 in both linear modes, and for an MoE + MTP pattern under EP2, full and per-op selective
+activation checkpointing and compile; a checkpoint saved under TP2 resumes under TP1 onto the
+one-process curve. The layer-level checks against transformers' DeepSeek-V4 modules and a
+float64 reference are tests/unit/test_hyper_connections.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from tests.launch import run_training
+
+HC = ("--hybrid.hc_mult", "4")
+# Two microbatches of 4 rows per step: one process accumulates what two DP ranks compute.
+JOB = (*HC, "--training.steps", "4", "--training.seq_len", "64",
+       "--training.local_batch_size", "4", "--training.global_batch_size", "8")
+WHOLE_BATCH = ("--training.local_batch_size", "8")  # layouts without data parallelism
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
+DENSE_LAYOUTS = {
+    "fsdp2": (),
+    "pp2": ("--parallelism.pipeline_parallel_degree", "2", *WHOLE_BATCH),
+    "cp2_chunkwise": ("--parallelism.context_parallel_degree", "2", *WHOLE_BATCH,
+                      "--parallelism.context_parallel_linear_mode", "chunkwise"),
+    "cp2_head_a2a": ("--parallelism.context_parallel_degree", "2", *WHOLE_BATCH),
+}
+TP2 = ("--parallelism.tensor_parallel_degree", "2", *WHOLE_BATCH)
+MOE = ("--model.flavor", "debug_moe")  # M*EME/*-: MoE layers and an MTP depth (V4's form)
+MOE_LAYOUTS = {
+    "ep2": (2, ("--parallelism.expert_parallel_degree", "2")),
+    "ac_full": (1, ("--activation_checkpoint.mode", "full")),
+    "ac_op": (1, ("--activation_checkpoint.mode", "selective",
+                  "--activation_checkpoint.selective_ac_option", "op")),
+    "compile": (1, ("--compile.enable",)),
+}
+
+
+def _assert_same_curve(expected: list[float], got: list[float], rel: float = 1e-5) -> None:
+    assert len(got) == len(expected) == 4
+    for a, b in zip(expected, got, strict=True):
+        assert b == pytest.approx(a, rel=rel)
+
+
+def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_tp1(
+        tmp_path, reference_run):
+    single = reference_run(*JOB)
+    for name, layout in DENSE_LAYOUTS.items():
+        _assert_same_curve(single.losses,
+                           run_training(tmp_path / name, *JOB, *layout, nproc=2).check().losses)
+    saved = run_training(tmp_path / "tp2", *JOB, *TP2, *CHECKPOINT, nproc=2).check()
+    assert "Applied tensor parallel (sequence parallel: True)" in saved.output
+    _assert_same_curve(single.losses, saved.losses)
+    outputs = tmp_path / "tp2" / "outputs"
+    shutil.rmtree(outputs / "ck" / "step-4")
+    keys = dcp.FileSystemReader(str(outputs / "ck" / "step-2")).read_metadata().state_dict_metadata
+    assert tuple(keys["layers.0.hyper_connection.fn"].size) == ((2 + 4) * 4, 4 * 256)
+    assert tuple(keys["hc_head.hc_fn"].size) == (4, 4 * 256)
+    assert "optimizer.state.layers.3.hyper_connection.scale.exp_avg" in keys
+    resumed_in = tmp_path / "resume_tp1"
+    shutil.copytree(outputs, resumed_in / "outputs")
+    resumed = run_training(resumed_in, *JOB, *CHECKPOINT).check()
+    assert "Training starts at step 3" in resumed.output
+    assert resumed.losses == pytest.approx(single.losses[2:], rel=1e-5)
+
+
+# The MoE / MTP layouts (5 runs, about 35 s) in the extended run, which CI's first leg runs: the
+# default suite's time is near its budget; the dense layouts above stay in it.
+@pytest.mark.extended
+def test_moe_and_mtp_with_hyper_connections_give_the_one_process_curve_under_ep_ac_and_compile(
+        tmp_path, reference_run):
+    single = reference_run(*MOE, *JOB)
+    for name, (nproc, layout) in MOE_LAYOUTS.items():
+        _assert_same_curve(single.losses, run_training(tmp_path / name, *MOE, *JOB, *layout,
+                                                       nproc=nproc).check().losses)
