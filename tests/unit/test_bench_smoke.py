@@ -291,3 +291,14 @@ def test_conv_kernels_bench_counts_each_path(compiled):
         for path in ("torch path, compiled", "our Triton conv, compiled"):
             assert rows[path]["layer"]["inductor"] > 0, rows[path]
         assert rows["our Triton conv, compiled"]["conv"]["triton"] == 2
+
+
+def test_hyper_connections_bench_times_both_models_small():
+    """bench/hyper_connections.py small: both models step, the streams add parameters and
+    FLOPs, and the ratio is the two medians'."""
+    from bench.hyper_connections import compare
+
+    result = compare("debug", streams=2, batch=1, seq_len=32, steps=1, warmup=0)
+    assert result["added_params"] > 0
+    assert result["flops_per_token"][2] > result["flops_per_token"][0]
+    assert result["ratio"] == result["step_s"][2] / result["step_s"][0] > 0
