@@ -207,3 +207,25 @@ def test_a_job_that_hyper_connections_cannot_run_is_one_line_naming_the_field():
     with pytest.raises(ValueError, match=r"^parallelism.expert_parallel_overlap with "
                                          r"hyper-connections \(hc_mult=4\) is not supported"):
         validate_layout(run, 2)
+
+
+def test_fp8_converts_the_model_around_the_hyper_connections_and_trains():
+    """FP8 (emulated on CPU) converts the Linear modules, V4's MTP projections included, and
+    leaves the hyper-connections' weights in their precision; the model still steps."""
+    from titan_hybrid.config.sections import Float8Section
+    from titan_hybrid.quantize.float8 import apply_float8
+
+    args = dataclasses.replace(hybrid_flavors["debug_moe"], hc_mult=N, dim=64, vocab_size=128)
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    converted = apply_float8(model, Float8Section(enable=True, emulate=True))
+    assert "mtp.0.e_proj" in converted and "mtp.0.h_proj" in converted
+    assert not any("hyper_connection" in fqn or "hc_head" in fqn for fqn in converted)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)[0]
+    logits.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(logits).all()
+    assert all(p.grad is not None and p.dtype == torch.float32  # the main head's loss
+               for name, p in model.named_parameters()
+               if "hyper_connection" in name and name.startswith("layers."))
