@@ -149,9 +149,28 @@ def hf_format_of(args: HybridModelArgs) -> Family:
     return FAMILIES["deepseek" if kinds & set(ARCHITECTURES) else "nemotron_h"]
 
 
+def _held_by_no_family(args: HybridModelArgs) -> str | None:
+    """An option of the model's that none of the families here writes (DeepSeek-V4's, until
+    deepseek_v4 joins them): an export would drop it silently."""
+    if args.hc_mult:
+        return f"hc_mult={args.hc_mult}: hyper-connections"
+    if any(kind.routed_experts for kind in args.kinds()):
+        if args.moe.score_func == "sqrtsoftplus":
+            return "moe.score_func='sqrtsoftplus'"
+        if args.moe.swiglu_limit:
+            return f"moe.swiglu_limit={args.moe.swiglu_limit}"
+    if args.mlp.swiglu_limit:
+        return f"mlp.swiglu_limit={args.mlp.swiglu_limit}"
+    return None
+
+
 def check_hf_compatible(args: HybridModelArgs) -> Family:
     """The model's HF format; ValueError naming its first unmet condition, and RULE."""
     hf_format = hf_format_of(args)
+    unheld = _held_by_no_family(args)
+    if unheld:
+        raise ValueError(f"{unheld} is held by none of the Hugging Face families titan_hybrid "
+                         f"writes ({', '.join(FAMILIES)}): export this model without it")
     try:
         hf_format.check(args)
         if args.enable_weight_tying and not hf_format.ties_embeddings:

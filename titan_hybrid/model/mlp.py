@@ -19,14 +19,24 @@ ACTIVATIONS = ("swiglu", "relu2")
 class MLPArgs:
     hidden_dim: int = 512
     activation: str = "swiglu"  # or "relu2": Nemotron-H's non-gated squared-ReLU MLP
+    # SwiGLU's clamp (DeepSeek-V4's swiglu_limit): silu(min(gate, L)) * clamp(up, -L, L).
+    # 0: none.
+    swiglu_limit: float = 0.0
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) * up; with a limit L > 0, silu(min(gate, L)) * clamp(up, -L, L)."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, *, dim: int, hidden_dim: int) -> None:
+    def __init__(self, *, dim: int, hidden_dim: int, limit: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, 2 * hidden_dim, bias=False)
         self.fc2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.hidden_dim = hidden_dim
+        self.hidden_dim, self.limit = hidden_dim, limit
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Column parallel, each rank holding [W_local ; V_local]; the plan splits both parts.
@@ -35,7 +45,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.fc2(swiglu(gate, up, self.limit))
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         init_linear(self.fc1, std=init_std)
@@ -62,13 +72,17 @@ class SquaredReLUMLP(nn.Module):
 
 
 def build_mlp(args: MLPArgs, dim: int) -> nn.Module:
-    mlp_class = SquaredReLUMLP if args.activation == "relu2" else SwiGLU
-    return mlp_class(dim=dim, hidden_dim=args.hidden_dim)
+    if args.activation == "relu2":
+        return SquaredReLUMLP(dim=dim, hidden_dim=args.hidden_dim)
+    return SwiGLU(dim=dim, hidden_dim=args.hidden_dim, limit=args.swiglu_limit)
 
 
 def _validate(args: MLPArgs, dim: int) -> None:
     if args.activation not in ACTIVATIONS:
         raise ValueError(f"mlp: activation '{args.activation}' is not 'swiglu' or 'relu2'")
+    if args.swiglu_limit < 0 or (args.swiglu_limit and args.activation != "swiglu"):
+        raise ValueError(f"mlp: swiglu_limit={args.swiglu_limit} must be >= 0, and 0 unless "
+                         "activation is 'swiglu' (0: no clamp)")
 
 
 KIND = LayerKind(

@@ -23,9 +23,9 @@ from torch import nn
 
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
-from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp
+from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp, swiglu
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
 @dataclass
@@ -33,14 +33,18 @@ class MoEArgs:
     num_experts: int = 8
     top_k: int = 2
     hidden_dim: int = 256
-    score_func: str = "softmax"  # or "sigmoid"
+    # "softmax", "sigmoid", or "sqrtsoftplus" (DeepSeek-V4's sqrt(softplus(logit)))
+    score_func: str = "softmax"
     shared_expert_hidden_dim: int = 0  # 0: no shared expert
     aux_loss_coeff: float = 1e-2
     # The experts' and the shared expert's MLP: "swiglu", or "relu2" (Nemotron 3's non-gated
     # squared ReLU).
     activation: str = "swiglu"
+    # SwiGLU's clamp (DeepSeek-V4's swiglu_limit, Megatron's activation_func_clamp_value), in
+    # the routed experts and the shared expert: silu(min(gate, L)) * clamp(up, -L, L). 0: none.
+    swiglu_limit: float = 0.0
     # Divide the chosen experts' weights by their sum (transformers' norm_topk_prob); None:
-    # the score function's default (softmax: no, sigmoid: yes).
+    # the score function's default (softmax: no, sigmoid and sqrtsoftplus: yes).
     norm_topk_prob: bool | None = None
     # Multiply the chosen experts' weights (DeepSeek-V3 / Nemotron 3's routed_scaling_factor).
     routed_scaling_factor: float = 1.0
@@ -62,8 +66,17 @@ class MoEArgs:
 
     @property
     def normalizes_top_k(self) -> bool:
-        return (self.score_func == "sigmoid" if self.norm_topk_prob is None
+        return (self.score_func != "softmax" if self.norm_topk_prob is None
                 else self.norm_topk_prob)
+
+
+def router_scores(logits_XE: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Each token's score of each expert."""
+    if score_func == "softmax":
+        return logits_XE.softmax(dim=-1)
+    if score_func == "sigmoid":
+        return logits_XE.sigmoid()
+    return F.softplus(logits_XE).sqrt()
 
 
 class TopKRouter(nn.Module):
@@ -93,14 +106,14 @@ class TopKRouter(nn.Module):
         load-balancing loss)."""
         # Routing in fp32: near-ties between experts flip under bf16 logits.
         logits = upcast(self.gate(x_XD))
-        scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        scores = router_scores(logits, self.args.score_func)
         experts = self._choice(scores).topk(self.args.top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if self.args.normalizes_top_k:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         if self.args.routed_scaling_factor != 1.0:
             weights = weights * self.args.routed_scaling_factor
-        if self.args.score_func == "sigmoid":
+        if self.args.score_func != "softmax":
             scores = scores / scores.sum(dim=-1, keepdim=True)  # the balance loss's shares
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
         num_experts = self.args.num_experts
@@ -156,23 +169,27 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
     return _GatherRows.apply(x, index, inverse, repeats)
 
 
-def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """fc1's output -> fc2's input: SwiGLU (h is [gate | up]) or squared ReLU."""
+def expert_activation(h: torch.Tensor, activation: str,
+                      swiglu_limit: float = 0.0) -> torch.Tensor:
+    """fc1's output -> fc2's input: SwiGLU (h is [gate | up]; clamped with a limit) or
+    squared ReLU."""
     if activation == "relu2":
         return F.relu(h).square()
     gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(gate, up, swiglu_limit)
 
 
 def experts_loop(x_sorted_XD: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
-                 tokens_per_expert: list[int], activation: str = "swiglu") -> torch.Tensor:
+                 tokens_per_expert: list[int], activation: str = "swiglu",
+                 swiglu_limit: float = 0.0) -> torch.Tensor:
     """The experts one at a time: two matmuls per expert and a host sync for the split. Only
     the float64 / odd-size path (grouped_mm refuses float64, which the tests' references use,
     and widths that are not a multiple of 16 bytes), and the reference the tests and
     bench/moe_layer.py compare the grouped path with."""
     outputs = []
     for expert, x in enumerate(x_sorted_XD.split(tokens_per_expert)):
-        outputs.append(expert_activation(x @ fc1[expert].t(), activation) @ fc2[expert].t())
+        outputs.append(expert_activation(x @ fc1[expert].t(), activation, swiglu_limit)
+                       @ fc2[expert].t())
     return torch.cat(outputs)
 
 
@@ -189,12 +206,12 @@ class GroupedExperts(nn.Module):
     """E experts: SwiGLU (fc1[e] holds [W_e ; V_e] like the dense MLP) or squared ReLU."""
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int,
-                 activation: str = "swiglu") -> None:
+                 activation: str = "swiglu", swiglu_limit: float = 0.0) -> None:
         super().__init__()
         gated = activation == "swiglu"
         self.fc1 = nn.Parameter(torch.empty(num_experts, (2 if gated else 1) * hidden_dim, dim))
         self.fc2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.hidden_dim, self.activation = hidden_dim, activation
+        self.hidden_dim, self.activation, self.swiglu_limit = hidden_dim, activation, swiglu_limit
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Each expert split like the dense MLP: hidden units ([W_local ; V_local] per rank).
@@ -214,12 +231,12 @@ class GroupedExperts(nn.Module):
             # The float64 / odd-size path only: grouped_mm takes neither float64 nor rows
             # that are not a multiple of 16 bytes (its operands' and gradients' strides).
             return experts_loop(x_sorted_XD, self.fc1, self.fc2, tokens_per_expert.tolist(),
-                                self.activation)
+                                self.activation, self.swiglu_limit)
         x, fc1, fc2 = (t.to(dtype) for t in (x_sorted_XD.contiguous(), self.fc1, self.fc2))
         offs_E = tokens_per_expert.cumsum(0, dtype=torch.int32)
         # x @ fc1[e].t() for every expert's block: mat_b is fc1 seen as [E, dim, fc1 rows].
         hidden = self.grouped_mm(x, fc1.transpose(-2, -1), offs_E)
-        return self.grouped_mm(expert_activation(hidden, self.activation),
+        return self.grouped_mm(expert_activation(hidden, self.activation, self.swiglu_limit),
                                fc2.transpose(-2, -1), offs_E)
 
     def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,
@@ -242,9 +259,11 @@ class MoE(nn.Module):
         self.fc1_latent = nn.Linear(dim, expert_dim, bias=False) if args.latent_dim else None
         self.fc2_latent = nn.Linear(expert_dim, dim, bias=False) if args.latent_dim else None
         self.experts = GroupedExperts(dim=expert_dim, hidden_dim=args.hidden_dim,
-                                      num_experts=args.num_experts, activation=args.activation)
+                                      num_experts=args.num_experts, activation=args.activation,
+                                      swiglu_limit=args.swiglu_limit)
         self.shared_expert = (build_mlp(MLPArgs(hidden_dim=args.shared_expert_hidden_dim,
-                                                activation=args.activation), dim)
+                                                activation=args.activation,
+                                                swiglu_limit=args.swiglu_limit), dim)
                               if args.shared_expert_hidden_dim > 0 else None)
         self.shared_expert_gate = (nn.Linear(dim, 1, bias=False)
                                    if args.shared_expert_gate else None)
@@ -308,7 +327,10 @@ def _validate(args: MoEArgs, dim: int) -> None:
         raise ValueError(f"moe: top_k={args.top_k} must be in [1, num_experts="
                          f"{args.num_experts}]")
     if args.score_func not in SCORE_FUNCTIONS:
-        raise ValueError(f"moe: score_func '{args.score_func}' is not 'softmax' or 'sigmoid'")
+        raise ValueError(f"moe: score_func '{args.score_func}' is not one of {SCORE_FUNCTIONS}")
+    if args.swiglu_limit < 0 or (args.swiglu_limit and args.activation != "swiglu"):
+        raise ValueError(f"moe: swiglu_limit={args.swiglu_limit} must be >= 0, and 0 unless "
+                         "activation is 'swiglu' (0: no clamp)")
     if args.activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation '{args.activation}' is not 'swiglu' or 'relu2'")
     if args.num_experts % args.n_group or not 1 <= args.topk_group <= args.n_group \

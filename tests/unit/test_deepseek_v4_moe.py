@@ -1,0 +1,112 @@
+"""DeepSeek-V4's MoE layer as our `E` with its options (issue 49, item 3): the sqrtsoftplus
+router (weights normalised over the chosen experts, times routed_scaling_factor, the choice
+biased by e_score_correction_bias) and SwiGLU's clamp (`swiglu_limit`) in the routed experts and
+the shared expert, against transformers' DeepseekV4SparseMoeBlock (float64, eager experts):
+the output and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+from titan_hybrid.model.mlp import MLPArgs, SwiGLU, build_mlp, swiglu
+from titan_hybrid.model.moe import KIND, MoE, MoEArgs, router_scores
+
+D, E, K, HIDDEN, LIMIT = 16, 4, 2, 8, 0.7
+
+
+def _their_block() -> DeepseekV4SparseMoeBlock:
+    config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=HIDDEN, n_routed_experts=E,
+                              num_experts_per_tok=K, routed_scaling_factor=1.5,
+                              swiglu_limit=LIMIT, scoring_func="sqrtsoftplus",
+                              num_hidden_layers=2, mlp_layer_types=["moe", "moe"],
+                              experts_implementation="eager")
+    generator = torch.Generator().manual_seed(0)
+    block = DeepseekV4SparseMoeBlock(config, layer_idx=0).double()
+    with torch.no_grad():
+        for tensor in [*block.parameters(), block.gate.e_score_correction_bias]:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float64))
+    return block
+
+
+def _ours_from(theirs: DeepseekV4SparseMoeBlock) -> MoE:
+    args = MoEArgs(num_experts=E, top_k=K, hidden_dim=HIDDEN, score_func="sqrtsoftplus",
+                   score_correction_bias=True, routed_scaling_factor=1.5,
+                   shared_expert_hidden_dim=HIDDEN, swiglu_limit=LIMIT, aux_loss_coeff=0.0)
+    ours = MoE(dim=D, args=args).double()
+    shared = theirs.shared_experts
+    with torch.no_grad():
+        ours.router.gate.weight.copy_(theirs.gate.weight)
+        ours.router.e_score_correction_bias.copy_(theirs.gate.e_score_correction_bias)
+        ours.experts.fc1.copy_(theirs.experts.gate_up_proj)  # [gate ; up] rows, as ours
+        ours.experts.fc2.copy_(theirs.experts.down_proj)
+        ours.shared_expert.fc1.weight.copy_(torch.cat((shared.gate_proj.weight,
+                                                       shared.up_proj.weight)))
+        ours.shared_expert.fc2.weight.copy_(shared.down_proj.weight)
+    return ours
+
+
+def test_our_moe_with_v4s_options_is_transformers_deepseek_v4_block_forward_and_backward():
+    theirs = _their_block()
+    ours = _ours_from(theirs)
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
+                    requires_grad=True)
+    # A clamp that bites: some gate and up values are beyond the limit.
+    assert (theirs.experts.gate_up_proj @ x.detach().reshape(-1, D).T).abs().max() > LIMIT
+    out, _ = ours(x)
+    expected = theirs(x)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2),
+                          dtype=torch.float64)
+    our_grads = torch.autograd.grad((out * weights).sum(), (x, ours.router.gate.weight,
+                                                              ours.experts.fc1, ours.experts.fc2))
+    their_grads = torch.autograd.grad((expected * weights).sum(),
+                                      (x, theirs.gate.weight, theirs.experts.gate_up_proj,
+                                       theirs.experts.down_proj))
+    for a, b in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_sqrtsoftplus_scores_and_the_clamp_are_their_formulas():
+    logits = torch.tensor([[-30.0, -1.0, 0.0, 2.0, 40.0]], dtype=torch.float64)
+    assert torch.equal(router_scores(logits, "sqrtsoftplus"),
+                       torch.log1p(torch.exp(logits)).where(logits < 20, logits).sqrt())
+    mlp = build_mlp(MLPArgs(hidden_dim=3, swiglu_limit=0.5), 2)
+    assert isinstance(mlp, SwiGLU) and mlp.limit == 0.5
+    gate, up = torch.tensor([-2.0, 0.3, 4.0]), torch.tensor([-3.0, 0.2, 9.0])
+    expected = torch.nn.functional.silu(torch.tensor([-2.0, 0.3, 0.5])) * torch.tensor(
+        [-0.5, 0.2, 0.5])
+    assert torch.equal(swiglu(gate, up, 0.5), expected)
+    assert torch.equal(swiglu(gate, up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("args, message", [
+    (MoEArgs(score_func="tanh"), "score_func 'tanh' is not one of"),
+    (MoEArgs(swiglu_limit=-1.0), "swiglu_limit=-1.0 must be >= 0"),
+    (MoEArgs(swiglu_limit=1.0, activation="relu2"), "0 unless activation is 'swiglu'"),
+])
+def test_moe_options_that_cannot_work_are_refused_by_name(args, message):
+    with pytest.raises(ValueError, match=message):
+        KIND.validate(args, D)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"hc_mult": 4}, "hc_mult=4: hyper-connections"),
+    ({"pattern": "M*EME", "moe": MoEArgs(score_func="sqrtsoftplus")},
+     "moe.score_func='sqrtsoftplus'"),
+    ({"pattern": "M*EME", "moe": MoEArgs(swiglu_limit=7.0)}, "moe.swiglu_limit=7.0"),
+    ({"mlp": MLPArgs(swiglu_limit=7.0)}, "mlp.swiglu_limit=7.0"),
+])
+def test_an_hf_export_refuses_by_name_what_no_family_holds(changes, named):
+    """An option no Hugging Face family here writes is never dropped silently: the export
+    (and a job's last_save_in_hf, checked before training) is refused, naming it."""
+    import dataclasses
+
+    from titan_hybrid.hf.families import check_hf_compatible
+    from titan_hybrid.model.args import hybrid_flavors
+
+    args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], **changes)
+    with pytest.raises(ValueError, match=f"^{named}.* is held by none of the Hugging Face"):
+        check_hf_compatible(args)
