@@ -110,3 +110,68 @@ def test_an_hf_export_refuses_by_name_what_no_family_holds(changes, named):
     args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], **changes)
     with pytest.raises(ValueError, match=f"^{named}.* is held by none of the Hugging Face"):
         check_hf_compatible(args)
+
+
+def test_a_hash_routed_layer_is_transformers_deepseek_v4_hash_block_forward_and_backward():
+    """The experts come from tid2eid[token id] (a random table here), the gate's sqrtsoftplus
+    scores weigh them; no balance loss."""
+    vocab = 11
+    config = DeepseekV4Config(hidden_size=D, moe_intermediate_size=HIDDEN, n_routed_experts=E,
+                              num_experts_per_tok=K, routed_scaling_factor=1.5,
+                              swiglu_limit=LIMIT, scoring_func="sqrtsoftplus", vocab_size=vocab,
+                              num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"],
+                              experts_implementation="eager")
+    generator = torch.Generator().manual_seed(3)
+    theirs = DeepseekV4SparseMoeBlock(config, layer_idx=0).double()
+    assert theirs.is_hash
+    with torch.no_grad():
+        for tensor in theirs.parameters():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float64))
+        theirs.gate.tid2eid.copy_(torch.randint(0, E, (vocab, K), generator=generator))
+    args = MoEArgs(num_experts=E, top_k=K, hidden_dim=HIDDEN, score_func="sqrtsoftplus",
+                   routed_scaling_factor=1.5, shared_expert_hidden_dim=HIDDEN,
+                   swiglu_limit=LIMIT, hash_vocab_size=vocab)
+    ours = MoE(dim=D, args=args).double()
+    assert ours.routes_by_token and not hasattr(ours.router, "e_score_correction_bias")
+    shared = theirs.shared_experts
+    with torch.no_grad():
+        ours.router.gate.weight.copy_(theirs.gate.weight)
+        ours.router.tid2eid.copy_(theirs.gate.tid2eid)
+        ours.experts.fc1.copy_(theirs.experts.gate_up_proj)
+        ours.experts.fc2.copy_(theirs.experts.down_proj)
+        ours.shared_expert.fc1.weight.copy_(torch.cat((shared.gate_proj.weight,
+                                                       shared.up_proj.weight)))
+        ours.shared_expert.fc2.weight.copy_(shared.down_proj.weight)
+    ids = torch.randint(0, vocab, (2, 5), generator=generator)
+    x = torch.randn(2, 5, D, generator=generator, dtype=torch.float64, requires_grad=True)
+    out, aux_loss = ours(x, ids)
+    expected = theirs(x, ids)
+    assert aux_loss.item() == 0.0
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((out * weights).sum(), (x, ours.router.gate.weight)),
+                    torch.autograd.grad((expected * weights).sum(), (x, theirs.gate.weight)),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="needs the batch's token ids"):
+        ours(x)
+
+
+def test_the_first_hash_layers_moe_layers_route_by_token_and_hold_a_round_robin_table():
+    import dataclasses
+
+    from titan_hybrid.model.args import hybrid_flavors
+    from titan_hybrid.model.model import HybridModel
+
+    args = hybrid_flavors["debug_hash_moe"]  # M*EME/*-: layers 2 (hash) and 4 (top-k)
+    assert args.hash_routed(args.parsed_pattern.main) == [False, False, True, False, False]
+    model = HybridModel(args)
+    model.init_weights()
+    assert [key for key in model.state_dict() if "tid2eid" in key] == [
+        "layers.2.moe.router.tid2eid"]
+    table = model.layers["2"].moe.router.tid2eid
+    assert table.shape == (args.vocab_size, args.moe.top_k) and table.dtype == torch.int64
+    assert table[5].tolist() == [5 % 8, 6 % 8]  # Megatron's (id + k) mod E
+    assert not model.layers["4"].moe.routes_by_token
+    with pytest.raises(ValueError, match=r"moe.hash_layers=3 must be in \[0, the pattern's 2"):
+        dataclasses.replace(args, moe=dataclasses.replace(args.moe, hash_layers=3)).validate()

@@ -125,6 +125,11 @@ class HybridModelArgs:
         """Raise ValueError for shapes that cannot work; cheap, runs before any model is built."""
         for kind in self.kinds():  # parsing the pattern also validates it
             kind.validate(self.section(kind), self.dim)
+        moe_layers = sum(LAYER_KINDS[s].name == "moe"
+                         for s in self.parsed_pattern.physical_layer_symbols())
+        if not 0 <= self.moe.hash_layers <= moe_layers:
+            raise ValueError(f"moe.hash_layers={self.moe.hash_layers} must be in [0, the "
+                             f"pattern's {moe_layers} MoE layers]")
         if self.hc_mult < 0:
             raise ValueError(f"hc_mult={self.hc_mult} must be >= 0 (0: no hyper-connections)")
         if self.hc_mult and self.hc_sinkhorn_iters < 1:
@@ -134,6 +139,15 @@ class HybridModelArgs:
         if wrong:
             raise ValueError(f"post_norm_mixers '{self.post_norm_mixers}' has {wrong}: it names "
                              "sequence mixers' symbols")
+
+    def hash_routed(self, items) -> list[bool]:
+        """Whether each physical layer of `items` (the main pattern's, in order, groups
+        flattened) routes by hash: the first `moe.hash_layers` MoE layers."""
+        flags, left = [], self.moe.hash_layers
+        for symbol in (symbol for item in items for symbol in item):
+            flags.append(left > 0 and LAYER_KINDS[symbol].name == "moe")
+            left -= flags[-1]
+        return flags
 
     def post_norms(self, items) -> list[bool]:
         """Whether each physical layer of `items` (in order, groups flattened) is post-norm:
@@ -232,6 +246,13 @@ class FlavorRegistry(dict):
 hybrid_flavors = FlavorRegistry({
     "debug": _debug(),
     "debug_moe": dataclasses.replace(_debug(), pattern="M*EME/*-"),
+    # DeepSeek-V4's MoE: the first MoE layer routes by token id, sqrtsoftplus scores, SwiGLU
+    # clamped at 10 (experts and shared expert), routed_scaling_factor 1.5.
+    "debug_hash_moe": dataclasses.replace(
+        _debug(), pattern="M*EME/*-",
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, shared_expert_hidden_dim=256,
+                    score_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0,
+                    hash_layers=1)),
     "debug_grouped": dataclasses.replace(_debug(), pattern="[M*][M-][G-]"),
     # Multi-latent attention (DeepSeek-V3) and DeepSeek sparse attention (V3.2) hybrids.
     "debug_mla": dataclasses.replace(_debug(), pattern="M+-M+-"),

@@ -25,6 +25,7 @@ class TokenLayout:
     positions: torch.Tensor | None
     seq_idx: torch.Tensor | None
     rope_table: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None  # [B, T]: what hash-routed MoE layers choose by
 
     def is_plain_causal(self) -> bool:
         """One document per row and tokens in order: plain causal masking is exact."""

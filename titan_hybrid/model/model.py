@@ -18,6 +18,7 @@ layers or MTP depths; `titan_hybrid.training.loss` turns either into the trainin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from collections.abc import Callable
@@ -45,14 +46,18 @@ class HybridLayer(nn.Module):
     by kind (`attention_norm`, `attention`, ...) so that checkpoint keys say what a layer is,
     as Megatron's do."""
 
-    def __init__(self, symbol: str, args: HybridModelArgs, *, post_norm: bool = False) -> None:
+    def __init__(self, symbol: str, args: HybridModelArgs, *, post_norm: bool = False,
+                 hash_routed: bool = False) -> None:
+        """`hash_routed`: an MoE layer that chooses its experts by the token ids."""
         super().__init__()
         self.symbol = symbol
         self.kind = LAYER_KINDS[symbol]
         self.post_norm = post_norm  # h + norm(mixer(h)) instead of h + mixer(norm(h))
         self.add_module(f"{self.kind.name}_norm", model_norm(args))
-        self.add_module(self.kind.name,
-                        self.kind.build(args.section(self.kind), args.dim, args.norm_eps))
+        section = args.section(self.kind)
+        if hash_routed:
+            section = dataclasses.replace(section, hash_vocab_size=args.vocab_size)
+        self.add_module(self.kind.name, self.kind.build(section, args.dim, args.norm_eps))
         self.residual_multiplier = args.residual_multiplier
         self.hyper_connection = (HyperConnection(args.dim, args.hc_mult,
                                                  sinkhorn_iters=args.hc_sinkhorn_iters,
@@ -75,7 +80,12 @@ class HybridLayer(nn.Module):
         else:
             x = h
         x = x if self.post_norm else self.norm(x)
-        out = self.mixer(x, layout) if self.kind.mixes_sequence else self.mixer(x)
+        if self.kind.mixes_sequence:
+            out = self.mixer(x, layout)
+        elif getattr(self.mixer, "routes_by_token", False):
+            out = self.mixer(x, layout.token_ids)
+        else:
+            out = self.mixer(x)
         if self.kind.has_aux_loss:
             out, layer_aux_loss = out
             aux_loss = aux_loss + layer_aux_loss
@@ -98,15 +108,21 @@ class HybridStack(nn.Module):
     """A sequence of pattern items; a bracket group becomes a nested HybridStack."""
 
     def __init__(self, items: list[Item], args: HybridModelArgs, *, first_index: int = 0,
-                 post_norms: list[bool] | None = None) -> None:
+                 post_norms: list[bool] | None = None,
+                 hash_routed: list[bool] | None = None) -> None:
         """`post_norms`: each physical layer's placement of its norm, in order (default:
-        args.post_norms(items))."""
+        args.post_norms(items)); `hash_routed`: each physical layer's routing by token id
+        (default: none, as in MTP depths; the main stack's: args.hash_routed(items))."""
         super().__init__()
         flags = iter(args.post_norms(items) if post_norms is None else post_norms)
+        hashed = iter(hash_routed or [False] * sum(len(item) for item in items))
         self.layers = nn.ModuleDict()
         for offset, item in enumerate(items):
-            layer = (HybridStack(list(item), args, post_norms=[next(flags) for _ in item])
-                     if isinstance(item, tuple) else HybridLayer(item, args, post_norm=next(flags)))
+            layer = (HybridStack(list(item), args, post_norms=[next(flags) for _ in item],
+                                 hash_routed=[next(hashed) for _ in item])
+                     if isinstance(item, tuple)
+                     else HybridLayer(item, args, post_norm=next(flags),
+                                      hash_routed=next(hashed)))
             self.layers[str(first_index + offset)] = layer
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
@@ -195,7 +211,8 @@ class HybridModel(nn.Module):
         self.model_args = model_args
         pattern = model_args.parsed_pattern
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
-        self.layers = HybridStack(pattern.main, model_args).layers
+        self.layers = HybridStack(pattern.main, model_args,
+                                  hash_routed=model_args.hash_routed(pattern.main)).layers
         self.hc_head = (HyperHead(model_args.dim, model_args.hc_mult, eps=model_args.hc_eps,
                                   norm_eps=model_args.norm_eps) if model_args.hc_mult else None)
         self.norm = model_norm(model_args)
@@ -266,11 +283,14 @@ class HybridModel(nn.Module):
                 init(unit)
 
     def forward(self, tokens_or_hidden: torch.Tensor, *carried: torch.Tensor,
-                positions: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None):
+                positions: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+                token_ids: torch.Tensor | None = None):
         """Tokens [B, T] -> logits, or (logits, aux_loss, *mtp_logits) with MoE layers or MTP.
 
         `positions` / `seq_idx` [B, T] describe packed documents and context-parallel shards
-        (see model/layout.py); without them each row is one document in order.
+        (see model/layout.py); without them each row is one document in order. `token_ids`
+        [B, T]: the batch's tokens, for a pipeline stage without the embedding whose MoE layers
+        route by hash (the first stage takes its input tokens).
 
         Pipeline stages are copies of this model with the parts of other stages set to None (or
         dropped from `layers` / `mtp`). A stage without the embedding receives what the stage
@@ -301,7 +321,10 @@ class HybridModel(nn.Module):
             aux_loss = (carried[0].view_as(carried[0]) if self.has_aux_loss
                         else h.new_zeros((), dtype=torch.float32))
             futures = list(carried[1:] if self.has_aux_loss else carried)
-        layout = TokenLayout(positions=positions, seq_idx=seq_idx, rope_table=self.rope)
+        if self.tok_embeddings is not None:
+            token_ids = tokens  # hash-routed MoE layers choose by them (later stages: kwarg)
+        layout = TokenLayout(positions=positions, seq_idx=seq_idx, rope_table=self.rope,
+                             token_ids=token_ids)
         for layer in self.layers.values():
             h, aux_loss = layer(h, aux_loss, layout)
         if self.output is None:  # a pipeline stage before the last

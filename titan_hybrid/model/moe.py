@@ -63,6 +63,13 @@ class MoEArgs:
     # weighted sum back (fc2_latent); the router and the shared expert see the full width.
     # Expert parallelism then moves latent tokens. 0: experts on the model width.
     latent_dim: int = 0
+    # Hash routing (DeepSeek-V4's hash_moe layers, Megatron's moe_n_hash_layers): the first
+    # `hash_layers` MoE layers of the main pattern choose their experts by a fixed table of
+    # the token's id (`router.tid2eid` [vocab, top_k], a buffer the checkpoint holds); the
+    # learned gate still weighs them. No choice bias and no balance loss in those layers.
+    hash_layers: int = 0
+    # Set by the stack on the layers that route by hash (the table's rows); 0: top-k routing.
+    hash_vocab_size: int = 0
 
     @property
     def normalizes_top_k(self) -> bool:
@@ -121,6 +128,40 @@ class TopKRouter(nn.Module):
         slot_share = slots_E.to(scores.dtype) / experts.numel()
         aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
         return weights, experts, slots_E, aux_loss
+
+
+class HashRouter(nn.Module):
+    """The experts of each token from `tid2eid[token id]`, a fixed table (Megatron's
+    round-robin `(id + k) mod E` at init; a checkpoint's otherwise), weighed by the learned
+    gate's scores at them (normalised and scaled as TopKRouter's)."""
+
+    def __init__(self, *, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.register_buffer("tid2eid", torch.empty(args.hash_vocab_size, args.top_k,
+                                                    dtype=torch.int64))
+
+    def init_table(self) -> None:
+        ids = torch.arange(self.tid2eid.shape[0], device=self.tid2eid.device)[:, None]
+        slots = torch.arange(self.args.top_k, device=self.tid2eid.device)
+        self.tid2eid.copy_((ids + slots) % self.args.num_experts)
+
+    def forward(self, x_XD: torch.Tensor, token_ids: torch.Tensor | None):
+        """As TopKRouter's forward, for the tokens `token_ids` (any shape, X of them); the
+        balance loss is 0."""
+        if token_ids is None:
+            raise ValueError("a hash-routed MoE layer (moe.hash_layers) needs the batch's token "
+                             "ids, and this forward was given none")
+        scores = router_scores(upcast(self.gate(x_XD)), self.args.score_func)
+        experts = self.tid2eid[token_ids.reshape(-1)]
+        weights = scores.gather(1, experts)
+        if self.args.normalizes_top_k:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.args.routed_scaling_factor != 1.0:
+            weights = weights * self.args.routed_scaling_factor
+        return (weights, experts, count_slots(experts, self.args.num_experts),
+                scores.new_zeros(()))
 
 
 def count_slots(experts_XA: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -254,7 +295,8 @@ class MoE(nn.Module):
     def __init__(self, *, dim: int, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
-        self.router = TopKRouter(dim=dim, args=args)
+        self.router = (HashRouter(dim=dim, args=args) if args.hash_vocab_size
+                       else TopKRouter(dim=dim, args=args))
         expert_dim = args.latent_dim or dim
         self.fc1_latent = nn.Linear(dim, expert_dim, bias=False) if args.latent_dim else None
         self.fc2_latent = nn.Linear(expert_dim, dim, bias=False) if args.latent_dim else None
@@ -272,10 +314,18 @@ class MoE(nn.Module):
         self.register_buffer("routed_tokens", torch.zeros(args.num_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (output, this layer's load-balancing loss times its coefficient)."""
+    @property
+    def routes_by_token(self) -> bool:
+        """Whether the layer needs the batch's token ids (hash routing)."""
+        return isinstance(self.router, HashRouter)
+
+    def forward(self, x_BTD: torch.Tensor,
+                token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output, this layer's load-balancing loss times its coefficient).
+        `token_ids` [B, T]: the tokens' ids, which a hash-routed layer chooses experts by."""
         x_XD = x_BTD.flatten(0, 1)
-        weights_XA, experts_XA, tokens_per_expert, aux_loss = self.router(x_XD)
+        weights_XA, experts_XA, tokens_per_expert, aux_loss = (
+            self.router(x_XD, token_ids) if self.routes_by_token else self.router(x_XD))
         top_k = self.args.top_k
         # Dropless dispatch: sort the X*A (token, choice) slots by expert, run each expert on
         # its contiguous block, gather each token's A outputs back and sum them weighted.
@@ -308,7 +358,9 @@ class MoE(nn.Module):
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         self.reset_router_statistics()
         init_linear(self.router.gate, std=init_std)
-        if self.router.e_score_correction_bias is not None:
+        if self.routes_by_token:
+            self.router.init_table()
+        elif self.router.e_score_correction_bias is not None:
             self.router.e_score_correction_bias.zero_()
         self.experts.init_weights(init_std=init_std, out_std=out_std)
         if self.fc1_latent is not None:

@@ -151,7 +151,8 @@ class HybridValidator:
         cp_group = (self.parallel_dims.get_mesh("cp").get_group()
                     if self.parallel_dims.cp_enabled else None)
         return prepare_batch(input_dict, labels, document_masking=self.document_masking,
-                             bos_id=self.bos_id, cp_group=cp_group)
+                             bos_id=self.bos_id, cp_group=cp_group,
+                             token_ids=bool(self.run.model.moe.hash_layers))
 
     def _pipeline_loss_sum(self, inputs, labels, extra_inputs, extra_kwargs):
         """The batch's summed loss on the last stage's ranks, None on the others."""

@@ -137,4 +137,5 @@ class HybridTrainer(Trainer):
         cp_group = (self.parallel_dims.get_mesh("cp").get_group()
                     if self.parallel_dims.cp_enabled else None)
         return prepare_batch(input_dict, labels, document_masking=self.document_masking,
-                             bos_id=self.tokenizer.bos_id, cp_group=cp_group)
+                             bos_id=self.tokenizer.bos_id, cp_group=cp_group,
+                             token_ids=bool(self.run.model.moe.hash_layers))

@@ -217,6 +217,7 @@ class HybridTrainer(Trainer):
                     if self.parallel_dims.cp_enabled else None)
         inputs, labels, extra_inputs, extra_kwargs = prepare_batch(
             input_dict, labels, document_masking=self.document_masking,
-            bos_id=self.tokenizer.bos_id, cp_group=cp_group)
+            bos_id=self.tokenizer.bos_id, cp_group=cp_group,
+            token_ids=bool(self.run.model.moe.hash_layers))
         self.ntokens_seen += labels.numel()  # torchtitan 0.3 counts here, after the CP split
         return inputs, labels, {**extra_inputs, **extra_kwargs}
