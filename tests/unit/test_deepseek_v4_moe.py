@@ -175,3 +175,17 @@ def test_the_first_hash_layers_moe_layers_route_by_token_and_hold_a_round_robin_
     assert not model.layers["4"].moe.routes_by_token
     with pytest.raises(ValueError, match=r"moe.hash_layers=3 must be in \[0, the pattern's 2"):
         dataclasses.replace(args, moe=dataclasses.replace(args.moe, hash_layers=3)).validate()
+
+
+def test_a_loaded_hash_table_naming_an_expert_out_of_range_is_one_clear_error():
+    from titan_hybrid.model.args import hybrid_flavors
+    from titan_hybrid.model.model import HybridModel
+
+    model = HybridModel(hybrid_flavors["debug_hash_moe"])
+    model.init_weights()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(state)  # its own table: fine
+    state["layers.2.moe.router.tid2eid"][7, 1] = 8
+    with pytest.raises(ValueError, match=r"^moe.router.tid2eid names expert 8, but the layer "
+                                         r"has 8 experts \(ids 0 to 7\)"):
+        model.load_state_dict(state)

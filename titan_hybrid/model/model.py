@@ -6,9 +6,10 @@ of the mixers named in `post_norm_mixers`, post-norm `h + norm(mixer(h))`. With 
 (`hc_mult` = N > 0, model/hyper_connections.py) the residual stream is N streams [B, T, N, D]:
 each layer reads its input from them and writes its output back through its own
 `hyper_connection`, the embedding enters as N copies, and `hc_head` collapses the streams before
-the final norm. A bracket group is a
-nested HybridStack: a scheduling / sharding / checkpoint unit that computes exactly what the same
-layers computed flat. Layers are kept in ModuleDicts keyed by their index so that pipeline stages
+the final norm.
+
+A bracket group is a nested HybridStack: a scheduling / sharding / checkpoint unit that computes
+exactly what the same layers computed flat. Layers are kept in ModuleDicts keyed by their index so that pipeline stages
 can drop layers without renaming the others (torchtitan's convention).
 
 Forward returns the logits, or a tuple `(logits, aux_loss, *mtp_logits)` when the pattern has MoE

@@ -24,6 +24,7 @@ from torch import nn
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
 from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp, swiglu
+from titan_hybrid.runtime.errors import JobError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
@@ -141,6 +142,7 @@ class HashRouter(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
         self.register_buffer("tid2eid", torch.empty(args.hash_vocab_size, args.top_k,
                                                     dtype=torch.int64))
+        self.register_load_state_dict_post_hook(_check_loaded_table)
 
     def init_table(self) -> None:
         ids = torch.arange(self.tid2eid.shape[0], device=self.tid2eid.device)[:, None]
@@ -162,6 +164,20 @@ class HashRouter(nn.Module):
             weights = weights * self.args.routed_scaling_factor
         return (weights, experts, count_slots(experts, self.args.num_experts),
                 scores.new_zeros(()))
+
+
+def _check_loaded_table(router: HashRouter, incompatible_keys) -> None:
+    """A loaded table must name this layer's experts: JobError (one line) otherwise, before
+    any step routes a token to an expert that does not exist."""
+    table = router.tid2eid
+    if table.device.type == "meta" or table.numel() == 0:
+        return
+    wrong = table[(table < 0) | (table >= router.args.num_experts)]
+    if wrong.numel():
+        raise JobError(f"moe.router.tid2eid names expert {int(wrong[0])}, but the layer has "
+                       f"{router.args.num_experts} experts (ids 0 to "
+                       f"{router.args.num_experts - 1}): the checkpoint's hash table does not "
+                       "fit this model")
 
 
 def count_slots(experts_XA: torch.Tensor, num_experts: int) -> torch.Tensor:
