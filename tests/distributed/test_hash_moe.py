@@ -2,12 +2,15 @@
 token id, with its sqrtsoftplus router and SwiGLU clamp) in the real trainer: the one-process
 curve under EP2 and, in the extended run, FSDP2, TP2 + SP, PP2 with the hash layer on the
 second stage (which reads the token ids from the batch's kwargs) and CP2 (whose zigzag shard
-takes the token ids with the tokens). The layer-level check against transformers' hash router
+takes the token ids with the tokens); a TP2 checkpoint, table included, resumed at TP1. The layer-level check against transformers' hash router
 is tests/unit/test_deepseek_v4_moe.py."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training
 
@@ -43,3 +46,22 @@ def test_hash_routing_gives_the_one_process_curve(tmp_path, reference_run, name)
     assert got[0] == pytest.approx(single[0], rel=1e-6)
     for a, b in zip(single, got, strict=True):
         assert b == pytest.approx(a, rel=rel)
+
+
+@pytest.mark.extended
+def test_a_tp2_checkpoint_with_a_hash_table_resumes_at_tp1(tmp_path):
+    """The table is a buffer like any other: saved whole under TP2 and read back at TP1, where
+    the run continues the TP2 curve."""
+    checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder",
+                  "ck", "--checkpoint.no_last_save_model_only", "--training.steps", "4")
+    job = (*JOB, *WHOLE_BATCH, *checkpoint)
+    saved = run_training(tmp_path / "tp2", *job, "--parallelism.tensor_parallel_degree", "2",
+                         nproc=2, config="hybrid_moe.toml").check()
+    outputs = tmp_path / "tp2" / "outputs"
+    shutil.rmtree(outputs / "ck" / "step-4")
+    keys = dcp.FileSystemReader(str(outputs / "ck" / "step-2")).read_metadata().state_dict_metadata
+    assert tuple(keys["layers.2.moe.router.tid2eid"].size) == (2048, 2)
+    shutil.copytree(outputs, tmp_path / "tp1" / "outputs")
+    resumed = run_training(tmp_path / "tp1", *job, config="hybrid_moe.toml").check()
+    assert "Training starts at step 3" in resumed.output
+    assert resumed.losses == pytest.approx(saved.losses[2:], rel=1e-5)

@@ -170,6 +170,8 @@ def _check_loaded_table(router: HashRouter, incompatible_keys) -> None:
     """A loaded table must name this layer's experts: JobError (one line) otherwise, before
     any step routes a token to an expert that does not exist."""
     table = router.tid2eid
+    if hasattr(table, "to_local"):  # replicated by tensor parallelism: every rank holds it
+        table = table.to_local()
     if table.device.type == "meta" or table.numel() == 0:
         return
     wrong = table[(table < 0) | (table >= router.args.num_experts)]
