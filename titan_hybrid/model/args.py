@@ -110,6 +110,12 @@ class HybridModelArgs:
         return getattr(self, kind.name)
 
     @property
+    def routes_by_token(self) -> bool:
+        """Whether MoE layers route by the token ids (moe.hash_layers), which every pipeline
+        stage then needs."""
+        return self.moe.hash_layers > 0
+
+    @property
     def has_aux_loss(self) -> bool:
         return any(kind.has_aux_loss for kind in self.kinds())
 

@@ -87,6 +87,18 @@ def router_scores(logits_XE: torch.Tensor, score_func: str) -> torch.Tensor:
     return F.softplus(logits_XE).sqrt()
 
 
+def expert_weights(scores_XE: torch.Tensor, experts_XA: torch.Tensor,
+                   args: MoEArgs) -> torch.Tensor:
+    """The chosen experts' scores, normalised over them (normalizes_top_k) and scaled
+    (routed_scaling_factor): each token's weight of each of its experts."""
+    weights = scores_XE.gather(1, experts_XA)
+    if args.normalizes_top_k:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if args.routed_scaling_factor != 1.0:
+        weights = weights * args.routed_scaling_factor
+    return weights
+
+
 class TopKRouter(nn.Module):
     def __init__(self, *, dim: int, args: MoEArgs) -> None:
         super().__init__()
@@ -116,11 +128,7 @@ class TopKRouter(nn.Module):
         logits = upcast(self.gate(x_XD))
         scores = router_scores(logits, self.args.score_func)
         experts = self._choice(scores).topk(self.args.top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-        if self.args.normalizes_top_k:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.args.routed_scaling_factor != 1.0:
-            weights = weights * self.args.routed_scaling_factor
+        weights = expert_weights(scores, experts, self.args)
         if self.args.score_func != "softmax":
             scores = scores / scores.sum(dim=-1, keepdim=True)  # the balance loss's shares
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
@@ -157,12 +165,7 @@ class HashRouter(nn.Module):
                              "ids, and this forward was given none")
         scores = router_scores(upcast(self.gate(x_XD)), self.args.score_func)
         experts = self.tid2eid[token_ids.reshape(-1)]
-        weights = scores.gather(1, experts)
-        if self.args.normalizes_top_k:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.args.routed_scaling_factor != 1.0:
-            weights = weights * self.args.routed_scaling_factor
-        return (weights, experts, count_slots(experts, self.args.num_experts),
+        return (expert_weights(scores, experts, self.args), experts, count_slots(experts, self.args.num_experts),
                 scores.new_zeros(()))
 
 
@@ -170,8 +173,6 @@ def _check_loaded_table(router: HashRouter, incompatible_keys) -> None:
     """A loaded table must name this layer's experts: JobError (one line) otherwise, before
     any step routes a token to an expert that does not exist."""
     table = router.tid2eid
-    if hasattr(table, "to_local"):  # replicated by tensor parallelism: every rank holds it
-        table = table.to_local()
     if table.device.type == "meta" or table.numel() == 0:
         return
     wrong = table[(table < 0) | (table >= router.args.num_experts)]

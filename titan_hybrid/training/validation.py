@@ -152,7 +152,7 @@ class HybridValidator:
                     if self.parallel_dims.cp_enabled else None)
         return prepare_batch(input_dict, labels, document_masking=self.document_masking,
                              bos_id=self.bos_id, cp_group=cp_group,
-                             token_ids=bool(self.run.model.moe.hash_layers))
+                             token_ids=self.run.model.routes_by_token)
 
     def _pipeline_loss_sum(self, inputs, labels, extra_inputs, extra_kwargs):
         """The batch's summed loss on the last stage's ranks, None on the others."""

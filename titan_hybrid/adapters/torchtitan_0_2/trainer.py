@@ -138,4 +138,4 @@ class HybridTrainer(Trainer):
                     if self.parallel_dims.cp_enabled else None)
         return prepare_batch(input_dict, labels, document_masking=self.document_masking,
                              bos_id=self.tokenizer.bos_id, cp_group=cp_group,
-                             token_ids=bool(self.run.model.moe.hash_layers))
+                             token_ids=self.run.model.routes_by_token)

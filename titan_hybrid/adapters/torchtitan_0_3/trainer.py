@@ -218,6 +218,6 @@ class HybridTrainer(Trainer):
         inputs, labels, extra_inputs, extra_kwargs = prepare_batch(
             input_dict, labels, document_masking=self.document_masking,
             bos_id=self.tokenizer.bos_id, cp_group=cp_group,
-            token_ids=bool(self.run.model.moe.hash_layers))
+            token_ids=self.run.model.routes_by_token)
         self.ntokens_seen += labels.numel()  # torchtitan 0.3 counts here, after the CP split
         return inputs, labels, {**extra_inputs, **extra_kwargs}
