@@ -33,3 +33,8 @@ def traceable_reduce_scatter(x: torch.Tensor, *, group) -> torch.Tensor:
     """`dist.reduce_scatter_tensor` (sum) along dim 0, as a value, for code that dynamo
     traces."""
     return functional_collectives.reduce_scatter_tensor(x, "sum", 0, group)
+
+
+def traceable_all_reduce(x: torch.Tensor, *, group) -> torch.Tensor:
+    """`dist.all_reduce` (sum), as a value, for code that dynamo traces (no gradient)."""
+    return functional_collectives.all_reduce(x, "sum", group)

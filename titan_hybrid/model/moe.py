@@ -99,11 +99,22 @@ def expert_weights(scores_XE: torch.Tensor, experts_XA: torch.Tensor,
     return weights
 
 
+class WholeSequenceSum(nn.Module):
+    """A sum over the tokens of a sequence: the identity on one device, where the sequence is
+    whole; context parallelism sums it over the ranks that hold the sequence's pieces
+    (parallel/context_parallel.py), so that a statistic of the sequence, not of the piece,
+    enters the loss."""
+
+    def forward(self, local_sum: torch.Tensor) -> torch.Tensor:
+        return local_sum
+
+
 class TopKRouter(nn.Module):
     def __init__(self, *, dim: int, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.sequence_slots = WholeSequenceSum()  # the balance loss's slot counts
         self.register_buffer("e_score_correction_bias", torch.zeros(args.num_experts)
                              if args.score_correction_bias else None)
 
@@ -132,9 +143,12 @@ class TopKRouter(nn.Module):
         if self.args.score_func != "softmax":
             scores = scores / scores.sum(dim=-1, keepdim=True)  # the balance loss's shares
         # Switch-style balance loss: E * sum_e (share of routed slots) * (mean router score).
+        # The shares are the whole sequence's; the mean is this piece's, and the loss's token
+        # weighting averages it over the pieces.
         num_experts = self.args.num_experts
         slots_E = count_slots(experts, num_experts)
-        slot_share = slots_E.to(scores.dtype) / experts.numel()
+        sequence_slots_E = self.sequence_slots(slots_E.to(scores.dtype))
+        slot_share = sequence_slots_E / sequence_slots_E.sum()
         aux_loss = num_experts * (slot_share * scores.mean(dim=0)).sum()
         return weights, experts, slots_E, aux_loss
 

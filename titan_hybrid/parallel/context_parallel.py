@@ -1,6 +1,8 @@
 """Context parallelism: each CP rank holds a zigzag shard of every sequence (parallel/zigzag.py).
 
-Token-wise layers (norms, projections, MLP, MoE) need nothing. The layers that mix along the
+Token-wise layers (norms, projections, MLP, MoE) need nothing, except for the statistics of a
+whole sequence that enter the loss (the MoE balance loss's slot counts): each `WholeSequenceSum`
+is all-reduced over the CP group, so every layout's loss is the one-process loss. The layers that mix along the
 sequence get their core wrapped:
 
 - attention, MLA, DSA: keys and values (MLA / DSA: the compressed latents and rotary keys, and
@@ -27,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_hybrid.compat.collectives import traceable_all_reduce
 from titan_hybrid.data.zigzag import zigzag_index
 from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.moe import WholeSequenceSum
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
 from titan_hybrid.parallel.context_parallel_chunkwise import (
     ChunkwiseConvAndDeltaRule,
@@ -240,6 +244,11 @@ def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_
     if linear_mode not in LINEAR_MODES:
         raise ValueError(f"context_parallel_linear_mode '{linear_mode}' is not one of "
                          f"{list(LINEAR_MODES)}")
+    for module in model.modules():
+        if isinstance(module, WholeSequenceSum):
+            module.register_forward_hook(
+                lambda _module, _args, local_sum: traceable_all_reduce(local_sum,
+                                                                       group=cp_group))
     for layer in model.modules():
         if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
             continue
