@@ -99,16 +99,17 @@ def test_moe_options_that_cannot_work_are_refused_by_name(args, message):
     ({"pattern": "M*EME", "moe": MoEArgs(swiglu_limit=7.0)}, "moe.swiglu_limit=7.0"),
     ({"mlp": MLPArgs(swiglu_limit=7.0)}, "mlp.swiglu_limit=7.0"),
 ])
-def test_an_hf_export_refuses_by_name_what_no_family_holds(changes, named):
-    """An option no Hugging Face family here writes is never dropped silently: the export
-    (and a job's last_save_in_hf, checked before training) is refused, naming it."""
+def test_an_hf_export_refuses_by_name_what_only_deepseek_v4_holds(changes, named):
+    """An option only the DeepSeek-V4 format writes is never dropped silently by another: the
+    export (and a job's last_save_in_hf, checked before training) is refused, naming it."""
     import dataclasses
 
     from titan_hybrid.hf.families import check_hf_compatible
     from titan_hybrid.model.args import hybrid_flavors
 
     args = dataclasses.replace(hybrid_flavors["debug_nemotron_h"], **changes)
-    with pytest.raises(ValueError, match=f"^{named}.* is held by none of the Hugging Face"):
+    with pytest.raises(ValueError, match=f"^{named}.* is held only by the DeepSeek-V4 format, "
+                       "and this model's HF format is nemotron_h"):
         check_hf_compatible(args)
 
 

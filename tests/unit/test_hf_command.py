@@ -75,6 +75,18 @@ FAMILIES = {
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
         index_n_heads=2, index_head_dim=16, index_topk=6, max_position_embeddings=64,
         attn_implementation="eager")),
+    # DeepSeek-V4: sliding, compressed sparse and heavily compressed attention, four
+    # hyper-connection streams, a hash-routed first MoE layer then top-k ones.
+    "deepseek_v4": (transformers.DeepseekV4Config, transformers.DeepseekV4ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
+        q_lora_rank=24, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=12,
+        sliding_window=6, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                       "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4},
+        index_n_heads=2, index_head_dim=16, index_topk=3, mlp_layer_types=["hash_moe", "moe",
+                                                                           "moe"],
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, hc_mult=4,
+        max_position_embeddings=64, attn_implementation="eager")),
     "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=40, linear_key_head_dim=8,
@@ -183,6 +195,9 @@ def perturbed(family: str, seed: int, **changes) -> torch.nn.Module:
         for name, buffer in model.named_buffers():  # the routers' choice biases (init: 0)
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
+            if name.endswith("tid2eid"):  # hash routing's table (init: 0): distinct experts
+                experts = model.config.n_routed_experts
+                buffer.copy_(torch.rand(buffer.shape[0], experts).argsort(-1)[:, :buffer.shape[1]])
     return model
 
 

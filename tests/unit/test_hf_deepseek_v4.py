@@ -1,128 +1,212 @@
-"""DeepSeek-V4 attention blocks to and from transformers' deepseek_v4 naming
-(hf/deepseek_v4.py).
+"""DeepSeek-V4 as a Hugging Face family (hf/deepseek_v4.py), beyond what every family's checks
+in tests/unit/test_hf_command.py assert of it (transformers' logits within 1e-5 after an import,
+its tensors back bit for bit after an export, packed documents):
 
-- Export: our `MC-MH-MW-` model's C, H and W layers become `model.layers.{0,1,2}.self_attn.*`
-  of a DeepseekV4ForCausalLM built from the exported config: every self_attn tensor of that
-  model is given and nothing else, and each HF attention block then computes what our layer
-  computes (float64, the HF model's own rotary tables and mask).
-- Import: a DeepseekV4ForCausalLM's random attention blocks loaded into our model give each
-  of our layers the HF block's output.
-- Refusals by name: layer types in another order, another head count, sections that disagree
-  on a value transformers holds once, and patterns the format cannot hold.
+- a folder in DeepSeek's release naming imports with the same weights, and exports in
+  transformers' naming;
+- an MTP depth in DeepSeek's names (`mtp.0.*`: transformers skips them) imports into our V4-form
+  MTP, whose logits equal those computed from the same tensors with transformers' own decoder
+  layer, hyper head and norm; the export writes them back bit for bit;
+- what the format cannot hold is refused by name, in both directions; a quantized release's
+  scale tensors are named;
+- the `debug_v4_model` flavor exports a folder transformers builds and reads.
 """
 
 from __future__ import annotations
 
-import copy
-import re
+import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
 
-from tests.unit.test_deepseek_v4 import _relative, randomize_
-from tests.unit.test_deepseek_v4_hca import hf_forward
-from titan_hybrid.hf.deepseek_v4 import (
-    deepseek_v4_attention_config,
-    from_deepseek_v4_attention,
-    to_deepseek_v4_attention,
+from tests.unit.test_hf_command import (
+    FAMILIES,
+    add_to_hf_folder,
+    exported_with_mtp,
+    logits_of,
+    perturbed,
+    relative_error,
+    save_tiny,
+    tokens,
 )
+from titan_hybrid.hf.__main__ import main, model_args_of_job
+from titan_hybrid.hf.convert import build_model, load_checkpoint_into
+from titan_hybrid.hf.deepseek_v4 import release_name
+from titan_hybrid.hf.families import check_hf_compatible, hf_config, hybrid_state_dict_adapter
 from titan_hybrid.model.args import hybrid_flavors
-from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridModel
 
-SEQ = 24
+WIDTH = FAMILIES["deepseek_v4"][2]["hidden_size"]
 
 
-def v4_args():
-    """debug_v4_all with one window for all three kinds (transformers has one)."""
-    args = copy.deepcopy(hybrid_flavors["debug_v4_all"])
-    args.window_attention.sliding_window = 8
-    return args
+def released(key: str) -> str:
+    """DeepSeek's release name of a tensor transformers' save_pretrained names `key`."""
+    if key == "model.embed_tokens.weight":
+        return "embed.weight"
+    if key.startswith("model.hc_head.hc_"):
+        return "hc_head_" + key[len("model.hc_head.hc_"):]
+    return key.removeprefix("model.")
 
 
-def hf_model(args) -> tuple[DeepseekV4ForCausalLM, DeepseekV4Config]:
-    config = DeepseekV4Config(**deepseek_v4_attention_config(args), mlp_layer_types=["moe"] * 3,
-                              vocab_size=64, n_routed_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=16, attn_implementation="eager")
-    return DeepseekV4ForCausalLM(config).double(), config
+def imported_model(tmp_path: Path, folder: str = "hf"):
+    """(args, model) of `tmp_path/folder` imported into `tmp_path/ours`."""
+    assert main(["import", str(tmp_path / folder), str(tmp_path / "ours")]) == 0
+    args, _ = model_args_of_job(tmp_path / "ours" / "job.toml")
+    model = build_model(args)
+    load_checkpoint_into(model, tmp_path / "ours" / "checkpoint" / "step-0")
+    return args, model
 
 
-def our_model(args) -> HybridModel:
-    model = HybridModel(args).double()
-    return randomize_(model, seed=5)
+def test_a_release_named_folder_imports_and_exports_in_transformers_naming(tmp_path):
+    reference = save_tiny("deepseek_v4", tmp_path / "hf")
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "release").mkdir()
+    save_file({released(key): value for key, value in written.items()},
+              str(tmp_path / "release" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "release" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    assert "layers.1.attn.indexer.compressor.wkv.weight" in load_file(
+        str(tmp_path / "release" / "model.safetensors"))
+
+    _, model = imported_model(tmp_path, "release")
+    assert relative_error(logits_of(model), logits_of(reference)) <= 1e-5
+    assert main(["export", str(tmp_path / "ours" / "checkpoint"), str(tmp_path / "back"),
+                 "--job", str(tmp_path / "ours" / "job.toml")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert back.keys() == written.keys()
+    assert all(torch.equal(back[key], value) for key, value in written.items())
 
 
-def _layer_outputs_match(ours: HybridModel, hf: DeepseekV4ForCausalLM, config) -> None:
-    torch.manual_seed(7)
-    x = torch.randn(2, SEQ, config.hidden_size, dtype=torch.float64)
-    for j, index in enumerate((1, 4, 7)):  # C, H and W of "MC-MH-MW-"
-        mixer = ours.layers[str(index)].mixer
-        got = mixer(x, TokenLayout(None, None))
-        got = got[0] if isinstance(got, tuple) else got
-        expected = hf_forward(hf.model.layers[j].self_attn, config, x)
-        assert _relative(got, expected) < 1e-6, (j, index)
+def test_release_names_are_transformers_own(tmp_path):
+    """Each attention parameter's DeepSeek name is the one transformers' save_pretrained writes
+    (its conversion mapping, reversed) for the in-memory name our layers carry."""
+    model = save_tiny("deepseek_v4", tmp_path)
+    written = set(load_file(str(tmp_path / "model.safetensors")))
+    for key in (key for key in model.state_dict() if ".self_attn." in key):
+        prefix, parameter = key.split(".self_attn.")
+        assert f"{prefix}.attn.{release_name(parameter)}" in written, key
 
 
-def test_export_loads_into_transformers_and_computes_the_same_attention():
-    args = v4_args()
-    ours = our_model(args)
-    hf, config = hf_model(args)
-    exported = to_deepseek_v4_attention(ours.state_dict(), args)
-    hf_attention = {key for key in hf.state_dict() if ".self_attn." in key}
-    assert set(exported) == hf_attention
-    result = hf.load_state_dict(exported, strict=False)
-    assert not result.unexpected_keys
-    assert not [key for key in result.missing_keys if ".self_attn." in key]
-    assert [layer.self_attn.compressor.__class__.__name__ if layer.self_attn.compressor
-            else None for layer in hf.model.layers] == [
-        "DeepseekV4CSACompressor", "DeepseekV4HCACompressor", None]
-    _layer_outputs_match(ours, hf, config)
+def test_an_mtp_depth_imports_predicts_like_transformers_blocks_and_exports(tmp_path):
+    """DeepSeek-V4's MTP: enorm(embedding of the next token) through e_proj, added to every one
+    of hnorm(the main model's streams before its hyper head) through h_proj; one decoder layer
+    (sliding window, top-k MoE); its own hyper head, norm, and the main head."""
+    reference = save_tiny("deepseek_v4", tmp_path / "hf")
+    blocks = perturbed("deepseek_v4", 2, num_hidden_layers=1, layer_types=["sliding_attention"],
+                       mlp_layer_types=["moe"])
+    with torch.no_grad():
+        blocks.lm_head.weight.copy_(reference.lm_head.weight)
+    blocks.save_pretrained(str(tmp_path / "blocks"))
+    mtp = {key.replace("model.layers.0.", "mtp.0."): value for key, value in
+           load_file(str(tmp_path / "blocks" / "model.safetensors")).items()
+           if key.startswith("model.layers.0.")}
+    enorm, hnorm = (1 + 0.1 * torch.randn(WIDTH) for _ in range(2))
+    e_proj, h_proj = (0.1 * torch.randn(WIDTH, WIDTH) for _ in range(2))
+    head = blocks.model.hc_head
+    mtp.update({"mtp.0.enorm.weight": enorm, "mtp.0.hnorm.weight": hnorm,
+                "mtp.0.e_proj.weight": e_proj, "mtp.0.h_proj.weight": h_proj,
+                "mtp.0.norm.weight": blocks.model.norm.weight.detach().clone(),
+                **{f"mtp.0.hc_head_{part}": getattr(head, f"hc_{part}").detach().clone()
+                   for part in ("fn", "base", "scale")}})
+    add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1)
+
+    args, ours = imported_model(tmp_path)
+    assert args.pattern == "WECEHE/WE"
+    with torch.no_grad():
+        logits, _, mtp_logits = ours(tokens())
+        streams = []
+        hook = reference.model.hc_head.register_forward_pre_hook(
+            lambda module, inputs: streams.append(inputs[0]))
+        main_logits = logits_of(reference)
+        hook.remove()
+        eps = reference.config.rms_norm_eps
+
+        def rms(x, weight):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+        future = reference.model.embed_tokens(F.pad(tokens()[:, 1:], (0, 1)))
+        x = (F.linear(rms(future, enorm), e_proj).unsqueeze(2)
+             + F.linear(rms(streams[0], hnorm), h_proj))
+        hook = blocks.model.layers[0].register_forward_pre_hook(
+            lambda module, inputs, kwargs: ((x, *inputs[1:]), kwargs), with_kwargs=True)
+        theirs = blocks(tokens()).logits
+        hook.remove()
+    assert relative_error(logits, main_logits) <= 1e-5
+    error = relative_error(mtp_logits, theirs)
+    assert error <= 1e-5, error
+    assert exported_with_mtp(tmp_path, mtp)["num_nextn_predict_layers"] == 1
 
 
-def test_import_gives_our_layers_the_transformers_attention():
-    args = v4_args()
-    hf, config = hf_model(args)
-    randomize_(hf, seed=9)
-    ours = our_model(args)
-    imported = from_deepseek_v4_attention(hf.state_dict(), config.to_dict(), args)
-    result = ours.load_state_dict(imported, strict=False)
-    assert not result.unexpected_keys
-    assert sorted(imported) == sorted(key for key in ours.state_dict() if any(
-        key.startswith(f"layers.{index}.") and "attention." in key for index in (1, 4, 7)))
-    _layer_outputs_match(ours, hf, config)
+@pytest.mark.parametrize("changes, named", [
+    ({"n_shared_experts": 2}, "n_shared_experts=2 is not supported"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2 is not supported"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ({"mlp_layer_types": ["moe", "hash_moe", "moe"]},
+     "mlp_layer_types=['moe', 'hash_moe', 'moe']: hash-routed layers ('hash_moe') come first"),
+])
+def test_a_config_setting_we_cannot_hold_is_named(tmp_path, capsys, changes, named):
+    save_tiny("deepseek_v4", tmp_path / "hf", **changes)
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "ours").exists()
 
 
-def test_import_refuses_a_checkpoint_of_other_layers_or_shapes():
-    args = v4_args()
-    hf, config = hf_model(args)
-    state = hf.state_dict()
-    swapped = config.to_dict() | {"layer_types": ["heavily_compressed_attention",
-                                                  "compressed_sparse_attention",
-                                                  "sliding_attention"]}
-    with pytest.raises(ValueError, match=r"layer_types \['heavily_compressed_attention', "
-                       r"'compressed_sparse_attention', 'sliding_attention'\] are not the "
-                       r"pattern's V4 attention layers"):
-        from_deepseek_v4_attention(state, swapped, args)
-    with pytest.raises(ValueError, match="the checkpoint's num_attention_heads=8 is not the "
-                       "model's 4"):
-        from_deepseek_v4_attention(state, config.to_dict() | {"num_attention_heads": 8}, args)
-    del state["model.layers.2.self_attn.sinks"]
-    with pytest.raises(ValueError, match="lacks 1 tensors of this model, e.g. "
-                       "'model.layers.2.self_attn.sinks'"):
-        from_deepseek_v4_attention(state, config.to_dict(), args)
+def test_a_quantized_release_is_refused_naming_its_scales(tmp_path, capsys):
+    save_tiny("deepseek_v4", tmp_path / "hf")
+    add_to_hf_folder(tmp_path / "hf", {"model.layers.0.ffn.experts.0.w1.scale": torch.ones(2)})
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    assert ("1 tensor(s) with no place in the model: model.layers.0.ffn.experts.0.w1.scale"
+            in capsys.readouterr().err)
+    add_to_hf_folder(tmp_path / "hf", {}, quantization_config={"quant_method": "fp8"})
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    assert "quantization_config={'quant_method': 'fp8'} is not supported" in (
+        capsys.readouterr().err)
 
 
-def test_models_the_format_cannot_hold_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"window_attention.sliding_window=16 differs from "
-                       r"compressed_sparse_attention.sliding_window=8"):
-        deepseek_v4_attention_config(hybrid_flavors["debug_v4_all"])
-    for pattern, reason in (("[MC-]MW-", "has bracket groups"),
-                            ("MC-MW-/W-", "has MTP depths"),
-                            ("M*-", "has no DeepSeek-V4 attention layer")):
-        args = v4_args()
-        args.pattern = pattern
-        with pytest.raises(ValueError, match=re.escape(
-                f"model cannot use the DeepSeek-V4 attention blocks: hybrid.pattern "
-                f"'{pattern}' {reason}")):
-            deepseek_v4_attention_config(args)
+def _v4(**changes):
+    return dataclasses.replace(hybrid_flavors["debug_v4_model"], **changes)
+
+
+@pytest.mark.parametrize("args, named", [
+    (_v4(pattern="MWE"), "hybrid.pattern 'MWE' must be DeepSeek-V4's decoder layers"),
+    (_v4(pattern="WECE/CE"), "DeepSeek-V4's MTP block is one decoder layer a depth, 'WE'"),
+    (_v4(hc_mult=0), "hc_mult=0: DeepSeek-V4's residual stream is hc_mult >= 1"),
+    (_v4(moe=dataclasses.replace(hybrid_flavors["debug_v4_model"].moe, swiglu_limit=0.0)),
+     "moe.swiglu_limit=0.0: DeepSeek-V4 always clamps its SwiGLU"),
+    (_v4(moe=dataclasses.replace(hybrid_flavors["debug_v4_model"].moe,
+                                 score_correction_bias=False)),
+     "score_correction_bias=False"),
+    (_v4(norm_eps=1e-5), "window_attention.norm_eps=1e-06 differs from norm_eps=1e-05"),
+])
+def test_a_model_the_format_cannot_hold_is_refused_by_name(args, named):
+    with pytest.raises(ValueError) as error:
+        check_hf_compatible(args)
+    assert named in str(error.value)
+
+
+def test_debug_v4_model_exports_a_folder_transformers_reads(tmp_path):
+    """The flavor's weights, exported, load into transformers' DeepseekV4ForCausalLM, which
+    computes our logits."""
+    args = hybrid_flavors["debug_v4_model"]
+    main_args = dataclasses.replace(args, pattern=args.pattern.split("/")[0])
+    assert main_args.moe.hash_layers == 1 and args.hc_mult == 4
+    model = HybridModel(main_args)
+    model.init_weights()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    adapter = hybrid_state_dict_adapter(main_args, None)
+    hf = {key: value.contiguous() for key, value in adapter.to_hf(model.state_dict()).items()}
+    (tmp_path / "back").mkdir()
+    save_file(hf, str(tmp_path / "back" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "back" / "config.json").write_text(json.dumps(hf_config(main_args)))
+    theirs = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        str(tmp_path / "back"), dtype=torch.float32, attn_implementation="eager").eval()
+    vocab = args.vocab_size
+    assert relative_error(logits_of(model, vocab), logits_of(theirs, vocab)) <= 1e-5

@@ -9,11 +9,15 @@ checkpoints (`--checkpoint.initial_load_in_hf`, `--checkpoint.last_save_in_hf`,
 imported from Bamba exports as Bamba), else the one its layer kinds belong to (RULE):
 
     DeepSeek-V3 / V3.2   models with MLA (`+`) or DSA (`D`) layers: deepseek.py
+    DeepSeek-V4          models with V4 attention (`W`, `C`, `H`): deepseek_v4.py
     Nemotron-H           all others: nemotron_h.py
     the others           by hf_format only
 
 A model the chosen format cannot hold is refused when the job is checked, before anything is
 built, with the format's first unmet condition and this rule.
+
+Options that only DeepSeek-V4's format holds (hyper-connections, sqrtsoftplus routing, the
+SwiGLU clamp) are refused by name for a model of any other format: its export would drop them.
 
 Every family but DeepSeek's and Kimi Linear's can tie the LM head to the embedding
 (`tie_word_embeddings`: the model's `enable_weight_tying`). A tied model's state dict names the
@@ -31,6 +35,7 @@ from pathlib import Path
 from titan_hybrid.hf import (
     bamba,
     deepseek,
+    deepseek_v4,
     granite,
     kimi_linear,
     nemotron_h,
@@ -49,6 +54,7 @@ CONFIG_FILE = "config.json"
 FAMILIES = {family.name: family for family in (
     nemotron_h.FAMILY,
     deepseek.FAMILY,
+    deepseek_v4.FAMILY,
     bamba.FAMILY,
     qwen3_5.FAMILY,
     granite.FAMILY,
@@ -59,6 +65,7 @@ FAMILIES = {family.name: family for family in (
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
         f"models with MLA / DSA layers ({', '.join(kind.symbol for kind in ATTENTION_KINDS)}), "
+        f"DeepSeek-V4 for models with its attention ({' '.join(deepseek_v4.LAYER_TYPE)}), "
         "Nemotron-H for the others")
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
@@ -146,12 +153,16 @@ def hf_format_of(args: HybridModelArgs) -> Family:
             raise ValueError(f"hf_format '{args.hf_format}' is not one of {sorted(FAMILIES)}")
         return FAMILIES[args.hf_format]
     kinds = {kind.name for kind in args.kinds()}
-    return FAMILIES["deepseek" if kinds & set(ARCHITECTURES) else "nemotron_h"]
+    if kinds & set(ARCHITECTURES):
+        return FAMILIES["deepseek"]
+    if kinds & {kind.name for kind in deepseek_v4.V4_KINDS.values()}:
+        return FAMILIES["deepseek_v4"]
+    return FAMILIES["nemotron_h"]
 
 
-def _held_by_no_family(args: HybridModelArgs) -> str | None:
-    """An option of the model's that none of the families here writes (DeepSeek-V4's, until
-    deepseek_v4 joins them): an export would drop it silently."""
+def _held_by_deepseek_v4_only(args: HybridModelArgs) -> str | None:
+    """An option of the model's that only the DeepSeek-V4 format holds: another format's
+    export would drop it silently."""
     if args.hc_mult:
         return f"hc_mult={args.hc_mult}: hyper-connections"
     if any(kind.routed_experts for kind in args.kinds()):
@@ -167,10 +178,10 @@ def _held_by_no_family(args: HybridModelArgs) -> str | None:
 def check_hf_compatible(args: HybridModelArgs) -> Family:
     """The model's HF format; ValueError naming its first unmet condition, and RULE."""
     hf_format = hf_format_of(args)
-    unheld = _held_by_no_family(args)
+    unheld = None if hf_format is FAMILIES["deepseek_v4"] else _held_by_deepseek_v4_only(args)
     if unheld:
-        raise ValueError(f"{unheld} is held by none of the Hugging Face families titan_hybrid "
-                         f"writes ({', '.join(FAMILIES)}): export this model without it")
+        raise ValueError(f"{unheld} is held only by the DeepSeek-V4 format, and this model's "
+                         f"HF format is {hf_format.name} ({RULE})")
     try:
         hf_format.check(args)
         if args.enable_weight_tying and not hf_format.ties_embeddings:

@@ -209,6 +209,16 @@ def _debug() -> HybridModelArgs:
     )
 
 
+def _debug_v4_model() -> HybridModelArgs:
+    args = _debug()
+    return dataclasses.replace(
+        args, pattern="WECEHE/WE", hc_mult=4, norm_eps=1e-6,
+        window_attention=dataclasses.replace(args.window_attention, sliding_window=8),
+        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=256, shared_expert_hidden_dim=256,
+                    score_func="sqrtsoftplus", score_correction_bias=True,
+                    routed_scaling_factor=1.5, swiglu_limit=10.0, hash_layers=1))
+
+
 def _gpu_sized(pattern: str) -> HybridModelArgs:
     # Nemotron-H-like proportions: d_inner = 2*dim, 8 SSM groups, 128-dim states, GQA 8 kv heads.
     return HybridModelArgs(
@@ -271,6 +281,10 @@ hybrid_flavors = FlavorRegistry({
     # All three DeepSeek-V4 kinds: compressed sparse, heavily compressed, sliding window.
     "debug_v4_all": dataclasses.replace(_debug(), pattern="MC-MH-MW-"),
     "debug_v4_all_moe": dataclasses.replace(_debug(), pattern="MC-MHEMWE"),
+    # A whole DeepSeek-V4 model (hf/deepseek_v4.py's format): its three attention kinds, each
+    # with a MoE layer (the first hash-routed), four hyper-connection streams, one MTP depth;
+    # V4's router, clamp and norms, and one window (transformers has one value).
+    "debug_v4_model": _debug_v4_model(),
     # 6 GDN value heads over 2 key heads: per TP rank (3 at TP 2) they do not split over CP 2
     # or 4 by heads (head_a2a), which chunkwise context parallelism does not need.
     "debug_odd_heads": dataclasses.replace(
