@@ -35,7 +35,7 @@ STEPS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_
 # layers' parallel code that one and the layouts' own tests exercise, on its first torch leg.
 FAMILIES = ["nemotron_h_moe"] + [
     pytest.param(family, marks=[pytest.mark.extended, pytest.mark.once_per_ci])
-    for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe",
+    for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe", "deepseek_v4",
                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granitemoehybrid",
                    "granitemoehybrid_dense", "granitemoehybrid_tied", "kimi_linear")]
 
@@ -62,6 +62,19 @@ def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, 
     assert len(result.losses) == len(single.losses) == 3
     for ours, reference in zip(result.losses, single.losses):
         assert ours == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.extended
+@pytest.mark.once_per_ci
+@pytest.mark.parametrize("imported", ["deepseek_v4"], indirect=True)
+def test_an_imported_deepseek_v4_trains_under_expert_parallelism(imported, tmp_path):
+    """DeepSeek-V4's MoE layers (the hash-routed one too) with their experts split over two
+    ranks, the hyper-connection streams and V4's attention around them: the one-process
+    curve."""
+    job, _, single, _ = imported
+    result = run_training(tmp_path, *STEPS, "--parallelism.expert_parallel_degree", "2",
+                          config=job, nproc=2).check()
+    assert result.losses == pytest.approx(single.losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])  # 2: FSDP2, each rank reading its shards

@@ -265,7 +265,7 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "granitemoehybrid, kimi_linear, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
+               "deepseek_v4, granitemoehybrid, kimi_linear, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):

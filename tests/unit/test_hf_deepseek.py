@@ -136,4 +136,5 @@ def test_a_model_its_format_cannot_hold_is_refused_with_the_rule(pattern, messag
         check_hf_compatible(tiny_args(pattern))
     assert message in str(raised.value)
     assert "HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for " \
-        "models with MLA / DSA layers (+, D), Nemotron-H for the others" in str(raised.value)
+        "models with MLA / DSA layers (+, D), DeepSeek-V4 for models with its attention (W C " \
+        "H), Nemotron-H for the others" in str(raised.value)
