@@ -24,11 +24,16 @@ JOB = ("--model.flavor", "debug_hash_moe", "--training.steps", "3", "--training.
 WHOLE_BATCH = ("--training.local_batch_size", "8")
 SPLIT = ("--hybrid.pattern", "M*M|EME")  # the hash layer (the first E) on the second stage
 NO_MTP = ("--hybrid.pattern", "M*EME")  # CP refuses MTP depths
+# EP overlap pairs two microbatches per rank: two rows each, in the one-process run too.
+MICROBATCHES_OF_2 = ("--training.local_batch_size", "2")
 # Without data parallelism TP2 and CP2 accumulate the same two microbatches of 4 rows as one
 # process does: the balance loss is a microbatch's (and under CP the whole sequence's slot
 # counts: parallel/context_parallel.py), so a whole batch of 8 rows would be another loss.
+# name: (arguments of both runs, the layout's own)
 LAYOUTS = {
     "ep2": ((), ("--parallelism.expert_parallel_degree", "2")),
+    "ep2_overlap": (MICROBATCHES_OF_2, ("--parallelism.expert_parallel_degree", "2",
+                                        "--parallelism.expert_parallel_overlap")),
     "fsdp2": ((), ()),
     # The first step within 1e-6: token ids sharded with the sequence-parallel rows would
     # change it at 1e-2.
@@ -41,11 +46,11 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", [
     "ep2", *(pytest.param(name, marks=pytest.mark.extended)
-             for name in ("fsdp2", "tp2", "pp2", "cp2"))])
+             for name in ("ep2_overlap", "fsdp2", "tp2", "pp2", "cp2"))])
 def test_hash_routing_gives_the_one_process_curve(tmp_path, reference_run, name):
-    pattern, layout = LAYOUTS[name]
-    single = reference_run(*JOB, *pattern, config="hybrid_moe.toml").losses
-    got = run_training(tmp_path, *JOB, *pattern, *layout, nproc=2,
+    both, layout = LAYOUTS[name]
+    single = reference_run(*JOB, *both, config="hybrid_moe.toml").losses
+    got = run_training(tmp_path, *JOB, *both, *layout, nproc=2,
                        config="hybrid_moe.toml").check().losses
     assert len(got) == len(single) == 3
     assert got[0] == pytest.approx(single[0], rel=1e-6)

@@ -1,7 +1,7 @@
 """Hyper-connections (`--hybrid.hc_mult 4`: four residual streams) in the real trainer: the loss
 curve of one process under FSDP2, TP2 + SP, PP2 (the stage boundary carries [B, T, 4, D]) and
-CP2 in both linear modes, and for an MoE + MTP pattern under EP2, full and per-op selective
-activation checkpointing and compile; a checkpoint saved under TP2 resumes under TP1 onto the
+CP2 in both linear modes, and for an MoE + MTP pattern under EP2, EP overlap, full and per-op
+selective activation checkpointing and compile; a checkpoint saved under TP2 resumes under TP1 onto the
 one-process curve. The layer-level checks against transformers' DeepSeek-V4 modules and a
 float64 reference are tests/unit/test_hyper_connections.py."""
 
@@ -42,6 +42,10 @@ MOE_LAYOUTS = {
                   "--activation_checkpoint.selective_ac_option", "op")),
     "compile": (1, ("--compile.enable",)),
 }
+# EP overlap pairs two microbatches per rank: two rows each, in the one-process run too.
+MICROBATCHES_OF_2 = ("--training.local_batch_size", "2")
+EP_OVERLAP = ("--parallelism.expert_parallel_degree", "2",
+              "--parallelism.expert_parallel_overlap")
 
 
 def _assert_same_curve(expected: list[float], got: list[float], rel: float = 1e-5) -> None:
@@ -72,7 +76,7 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     assert resumed.losses == pytest.approx(single.losses[2:], rel=1e-5)
 
 
-# The MoE / MTP layouts (5 runs, about 35 s) in the extended run, which CI's first leg runs: the
+# The MoE / MTP layouts (6 runs, about 40 s) in the extended run, which CI's first leg runs: the
 # default suite's time is near its budget; the dense layouts above stay in it.
 @pytest.mark.extended
 def test_moe_and_mtp_with_hyper_connections_give_the_one_process_curve_under_ep_ac_and_compile(
@@ -81,3 +85,9 @@ def test_moe_and_mtp_with_hyper_connections_give_the_one_process_curve_under_ep_
     for name, (nproc, layout) in MOE_LAYOUTS.items():
         _assert_same_curve(single.losses, run_training(tmp_path / name, *MOE, *JOB, *layout,
                                                        nproc=nproc).check().losses)
+    # EP overlap runs one microbatch's forward with the other's backward: the hyper head
+    # is a unit of its own, never gathered by both (parallel/data_parallel.py).
+    single = reference_run(*MOE, *JOB, *MICROBATCHES_OF_2)
+    _assert_same_curve(single.losses, run_training(
+        tmp_path / "ep_overlap", *MOE, *JOB, *MICROBATCHES_OF_2, *EP_OVERLAP,
+        nproc=2).check().losses)

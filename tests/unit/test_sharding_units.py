@@ -130,3 +130,35 @@ def test_autocast_path_keeps_ssm_parameters_in_fp32():
     assert seen == {"ssm": {torch.float32}, "projections": {torch.float32},
                     "activations": {torch.bfloat16}}
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_hyper_connections_are_fp32_units_and_the_hyper_head_is_a_unit(one_rank_mesh, strategy):
+    """With hyper-connections under bf16 parameters: each layer's hyper-connection (and each
+    hyper head) computes from fp32 weights, the projections from bf16 ones; the root holds no
+    parameter (the hyper head is a unit: EP overlap runs one microbatch's forward with the
+    other's backward, and a root parameter would be gathered by both)."""
+    from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead
+
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_moe"]), hc_mult=4, dim=64)
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    apply_data_parallel(model, one_rank_mesh, strategy=strategy, param_dtype=torch.bfloat16,
+                        reduce_dtype=torch.float32)
+    seen: dict[str, set] = {"hyper": set(), "projections": set()}
+    for module in model.modules():
+        if isinstance(module, (HyperConnection, HyperHead)):
+            assert isinstance(module, FSDPModule)
+            module.register_forward_pre_hook(lambda m, args: seen["hyper"].update(
+                p.dtype for p in m.parameters(recurse=False)))
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(
+                lambda m, args: seen["projections"].add(m.weight.dtype))
+    out = model(torch.randint(0, args.vocab_size, (2, 32)))
+    out[0].float().square().mean().backward()
+    assert seen == {"hyper": {torch.float32}, "projections": {torch.bfloat16}}
+    if strategy == "optim_grads_params":
+        assert unit_params(model) == []
+        assert isinstance(model.hc_head, FSDPModule) and isinstance(model.mtp[0].hc_head,
+                                                                    FSDPModule)

@@ -8,8 +8,11 @@
 | optim_grads_params   | 3    | sharded            | sharded   | sharded         | fully_shard          |
 
 Units: the embedding, every top-level layer (a Mamba / attention / MLP / MoE / GDN layer, or a
-whole bracket group with its sub-layers), every MTP depth, the final norm, the LM head, then
-the root. The norm and the head are two units, not one `fully_shard([norm, head])` group: the
+whole bracket group with its sub-layers), every MTP depth, the hyper head (with
+hyper-connections), the final norm, the LM head, then the root, which holds no parameter: a
+parameter of the root would be gathered from the first forward to the last backward, under
+EP overlap by one microbatch's forward and the other's backward at once (the backward's
+reshard freed the hyper head under the forward: a segfault). The norm and the head are two units, not one `fully_shard([norm, head])` group: the
 MTP depths call the head again without the norm, and a group's modules must run forward
 together (torch 2.11 runs a group's pre-forward only for the first of its modules after the
 group's last post-forward, so after a head-only call the next forward's norm found its weight
@@ -30,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_hybrid.compat.fsdp import replicate
+from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead
 from titan_hybrid.model.model import HybridLayer, routed_experts
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -40,12 +44,14 @@ def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     embedding = getattr(model, "tok_embeddings", None)
     head = [module for module in (getattr(model, "norm", None), getattr(model, "output", None))
             if module is not None]
+    hyper_head = getattr(model, "hc_head", None)
     tied = ties_head_to_embedding(model)
     units: list[nn.Module | list[nn.Module]] = []
     if embedding is not None and not tied:
         units.append(embedding)
     units.extend(model.layers.values())
     units.extend(getattr(model, "mtp", []))
+    units.extend([hyper_head] if hyper_head is not None else [])
     # A tied group starts with the embedding, the first of its modules to run forward.
     units.extend([[embedding, *head]] if tied else head)
     return units
@@ -68,6 +74,15 @@ def full_precision_layers(unit: nn.Module | list[nn.Module]) -> list[HybridLayer
             if isinstance(layer, HybridLayer) and layer.kind.full_precision_params]
 
 
+def hyper_connections(unit: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The hyper-connections and hyper heads in a unit: their weights stay fp32 (transformers
+    and Megatron compute them in fp32; `pre` and Sinkhorn's `comb` from bf16 weights would
+    round differently)."""
+    modules = unit if isinstance(unit, list) else [unit]
+    return [module for root in modules for module in root.modules()
+            if isinstance(module, (HyperConnection, HyperHead))]
+
+
 def apply_data_parallel(
     model: nn.Module,
     dp_mesh: DeviceMesh,
@@ -86,7 +101,8 @@ def apply_data_parallel(
     (the projections: nearly all of its weights and FLOPs) in `param_dtype`, and the layer
     itself, holding the rest, in fp32. FSDP's policy is per unit, and a unit's parameters are
     gathered when one of its modules runs forward: the projections are called as modules,
-    while the fp32 parameters are read by the mixer directly."""
+    while the fp32 parameters are read by the mixer directly. Each hyper-connection (and hyper
+    head) is an fp32 unit of its own inside its layer's."""
     if strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
                          f"of {SHARDING_STRATEGIES}")
@@ -110,7 +126,8 @@ def apply_data_parallel(
                 fully_shard(experts, **{**config, "mesh": expert_mesh}, mp_policy=mp_policy,
                             reshard_after_forward=strategy == "optim_grads_params")
     reshard = strategy == "optim_grads_params"
-    head = (getattr(model, "norm", None), getattr(model, "output", None))
+    head = (getattr(model, "norm", None), getattr(model, "output", None),
+            getattr(model, "hc_head", None))
     for unit in units:
         # The final norm and the LM head run right after the last layer and first in backward:
         # resharding them in between would only add an all-gather.
@@ -123,6 +140,11 @@ def apply_data_parallel(
                 policy = fp32_policy
             else:
                 wrap(layer, fp32_policy, reshard)
+        for connection in hyper_connections(unit) if split_precision else []:
+            if connection is unit:
+                policy = fp32_policy
+            else:
+                wrap(connection, fp32_policy, reshard)
         wrap(unit, policy, reshard and not is_head)
     wrap(model, mp_policy)
     # The trainer divides the summed loss by the global token count itself.

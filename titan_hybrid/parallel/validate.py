@@ -175,11 +175,6 @@ def validate_context_parallel(model_args: HybridModelArgs, p: ParallelismSection
 
 def validate_overlap(model_args: HybridModelArgs, p: ParallelismSection,
                      training: TrainingSection, *, data_parallel: int) -> None:
-    if model_args.hc_mult:
-        raise ValueError(
-            f"parallelism.expert_parallel_overlap with hyper-connections (hc_mult="
-            f"{model_args.hc_mult}) is not supported yet (its overlapped backward is not safe "
-            "with the stream-mixed residual); train with expert_parallel_degree alone")
     if p.expert_parallel_degree < 2:
         raise ValueError(
             "parallelism.expert_parallel_overlap needs expert_parallel_degree > 1 (it overlaps "
