@@ -8,8 +8,10 @@ float64 reference are tests/unit/test_hyper_connections.py."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.launch import run_training
@@ -74,6 +76,47 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     resumed = run_training(resumed_in, *JOB, *CHECKPOINT).check()
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(single.losses[2:], rel=1e-5)
+
+    # The same weights under Megatron's mHC keys start a run exactly as ours do.
+    megatron = tmp_path / "megatron_form"
+    _write_in_megatron_mhc_form(outputs / "ck" / "step-2", megatron)
+    starts = [run_training(tmp_path / f"start_{name}", *JOB, "--checkpoint.enable",
+                           "--checkpoint.initial_load_path", str(folder)).check().losses
+              for name, folder in (("ours", outputs / "ck" / "step-2"), ("megatron", megatron))]
+    assert starts[0] == starts[1]
+    assert starts[0][0] != pytest.approx(single.losses[0], rel=1e-3)  # trained weights loaded
+
+
+MEGATRON_NAMES = {"fn": "mapping_proj.weight", "base": "bias"}
+
+
+def _write_in_megatron_mhc_form(ours: Path, folder: Path) -> None:
+    """The model tensors of a checkpoint of ours under NVIDIA/Megatron-LM#6401's mHC names:
+    each layer nested under `inner_layer`, its hyper-connection's `mapping_proj.weight`, `bias`
+    and `alpha_pre` / `alpha_post` / `alpha_res` ([1] each), and the head's `hc_head_fn`,
+    `hc_head_base`, `hc_head_scale`."""
+    stored = dcp.FileSystemReader(str(ours)).read_metadata().state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in stored.items()
+             if key.startswith(("tok_embeddings.", "layers.", "hc_head.", "norm.", "output."))}
+    dcp.load(state, checkpoint_id=str(ours), no_dist=True)
+    megatron = {}
+    for key, value in state.items():
+        layer, _, name = key.partition(".hyper_connection.")
+        if name == "scale":
+            for index, alpha in enumerate(("alpha_pre", "alpha_post", "alpha_res")):
+                megatron[f"{layer}.hyper_connection.{alpha}"] = value[index:index + 1].clone()
+        elif name:
+            megatron[f"{layer}.hyper_connection.{MEGATRON_NAMES[name]}"] = value
+        elif key.startswith("hc_head.hc_"):
+            megatron["hc_head_" + key[len("hc_head.hc_"):]] = value
+        elif key.startswith("layers."):
+            _, index, rest = key.split(".", 2)
+            megatron[f"layers.{index}.inner_layer.{rest}"] = value
+        else:
+            megatron[key] = value
+    assert not any(key.endswith((".fn", ".base", ".scale")) for key in megatron)
+    dcp.save(megatron, checkpoint_id=str(folder), no_dist=True)
 
 
 # The MoE / MTP layouts (6 runs, about 40 s) in the extended run, which CI's first leg runs: the

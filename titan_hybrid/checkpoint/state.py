@@ -5,7 +5,8 @@ Two transforms make checkpoints independent of the layout and of grouping:
 - keys are LOGICAL: a bracket group's sub-layers take the group's index
   (`[*-]` -> `layers.0.attention.*` and `layers.0.mlp.*`), so a grouped pattern and the plain
   transformer-layer layout it mirrors share keys. The final norm also loads from
-  `final_layernorm.weight`.
+  `final_layernorm.weight`, and hyper-connection models also load Megatron's mHC key form
+  (NVIDIA/Megatron-LM#6401: `megatron_mhc_form`).
 Before a load, the checkpoint's keys and shapes are checked against the model so that a
 mismatch fails with the keys named, before training starts.
 """
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
 from titan_hybrid.compat.torchtitan_hooks import ModelWrapperHooks
@@ -26,6 +29,18 @@ from titan_hybrid.runtime.errors import JobError
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
 _GROUPED_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\.layers\.\d+\.")
 FINAL_NORM_ALIASES = {"norm.weight": "final_layernorm.weight"}
+
+# Megatron's mHC layers (NVIDIA/Megatron-LM#6401, HyperConnectionHybridLayer) nest the layer
+# under `inner_layer` and name its hyper-connection's tensors `mapping_proj.weight` (our `fn`:
+# the same [pre | post | comb] rows), `bias` (our `base`) and `alpha_pre`, `alpha_post`,
+# `alpha_res` ([1] each: the three entries of our `scale`); the hyper head's are `hc_head_fn`,
+# `hc_head_base`, `hc_head_scale`.
+_MHC_RENAMES = {"hyper_connection.fn": "hyper_connection.mapping_proj.weight",
+                "hyper_connection.base": "hyper_connection.bias"}
+MHC_ALPHAS = ("alpha_pre", "alpha_post", "alpha_res")
+_MHC_SCALE = "hyper_connection.scale"
+_MHC_HEAD = re.compile(r"hc_head\.hc_(fn|base|scale)$")
+_MHC_INNER = re.compile(r"((?:^|\.)layers\.\d+\.)(?!hyper_connection\.)")
 
 
 def fused_parameters(model_parts: list[nn.Module],
@@ -72,6 +87,63 @@ def physical_keys(state_dict: dict, originals: dict[str, str]) -> dict:
     return {originals.get(key, key): value for key, value in state_dict.items()}
 
 
+def holds_megatron_mhc_keys(stored_keys) -> bool:
+    """Whether a checkpoint's keys are Megatron's mHC form."""
+    return any(".inner_layer." in key or key.endswith("hyper_connection.mapping_proj.weight")
+               for key in stored_keys)
+
+
+def _megatron_mhc_key(key: str) -> str:
+    for ours, theirs in _MHC_RENAMES.items():
+        if key.endswith(ours):
+            return key[:-len(ours)] + theirs
+    if _MHC_HEAD.search(key):
+        return _MHC_HEAD.sub(r"hc_head_\1", key)
+    return _MHC_INNER.sub(r"\1inner_layer.", key, count=1)
+
+
+def megatron_mhc_form(state_dict: dict) -> dict:
+    """A load's model state dict (logical keys) under Megatron's mHC keys: the same tensors
+    renamed, each `scale` replaced by three fresh [1] tensors for its alphas (`from_megatron_mhc
+    _form` writes them into it after the load)."""
+    out = {}
+    for key, value in state_dict.items():
+        if not hasattr(value, "dim") or key.startswith(NON_MODEL_PREFIXES):
+            out[key] = value
+        elif key.endswith(_MHC_SCALE):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            for alpha in MHC_ALPHAS:
+                out[f"{key[:-len('scale')]}{alpha}"] = torch.empty(1, dtype=local.dtype,
+                                                                    device=local.device)
+        else:
+            out[_megatron_mhc_key(key)] = value
+    return out
+
+
+def from_megatron_mhc_form(state_dict: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Undo megatron_mhc_form after the load: (the state dict under our keys, without the
+    scales, {scale key: its loaded value [3]})."""
+    out, alphas = {}, {}
+    for key, value in state_dict.items():
+        name = key.rpartition(".")[2]
+        if name in MHC_ALPHAS and key.endswith(f"hyper_connection.{name}"):
+            scale = key[:-len(name)] + "scale"
+            alphas.setdefault(scale, {})[name] = value
+        else:
+            out[_our_key(key)] = value
+    return out, {key: torch.cat([found[alpha] for alpha in MHC_ALPHAS])
+                 for key, found in alphas.items()}
+
+
+def _our_key(key: str) -> str:
+    """Our key of a key in Megatron's mHC form (any other key: itself)."""
+    key = key.replace(".inner_layer.", ".", 1)
+    for ours, theirs in _MHC_RENAMES.items():
+        if key.endswith(theirs):
+            return key[:-len(theirs)] + ours
+    return re.sub(r"hc_head_(fn|base|scale)$", r"hc_head.hc_\1", key)
+
+
 class SplitModelWrapper(ModelWrapperHooks):
     """torchtitan's ModelWrapper with fused tensors as components and logical keys; `layouts`:
     the run's ParallelPlan.layouts."""
@@ -98,8 +170,24 @@ class SplitModelWrapper(ModelWrapperHooks):
         for key, alias in FINAL_NORM_ALIASES.items():
             if alias in state_dict and key not in state_dict:
                 state_dict[key] = state_dict.pop(alias)
+        state_dict, scales = from_megatron_mhc_form(state_dict)
         _, originals = self._logical_state_dict()  # the model's keys now, whatever ran before
         super().load_state_dict(merge_state_dict(physical_keys(state_dict, originals)))
+        for key, value in scales.items():
+            self._copy_into(originals.get(key, key), value)
+
+    def _copy_into(self, key: str, full: torch.Tensor) -> None:
+        """Write a whole tensor into the model's parameter `key` (a DTensor: its local part)."""
+        for part in self.model:
+            try:
+                param = part.get_parameter(key)
+            except AttributeError:
+                continue
+            with torch.no_grad():
+                if isinstance(param, DTensor):
+                    full = distribute_tensor(full.to(param.device), param.device_mesh,
+                                             param.placements, src_data_rank=None)
+                param.copy_(full)
 
 
 def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module],
@@ -191,6 +279,8 @@ def check_against_checkpoint(state_dict: dict, metadata, checkpoint_id: str, *,
     for key, alias in FINAL_NORM_ALIASES.items():
         if key in state_dict and key not in stored and alias in stored:
             state_dict[alias] = state_dict.pop(key)
+    if holds_megatron_mhc_keys(stored):
+        state_dict = megatron_mhc_form(state_dict)
     missing, mismatched = [], []
     requested = flattened_tensors(state_dict)
     for key, value in requested.items():
