@@ -204,9 +204,13 @@ def test_a_job_that_hyper_connections_cannot_run_is_one_line_naming_the_field():
                         "--parallelism.expert_parallel_overlap",
                         "--training.global_batch_size", "32")
     assert run.model.hc_mult == 4
-    with pytest.raises(ValueError, match=r"^parallelism.expert_parallel_overlap with "
-                                         r"hyper-connections \(hc_mult=4\) is not supported"):
-        validate_layout(run, 2)
+    validate_layout(run, 2)  # EP overlap runs hyper-connections (tests/distributed/)
+    from titan_hybrid.mimo.vision_language import VisionLanguageModel
+
+    with pytest.raises(ValueError, match=r"^VisionLanguageModel: hc_mult=4: this example's "
+                                         r"front end feeds the LM one stream"):
+        VisionLanguageModel(dataclasses.replace(hybrid_flavors["debug"], hc_mult=4),
+                            vision_dim=8, image_token_id=3)
 
 
 def test_fp8_converts_the_model_around_the_hyper_connections_and_trains():

@@ -31,6 +31,10 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(f"VisionLanguageModel: pattern '{lm_args.pattern}' has layers with "
                              f"an auxiliary loss ({kinds}); this example feeds the LM hidden "
                              "states only (no aux loss input) and reads logits alone")
+        if lm_args.hc_mult:
+            raise ValueError(f"VisionLanguageModel: hc_mult={lm_args.hc_mult}: this example's "
+                             "front end feeds the LM one stream of hidden states, which "
+                             "hyper-connections would read as several")
         if lm_args.enable_weight_tying:
             raise ValueError("VisionLanguageModel: enable_weight_tying=True: this example's "
                              "front end owns the embedding, so the LM head cannot share it")

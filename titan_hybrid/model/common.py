@@ -113,3 +113,13 @@ class TensorParallelHeadSum(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+class WholeSequenceSum(nn.Module):
+    """A sum over the tokens of a sequence: the identity on one device, where the sequence is
+    whole; context parallelism sums it over the ranks that hold the sequence's pieces
+    (parallel/context_parallel.py), so that a statistic of the sequence, not of the piece,
+    enters the loss (the MoE balance loss's slot counts)."""
+
+    def forward(self, local_sum: torch.Tensor) -> torch.Tensor:
+        return local_sum

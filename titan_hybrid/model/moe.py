@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
+from titan_hybrid.model.common import TPLayout, WholeSequenceSum, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import DATA, KindStatistics, LayerKind
 from titan_hybrid.model.mlp import ACTIVATIONS, MLPArgs, build_mlp, swiglu
 from titan_hybrid.runtime.errors import JobError
@@ -97,16 +97,6 @@ def expert_weights(scores_XE: torch.Tensor, experts_XA: torch.Tensor,
     if args.routed_scaling_factor != 1.0:
         weights = weights * args.routed_scaling_factor
     return weights
-
-
-class WholeSequenceSum(nn.Module):
-    """A sum over the tokens of a sequence: the identity on one device, where the sequence is
-    whole; context parallelism sums it over the ranks that hold the sequence's pieces
-    (parallel/context_parallel.py), so that a statistic of the sequence, not of the piece,
-    enters the loss."""
-
-    def forward(self, local_sum: torch.Tensor) -> torch.Tensor:
-        return local_sum
 
 
 class TopKRouter(nn.Module):

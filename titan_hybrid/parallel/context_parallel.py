@@ -31,10 +31,10 @@ from torch import nn
 
 from titan_hybrid.compat.collectives import traceable_all_reduce
 from titan_hybrid.data.zigzag import zigzag_index
+from titan_hybrid.model.common import WholeSequenceSum
 from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
-from titan_hybrid.model.moe import WholeSequenceSum
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
 from titan_hybrid.parallel.context_parallel_chunkwise import (
     ChunkwiseConvAndDeltaRule,
