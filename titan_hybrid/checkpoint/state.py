@@ -177,17 +177,20 @@ class SplitModelWrapper(ModelWrapperHooks):
             self._copy_into(originals.get(key, key), value)
 
     def _copy_into(self, key: str, full: torch.Tensor) -> None:
-        """Write a whole tensor into the model's parameter `key` (a DTensor: its local part)."""
+        """Write a whole tensor into the model's parameter `key`, a state-dict key (activation
+        checkpointing and compile wrap modules under names the state dict leaves out); a
+        DTensor takes its local part."""
         for part in self.model:
-            try:
-                param = part.get_parameter(key)
-            except AttributeError:
+            param = part.state_dict(keep_vars=True).get(key)
+            if param is None:
                 continue
             with torch.no_grad():
                 if isinstance(param, DTensor):
                     full = distribute_tensor(full.to(param.device), param.device_mesh,
                                              param.placements, src_data_rank=None)
                 param.copy_(full)
+            return
+        raise KeyError(f"the loaded '{key}' is no parameter of this rank's model parts")
 
 
 def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module],
