@@ -172,6 +172,14 @@ FAMILIES = {
         max_position_embeddings=64, attn_implementation="eager")),
 }
 
+# DeepSeek-V4 with YaRN on the compressed layers' table (V4's published checkpoints: factor 16).
+FAMILIES["deepseek_v4_yarn"] = (*FAMILIES["deepseek_v4"][:2], {
+    **FAMILIES["deepseek_v4"][2], "rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0},
+        "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                     "beta_slow": 1.0}}})
+
 # LM heads tied to the embedding (tie_word_embeddings), as Granite 4.0-H's published models and
 # the small Qwen3.5 ones have them: transformers saves the weight once, as the embedding.
 for _family in ("qwen3_5", "granitemoehybrid"):

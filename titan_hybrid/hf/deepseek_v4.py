@@ -28,6 +28,7 @@ have no place in the model, and an error names them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -304,11 +305,29 @@ def _refusals(config: dict) -> list[str]:
     if kinds[:hashed] != ["hash_moe"] * hashed:
         problems.append(f"mlp_layer_types={kinds}: hash-routed layers ('hash_moe') come first "
                         "in titan_hybrid (moe.hash_layers)")
+    compress = (config.get("rope_parameters") or {}).get("compress") or {}
+    if compress.get("truncate", True) is not True:
+        problems.append(f"rope_parameters.compress.truncate={compress['truncate']!r}: the "
+                        "compressed layers' YaRN table rounds its correction range")
     main = (config.get("rope_parameters") or {}).get("main") or {}
     if main.get("rope_type", "default") != "default":
         problems.append(f"rope_parameters.main.rope_type={main['rope_type']!r}: the sliding "
                         "layers' table is plain RoPE")
     return problems
+
+
+def _yarn_attention_factor(yarn: dict, factor: float) -> float:
+    """The factor on a YaRN table's cos and sin: the config's, else what transformers infers,
+    0.1 ln(factor) + 1 (with `mscale` and `mscale_all_dim`, the ratio of two such)."""
+    if yarn.get("attention_factor") is not None:
+        return yarn["attention_factor"]
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if yarn.get("mscale") and yarn.get("mscale_all_dim"):
+        return mscale(yarn["mscale"]) / mscale(yarn["mscale_all_dim"])
+    return mscale()
 
 
 def model_args_from_deepseek_v4_config(config: dict) -> HybridModelArgs:
@@ -333,12 +352,12 @@ def model_args_from_deepseek_v4_config(config: dict) -> HybridModelArgs:
     rates = config.get("compress_rates") or {}
     compressed = dict(shared, rope_theta=config.get("compress_rope_theta", 160000.0))
     if compress.get("rope_type", "default") == "yarn":
-        compressed.update(rope_scaling_factor=compress["factor"],
-                          original_max_position_embeddings=compress[
-                              "original_max_position_embeddings"],
-                          beta_fast=compress.get("beta_fast", 32.0),
-                          beta_slow=compress.get("beta_slow", 1.0),
-                          attention_factor=compress.get("attention_factor") or 1.0)
+        original = compress["original_max_position_embeddings"]
+        factor = compress.get("factor") or config["max_position_embeddings"] / original
+        compressed.update(rope_scaling_factor=factor, original_max_position_embeddings=original,
+                          beta_fast=compress.get("beta_fast") or 32.0,
+                          beta_slow=compress.get("beta_slow") or 1.0,
+                          attention_factor=_yarn_attention_factor(compress, factor))
     sections = {
         deepseek_v4.KIND.name: dict(shared, rope_theta=config.get("rope_theta", 10000.0)),
         deepseek_v4_hca.KIND.name: dict(
