@@ -121,7 +121,7 @@ def run_config_from(sections: dict, *, dump_folder: str, float8, model=None) -> 
     if model is None:
         model = resolve_model_args(hybrid.flavor, pattern=hybrid.pattern,
                                    seq_len=training.seq_len, seed=training.seed,
-                                   hc_mult=hybrid.hc_mult,
+                                   hc_mult=hybrid.hc_mult, m_layers=hybrid.m_layers,
                                    base=model_args_from_hf(hybrid.model_config)
                                    if hybrid.model_config else None)
     return RunConfig(model=model, dump_folder=dump_folder, float8=float8, **sections)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titan_hybrid.checkpoint.split import merge_state_dict, split_state_dict
 from titan_hybrid.compat.torchtitan_hooks import ModelWrapperHooks
 from titan_hybrid.model.common import TPLayout
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layer_kinds import ALL_KINDS
 from titan_hybrid.runtime.errors import JobError
 
 NON_MODEL_PREFIXES = ("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")
@@ -202,7 +202,7 @@ def split_optimizer_state(state_dict: dict, model_parts: list[nn.Module],
 
 # A layer's key: (optimizer prefix, logical index, kind name from the layer-kind table).
 _LAYER_KEY = re.compile(r"^((?:optimizer\.)?(?:state\.|param_groups\.)?)layers\.(\d+)\."
-                        rf"({'|'.join(re.escape(kind.name) for kind in LAYER_KINDS.values())})"
+                        rf"({'|'.join(re.escape(kind.name) for kind in ALL_KINDS)})"
                         r"(_norm)?\.")
 
 

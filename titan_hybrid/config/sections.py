@@ -246,6 +246,10 @@ class HybridSection:
         Hyper-connections (mHC, DeepSeek-V4 / Megatron's HybridModel) for any pattern: the
         residual stream becomes this many parallel streams, mixed around each layer by learned,
         Sinkhorn-projected weights; 0 turns them off. Unset: the flavor's.""")
+    m_layers: str | None = option(None, """
+        What the pattern's `M` layers build: "mamba2", or "gdp", gated DeltaProduct (Megatron's
+        gdp_stack_spec; its sizes and Householder steps in the model's `gdp` section). Unset:
+        the flavor's.""")
     load_layers_by_order: bool = option(False, """
         Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
         loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init.

@@ -21,9 +21,10 @@ from titan_hybrid.model.deepseek_v4_hca import DeepseekV4CompressedAttentionArgs
 from titan_hybrid.model.dsa import DSAArgs
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GDNArgs
+from titan_hybrid.model.gdp import GDPArgs
 from titan_hybrid.model.kda import KDAArgs
 from titan_hybrid.model.layer_kind import LayerKind
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layer_kinds import LAYER_KINDS, VARIANTS, kind_of
 from titan_hybrid.model.mamba import MambaArgs
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
@@ -69,6 +70,9 @@ class HybridModelArgs:
     hc_mult: int = 0
     hc_sinkhorn_iters: int = 20  # Sinkhorn steps of each layer's stream-mixing matrix
     hc_eps: float = 1e-6  # added to the pre / comb weights and to every Sinkhorn division
+    # What `M` builds: "mamba2", or "gdp", gated DeltaProduct (its section `gdp`; Megatron's
+    # gdp_stack_spec, under which every `M` is a GDP mixer).
+    m_layers: str = "mamba2"
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
     # "bamba": hf/families.py), set by a conversion from one; empty: chosen by the
     # layer kinds.
@@ -84,6 +88,7 @@ class HybridModelArgs:
         default_factory=DeepseekV4CompressedAttentionArgs)
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
+    gdp: GDPArgs = field(default_factory=GDPArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
     kda: KDAArgs = field(default_factory=KDAArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
@@ -103,7 +108,7 @@ class HybridModelArgs:
     def kinds(self) -> list[LayerKind]:
         """The layer kinds the pattern uses, in the table's order."""
         symbols = self.symbols()
-        return [kind for symbol, kind in LAYER_KINDS.items() if symbol in symbols]
+        return [kind_of(symbol, self) for symbol in LAYER_KINDS if symbol in symbols]
 
     def section(self, kind: LayerKind):
         """The args section of one layer kind, e.g. `self.mamba` for the Mamba kind."""
@@ -129,6 +134,10 @@ class HybridModelArgs:
 
     def validate(self) -> None:
         """Raise ValueError for shapes that cannot work; cheap, runs before any model is built."""
+        for field_name, kinds in VARIANTS.values():
+            if getattr(self, field_name) not in kinds:
+                raise ValueError(f"{field_name}='{getattr(self, field_name)}' is not one of "
+                                 f"{list(kinds)}")
         for kind in self.kinds():  # parsing the pattern also validates it
             kind.validate(self.section(kind), self.dim)
         moe_layers = sum(LAYER_KINDS[s].name == "moe"
@@ -281,6 +290,11 @@ hybrid_flavors = FlavorRegistry({
     # All three DeepSeek-V4 kinds: compressed sparse, heavily compressed, sliding window.
     "debug_v4_all": dataclasses.replace(_debug(), pattern="MC-MH-MW-"),
     "debug_v4_all_moe": dataclasses.replace(_debug(), pattern="MC-MHEMWE"),
+    # Gated DeltaProduct in the `M` layers (Megatron's gdp_stack_spec), 2 Householder steps a
+    # token, with attention.
+    "debug_gdp": dataclasses.replace(
+        _debug(), pattern="M-*-M-", m_layers="gdp",
+        gdp=GDPArgs(num_householder=2, d_state=32, head_dim=32, n_groups=2)),
     # A whole DeepSeek-V4 model (hf/deepseek_v4.py's format): its three attention kinds, each
     # with a MoE layer (the first hash-routed), four hyper-connection streams, one MTP depth;
     # V4's router, clamp and norms, and one window (transformers has one value).
@@ -314,18 +328,20 @@ hybrid_flavors = FlavorRegistry({
 
 def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
                        seed: int | None = None, hc_mult: int | None = None,
+                       m_layers: str | None = None,
                        base: HybridModelArgs | None = None) -> HybridModelArgs:
     """The model args a run trains: a copy of the flavor's (or of `base`, the args of
     `hybrid.model_config`, which replace the flavor), with the run's pattern (if given),
-    sequence length, init seed and hyper-connection streams (if given), validated (ValueError
-    for an unknown flavor or shapes that cannot work)."""
+    sequence length, init seed, hyper-connection streams and `M` mixer (if given), validated
+    (ValueError for an unknown flavor or shapes that cannot work)."""
     flavor_args = base if base is not None else hybrid_flavors[flavor]
     # One new object whose sections are copies too: nothing is shared with the flavor table.
     fields = {f.name: copy.deepcopy(getattr(flavor_args, f.name))
               for f in dataclasses.fields(flavor_args) if f.init}
     fields.update(pattern=pattern or flavor_args.pattern, max_seq_len=seq_len,
                   init_seed=flavor_args.init_seed if seed is None else seed,
-                  hc_mult=flavor_args.hc_mult if hc_mult is None else hc_mult)
+                  hc_mult=flavor_args.hc_mult if hc_mult is None else hc_mult,
+                  m_layers=m_layers or flavor_args.m_layers)
     model_args = HybridModelArgs(**fields)
     model_args.validate()
     return model_args

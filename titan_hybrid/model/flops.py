@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from titan_hybrid.model.hyper_connections import mixing_flops
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layer_kinds import kind_of
 
 
 def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -34,7 +34,7 @@ def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[i
                             + head_runs * model.output.weight.numel())
     core = 0
     for symbol in pattern.physical_layer_symbols(include_mtp=True):
-        kind = LAYER_KINDS[symbol]
+        kind = kind_of(symbol, args)
         active_matmul_params -= kind.inactive_params(args.section(kind), args.dim)
         core += kind.core_flops(args.section(kind), args.dim, seq_len)
         if args.hc_mult:

@@ -159,12 +159,17 @@ def _validate(args: GDNArgs, dim: int) -> None:
                          f"n_key_heads={args.n_key_heads}")
 
 
+def delta_rule_flops(key_dim: int, value_dim: int, chunk: int) -> int:
+    """Forward FLOPs of the chunked gated delta rule per head per token (ops/gated_delta.py,
+    what torch's FLOP counter sees it do): intra-chunk q k^T, k k^T and the scores' product
+    with the corrected values (2 * Q * (2K + V)), the UT transform's products with beta*V and
+    beta*exp(G)*K (2 * Q * (K + V)), state update and read-out (2 * 3 * K * V)."""
+    return 2 * chunk * (3 * key_dim + 2 * value_dim) + 6 * key_dim * value_dim
+
+
 def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
-    """Chunked gated delta rule per value head per token, forward: intra-chunk q k^T, k k^T
-    and their products with v (2 * Q * (2K + V)), state update and read-out (2 * 3 * K * V)."""
-    chunk = min(CHUNK_SIZE, seq_len)
-    k, v = args.key_head_dim, args.value_head_dim
-    return args.n_value_heads * (2 * chunk * (2 * k + v) + 6 * k * v)
+    return args.n_value_heads * delta_rule_flops(args.key_head_dim, args.value_head_dim,
+                                                 min(CHUNK_SIZE, seq_len))
 
 
 def _head_channels(args: GDNArgs, tensors: dict) -> HeadChannels:

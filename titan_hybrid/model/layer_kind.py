@@ -157,13 +157,16 @@ class LayerKind:
     # the FLOPs leave out of 6 * parameters.
     inactive_params: Callable[[Any, int], int] = _all_active  # (section, dim)
     statistics: KindStatistics | None = None  # counters for the training log, if any
+    # A kind its symbol builds when an option says so (layer_kinds.VARIANTS: GDP for `M`, as
+    # Megatron's gdp_stack_spec): its own name, title and args section.
+    variant: LayerSymbol | None = None
 
     def __deepcopy__(self, memo) -> "LayerKind":
         return self  # a registry entry: copies of a model share it
 
     @property
     def spec(self) -> LayerSymbol:
-        return SYMBOLS[self.symbol]
+        return self.variant or SYMBOLS[self.symbol]
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ from titan_hybrid.model import (
     deepseek_v4_hca,
     dsa,
     gdn,
+    gdp,
     kda,
     mamba,
     mla,
@@ -32,3 +33,23 @@ LAYER_KINDS: dict[str, LayerKind] = {
                                    deepseek_v4.KIND, deepseek_v4_csa.KIND, deepseek_v4_hca.KIND, mlp.KIND,
                                    moe.KIND)
 }
+
+# What a symbol builds instead of its own kind when a model option says so, as Megatron selects
+# such mixers (a stack spec, not a symbol): {symbol: (the HybridModelArgs field, {value: kind})}.
+# `M` builds gated DeltaProduct under `m_layers = "gdp"` (Megatron's gdp_stack_spec).
+VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
+    mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND}),
+}
+# Every kind a model may hold: the table's and the variants'.
+ALL_KINDS: list[LayerKind] = [*LAYER_KINDS.values(), *(
+    kind for _, kinds in VARIANTS.values() for kind in kinds.values()
+    if kind not in LAYER_KINDS.values())]
+
+
+def kind_of(symbol: str, args) -> LayerKind:
+    """The kind a symbol builds in a model of these args (HybridModelArgs): its variant, where
+    VARIANTS names one."""
+    if symbol not in VARIANTS:
+        return LAYER_KINDS[symbol]
+    field, kinds = VARIANTS[symbol]
+    return kinds[getattr(args, field)]

@@ -31,7 +31,7 @@ from torch import nn
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.attention import rotary_tables
 from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead, expand_streams
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layer_kinds import kind_of
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.model.pattern import Item
@@ -52,7 +52,7 @@ class HybridLayer(nn.Module):
         """`hash_routed`: an MoE layer that chooses its experts by the token ids."""
         super().__init__()
         self.symbol = symbol
-        self.kind = LAYER_KINDS[symbol]
+        self.kind = kind_of(symbol, args)
         self.post_norm = post_norm  # h + norm(mixer(h)) instead of h + mixer(norm(h))
         self.add_module(f"{self.kind.name}_norm", model_norm(args))
         section = args.section(self.kind)
