@@ -48,3 +48,17 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     resumed = run_training(tmp_path / "tp1", *JOB, *CHECKPOINT).check()
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(saved.losses[2:], rel=1e-5)
+
+
+@pytest.mark.extended
+def test_activation_checkpointing_with_compile_and_fp8_train_gdp(tmp_path, reference_run):
+    """Full AC with compile gives the one-process curve (the op compiles with its documents,
+    tests/unit/test_gated_delta_product.py); emulated FP8 Linears stay within FP8's rounding
+    of it (measured 1.5e-4)."""
+    single = reference_run(*JOB).losses
+    compiled = run_training(tmp_path / "ac", *JOB, "--activation_checkpoint.mode", "full",
+                            "--compile.enable").check().losses
+    assert compiled == pytest.approx(single, rel=1e-5)
+    fp8 = run_training(tmp_path / "fp8", *JOB, "--model.converters", "quantize.linear.float8",
+                       "--quantize.linear.float8.emulate").check()
+    assert fp8.losses == pytest.approx(single, rel=2e-3) and fp8.losses != single
