@@ -302,3 +302,11 @@ def test_hyper_connections_bench_times_both_models_small():
     assert result["added_params"] > 0
     assert result["flops_per_token"][2] > result["flops_per_token"][0]
     assert result["ratio"] == result["step_s"][2] / result["step_s"][0] > 0
+
+
+def test_gdp_vs_gdn_bench_times_both_mixers_small():
+    """bench/gdp_vs_gdn.py small: GDN and GDP layers step, and every round times both."""
+    from bench.gdp_vs_gdn import timings
+
+    times = timings(["gdn", "gdp2"], T=32, repeats=2)
+    assert [len(t) for t in times.values()] == [2, 2] and min(min(t) for t in times.values()) > 0

@@ -1,0 +1,133 @@
+"""Gated DeltaProduct (issue 50) against our gated DeltaNet layer (baseline), in one process
+invocation:
+
+    python bench/gdp_vs_gdn.py [--seq-lens 512 2048] [--householder 2 3] [--repeats 5]
+
+Each row is one forward + backward of a mixer layer on CPU in fp32, batch 2, hidden 512: GDN
+(`model/gdn.py`: 8 value heads of 64 over 4 key heads of 64) and GDP (`model/gdp.py` with the
+same heads, `num_householder` n). Timings alternate the two layers within each round, and the
+ratio is the median over rounds of GDN's time / GDP's (< 1: GDP slower); tokens/s are from the
+best times. Peak memory: each (mixer, T) runs once in a fresh subprocess, which records how far
+one forward + backward raises the peak RSS above the RSS before it (bench/mixers_vs_transformers.py
+explains the probe); the ratio is GDP's / GDN's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs  # noqa: E402
+from titan_hybrid.model.gdp import GatedDeltaProductMixer, GDPArgs  # noqa: E402
+
+DIM, BATCH, HEADS, GROUPS, HEAD_DIM = 512, 2, 8, 4, 64
+
+
+def mixer(name: str) -> torch.nn.Module:
+    """"gdn", or "gdp<n>"."""
+    torch.manual_seed(0)
+    if name == "gdn":
+        layer = GatedDeltaNet(dim=DIM, args=GDNArgs(key_head_dim=HEAD_DIM, value_head_dim=HEAD_DIM,
+                                                    n_key_heads=GROUPS, n_value_heads=HEADS))
+    else:
+        layer = GatedDeltaProductMixer(dim=DIM, args=GDPArgs(
+            num_householder=int(name[3:]), d_state=HEAD_DIM, head_dim=HEAD_DIM, n_groups=GROUPS,
+            num_heads=HEADS))
+    with torch.no_grad():
+        layer.init_weights(init_std=0.02, out_std=0.02)
+    return layer
+
+
+def step(layer: torch.nn.Module, x: torch.Tensor) -> None:
+    layer(x).square().mean().backward()
+
+
+def timings(names: list[str], T: int, repeats: int) -> dict[str, list[float]]:
+    x = torch.randn(BATCH, T, DIM, generator=torch.Generator().manual_seed(1))
+    layers = {name: mixer(name) for name in names}
+    for layer in layers.values():
+        step(layer, x)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            step(layers[name], x)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _rss_and_peak() -> tuple[int, int]:
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    return tuple(int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def probe(name: str, T: int) -> dict:
+    """In a fresh process: the peak-RSS growth (bytes) of one forward + backward."""
+    step(mixer(name), torch.randn(BATCH, 128, DIM))
+    layer, x = mixer(name), torch.randn(BATCH, T, DIM)
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    before = _rss_and_peak()
+    step(layer, x)
+    return {"bytes": _rss_and_peak()[1] - before[0], "lower_bound": before[1] >= _rss_and_peak()[1]}
+
+
+def peak_memory(name: str, T: int) -> dict:
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", name, str(T),
+                           "--threads", str(torch.get_num_threads())], capture_output=True,
+                          text=True, check=True, env=dict(os.environ,
+                                                          MALLOC_MMAP_THRESHOLD_="65536"))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--householder", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--probe", nargs=2, metavar=("MIXER", "T"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe:
+        print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
+        return
+    names = ["gdn", *(f"gdp{n}" for n in args.householder)]
+    print(f"GDP vs GDN (baseline: our gated DeltaNet layer), fwd+bwd, fp32 CPU, batch {BATCH}, "
+          f"hidden {DIM}, {HEADS} value heads over {GROUPS} key heads of {HEAD_DIM}, "
+          f"{torch.get_num_threads()} threads")
+    print("| mixer | T | tokens/s | x GDN (paired) | peak MiB | x GDN |")
+    print("|---|---|---|---|---|---|")
+    for T in args.seq_lens:
+        times = timings(names, T, args.repeats)
+        memory = {name: peak_memory(name, T) for name in names}
+        for name in names:
+            paired = statistics.median(gdn / mine for gdn, mine in
+                                       zip(times["gdn"], times[name], strict=True))
+            mib = memory[name]["bytes"] / 2**20
+            print(f"| {name} | {T} | {BATCH * T / min(times[name]):,.0f} | {paired:.2f} | "
+                  f"{mib:,.0f}{'+' if memory[name]['lower_bound'] else ''} | "
+                  f"{memory[name]['bytes'] / memory['gdn']['bytes']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
