@@ -103,3 +103,28 @@ def test_packed_documents_compile_with_fullgraph():
 
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, g, beta, seq_idx), run(q, k, v, g, beta, seq_idx))
+
+
+@pytest.mark.triton_interpreter
+def test_fla_kernels_on_the_interleaved_steps_match_the_torch_path():
+    """On CUDA (here Triton's interpreter) the op runs fla's gated-delta-rule kernels, forward
+    and backward, on the interleaved rows through their custom ops: packed documents, an
+    initial state, final states, in-kernel L2 norms, two steps a token."""
+    from tests.triton_kernels import (
+        DEVICE,
+        assert_close_rel,
+        expect_custom_ops,
+        kernels_on,
+        outputs_and_grads,
+    )
+    from tests.unit.test_gated_delta import KERNEL_TOL, gdn_kernel_ops
+
+    (q, k, v, g, beta, initial), seq_idx = inputs(2, seed=7)
+    tensors = {name: value.float().to(DEVICE) for name, value in
+               dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial).items()}
+    kwargs = dict(num_householder=2, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  seq_idx=seq_idx.to(DEVICE))
+    with kernels_on(), expect_custom_ops(*gdn_kernel_ops()):
+        got = outputs_and_grads(chunk_gated_delta_product, tensors, **kwargs)
+    want = outputs_and_grads(chunk_gated_delta_product, tensors, **kwargs)
+    assert_close_rel(got, want, KERNEL_TOL[torch.float32], "fla on GDP's steps")
