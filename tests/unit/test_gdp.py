@@ -111,6 +111,11 @@ def test_m_builds_gdp_only_when_the_option_says_so():
         dataclasses.replace(args, m_layers="gdn").validate()
     with pytest.raises(ValueError, match=r"^gdp: num_householder=0 must be >= 1"):
         dataclasses.replace(args, gdp=GDPArgs(num_householder=0)).validate()
+    from titan_hybrid.hf.families import check_hf_compatible
+
+    with pytest.raises(ValueError, match=r"^m_layers='gdp': gated DeltaProduct layers are held "
+                                         r"by none of the Hugging Face families"):
+        check_hf_compatible(args)
 
 
 @pytest.mark.parametrize("num_householder", [1, 2, 3])

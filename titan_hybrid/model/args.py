@@ -323,6 +323,11 @@ hybrid_flavors = FlavorRegistry({
     "kda_hybrid_1b": _gpu_sized("K-K*-K-K-K*-K-K-K*-K-K-K-"),
     # ... with gated DeltaNet (Qwen3-Next's shapes: 16 value heads over 8 key heads of 128).
     "gdn_hybrid_1b": _gpu_sized("G-G*-G-G-G*-G-G-G*-G-G-G-"),
+    # ... with gated DeltaProduct in the `M` layers at Megatron's GDP defaults (3 Householder
+    # steps, 64 value heads of 64 over 8 key groups of 128).
+    "gdp_hybrid_1b": dataclasses.replace(
+        _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"), m_layers="gdp",
+        gdp=GDPArgs(num_householder=3, d_state=128, head_dim=64, n_groups=8)),
 })
 
 
