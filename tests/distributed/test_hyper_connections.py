@@ -80,8 +80,9 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     # The same weights under Megatron's mHC keys start a run exactly as ours do.
     megatron = tmp_path / "megatron_form"
     _write_in_megatron_mhc_form(outputs / "ck" / "step-2", megatron)
-    starts = [run_training(tmp_path / f"start_{name}", *JOB, "--checkpoint.enable",
-                           "--checkpoint.initial_load_path", str(folder)).check().losses
+    starts = [run_training(tmp_path / f"start_{name}", *JOB, "--training.steps", "2",
+                           "--checkpoint.enable", "--checkpoint.initial_load_path",
+                           str(folder)).check().losses
               for name, folder in (("ours", outputs / "ck" / "step-2"), ("megatron", megatron))]
     assert starts[0] == starts[1]
     assert starts[0][0] != pytest.approx(single.losses[0], rel=1e-3)  # trained weights loaded
