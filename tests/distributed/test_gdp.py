@@ -20,13 +20,13 @@ JOB = ("--model.flavor", "debug_gdp", "--training.steps", "4", "--training.seq_l
        "--training.max_norm", "1e6")
 LAYOUTS = {
     "fsdp2": (),
-    "tp2": ("--parallelism.tensor_parallel_degree", "2"),
     "cp2_chunkwise": ("--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_linear_mode", "chunkwise"),
 }
 # The default suite's time is near its budget: these, with the TP2 -> TP1 resume, run in the
 # extended run (CI's first leg).
 EXTENDED_LAYOUTS = {
+    "tp2": ("--parallelism.tensor_parallel_degree", "2"),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*|-M-"),
     "cp2_head_a2a": ("--parallelism.context_parallel_degree", "2"),
 }
@@ -34,7 +34,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
               "--checkpoint.no_last_save_model_only")
 
 
-def test_fsdp2_tp2_and_chunkwise_cp2_give_the_one_process_curve(tmp_path, reference_run):
+def test_fsdp2_and_chunkwise_cp2_give_the_one_process_curve(tmp_path, reference_run):
     single = reference_run(*JOB).losses
     for name, layout in LAYOUTS.items():
         got = run_training(tmp_path / name, *JOB, *layout, nproc=2).check().losses
@@ -42,13 +42,13 @@ def test_fsdp2_tp2_and_chunkwise_cp2_give_the_one_process_curve(tmp_path, refere
 
 
 @pytest.mark.extended
-def test_pp2_and_head_exchange_cp2_give_the_curve_and_tp2_checkpoints_resume_at_tp1(
+def test_tp2_pp2_and_head_exchange_cp2_give_the_curve_and_tp2_checkpoints_resume_at_tp1(
         tmp_path, reference_run):
     single = reference_run(*JOB).losses
     for name, layout in EXTENDED_LAYOUTS.items():
         got = run_training(tmp_path / name, *JOB, *layout, nproc=2).check().losses
         assert got == pytest.approx(single, rel=1e-5), name
-    saved = run_training(tmp_path / "tp2_saved", *JOB, *LAYOUTS["tp2"], *CHECKPOINT,
+    saved = run_training(tmp_path / "tp2_saved", *JOB, *EXTENDED_LAYOUTS["tp2"], *CHECKPOINT,
                          nproc=2).check()
     outputs = tmp_path / "tp2_saved" / "outputs"
     shutil.rmtree(outputs / "ck" / "step-4")

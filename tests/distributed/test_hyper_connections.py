@@ -2,7 +2,8 @@
 curve of one process under FSDP2, TP2 + SP, PP2 (the stage boundary carries [B, T, 4, D]) and
 CP2 in both linear modes, and for an MoE + MTP pattern under EP2, EP overlap, full and per-op
 selective activation checkpointing and compile; a checkpoint saved under TP2 resumes under TP1 onto the
-one-process curve. The layer-level checks against transformers' DeepSeek-V4 modules and a
+one-process curve, and weights under Megatron's mHC keys start a run as ours do. The
+layer-level checks against transformers' DeepSeek-V4 modules and a
 float64 reference are tests/unit/test_hyper_connections.py."""
 
 from __future__ import annotations
@@ -77,18 +78,26 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(single.losses[2:], rel=1e-5)
 
-    # The same weights under Megatron's mHC keys start a run exactly as ours do.
+
+MEGATRON_NAMES = {"fn": "mapping_proj.weight", "base": "bias"}
+
+
+@pytest.mark.extended
+def test_a_checkpoint_under_megatrons_mhc_keys_starts_a_run_as_ours_does(tmp_path):
+    """The same weights under NVIDIA/Megatron-LM#6401's names (checkpoint/state.py reads them
+    as a logical-key form) give a run started from them the curve of one started from ours,
+    bit for bit: `inner_layer` dropped, the three alphas written into `scale`."""
+    run_training(tmp_path / "saved", *JOB, *CHECKPOINT).check()
+    ours = tmp_path / "saved" / "outputs" / "ck" / "step-2"
     megatron = tmp_path / "megatron_form"
-    _write_in_megatron_mhc_form(outputs / "ck" / "step-2", megatron)
+    _write_in_megatron_mhc_form(ours, megatron)
     starts = [run_training(tmp_path / f"start_{name}", *JOB, "--training.steps", "2",
                            "--checkpoint.enable", "--checkpoint.initial_load_path",
                            str(folder)).check().losses
-              for name, folder in (("ours", outputs / "ck" / "step-2"), ("megatron", megatron))]
+              for name, folder in (("ours", ours), ("megatron", megatron))]
     assert starts[0] == starts[1]
-    assert starts[0][0] != pytest.approx(single.losses[0], rel=1e-3)  # trained weights loaded
-
-
-MEGATRON_NAMES = {"fn": "mapping_proj.weight", "base": "bias"}
+    fresh = run_training(tmp_path / "fresh", *JOB, "--training.steps", "1").check().losses
+    assert starts[0][0] != pytest.approx(fresh[0], rel=1e-3)  # the trained weights loaded
 
 
 def _write_in_megatron_mhc_form(ours: Path, folder: Path) -> None:
