@@ -105,8 +105,9 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
                          f"{sub_chunk_size}")
     # Autocast would run the matmuls and the triangular solve below in bf16.
     with torch.autocast(q.device.type, enabled=False):
-        return _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_idx,
-                          use_qk_l2norm_in_kernel, chunk_size, sub_chunk_size)
+        return chunk_erase_write_torch(q, k, v, g, beta[..., None], beta[..., None], scale,
+                                       initial_state, output_final_state, seq_idx,
+                                       use_qk_l2norm_in_kernel, chunk_size, sub_chunk_size)
 
 
 def _decayed_products(x_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size):
@@ -142,18 +143,24 @@ def _block_diagonal(blocks_NSS):
     return torch.cat(rows, -2)
 
 
-def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_idx,
-               use_qk_l2norm_in_kernel, chunk_size, sub_chunk_size):
+def chunk_erase_write_torch(q, k, v, g, erase, write, scale, initial_state, output_final_state,
+                            seq_idx, use_qk_l2norm_in_kernel, chunk_size=CHUNK_SIZE,
+                            sub_chunk_size=SUB_CHUNK_SIZE):
+    """The chunked path of the delta rule whose erase and write gates act per channel
+    (GDN2's): S_t = (I - k_t (erase_t * k_t)^T) Diag(exp(g_t)) S_{t-1} + k_t (write_t * v_t)^T,
+    erase [B, T, H, K] (or [..., 1]), write [B, T, H, V] (or [..., 1]); KDA is
+    erase = write = beta. In the WY system above, beta * k_i becomes erase_i * k_i (A's rows
+    and the entering state's correction) and beta * V becomes write * V."""
     B, T, H, K = q.shape
     V, Q = v.shape[-1], chunk_size
     scale = K ** -0.5 if scale is None else scale
     dtype, out_dtype = torch.promote_types(q.dtype, torch.float32), v.dtype
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k, v, g, erase, write = (x.to(dtype) for x in (q, k, v, g, erase, write))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     q = q * scale
 
-    # Padded to whole chunks with zero tokens (g = 0, k = 0, beta = 0: the state unchanged).
+    # Padded to whole chunks with zero tokens (g = 0, k = 0, gates 0: the state unchanged).
     n_chunks = math.ceil(T / Q)
 
     def to_chunks(x_BTHD):  # -> [J, B, H, Q, D]
@@ -161,7 +168,8 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_i
         return x_BTHD.unflatten(1, (n_chunks, Q)).movedim((1, 2), (0, 3)).contiguous()
 
     q_JBHQK, k_JBHQK, v_JBHQV, g_JBHQK = (to_chunks(x) for x in (q, k, v, g))
-    beta_JBHQ = to_chunks(beta[..., None])[..., 0]
+    erased_JBHQK = k_JBHQK * to_chunks(erase)  # erase * k: the key the state is read by
+    written_JBHQV = v_JBHQV * to_chunks(write)
     G_JBHQK = g_JBHQK.cumsum(-2)
 
     if seq_idx is None:
@@ -169,7 +177,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_i
     else:
         same_doc, from_entering, in_last, carries = document_masks(seq_idx, n_chunks, Q)
         from_entering, in_last = from_entering[..., None], in_last[..., None]
-    A_JBHQQ = _decayed_products(k_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size) * beta_JBHQ[..., None]
+    A_JBHQQ = _decayed_products(erased_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size)
     P_JBHQQ = _decayed_products(q_JBHQK, k_JBHQK, G_JBHQK, sub_chunk_size)
     if same_doc is not None:
         A_JBHQQ, P_JBHQQ = A_JBHQQ * same_doc, P_JBHQQ * same_doc
@@ -177,8 +185,8 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, seq_i
     T_JBHQQ = torch.linalg.solve_triangular(A_JBHQQ, eye_QQ.expand_as(A_JBHQQ), upper=False,
                                             unitriangular=True)
     decay_in_JBHQK = _masked(G_JBHQK.exp(), from_entering)  # from the chunk's start
-    W_JBHQV = T_JBHQQ @ (v_JBHQV * beta_JBHQ[..., None])
-    KC_JBHQK = T_JBHQQ @ (k_JBHQK * decay_in_JBHQK * beta_JBHQ[..., None])
+    W_JBHQV = T_JBHQQ @ written_JBHQV
+    KC_JBHQK = T_JBHQQ @ (erased_JBHQK * decay_in_JBHQK)
     q_dec_JBHQK = q_JBHQK * _masked(G_JBHQK.exp(), from_entering)
     decay_out_JBHQK = _masked((G_JBHQK[..., -1:, :] - G_JBHQK).exp(), in_last)  # to the exit
     k_dec_JBHKQ = (k_JBHQK * decay_out_JBHQK).transpose(-1, -2)
