@@ -133,7 +133,7 @@ VALUES = {
     "checkpoint.async_mode": "async", "checkpoint.initial_load_path": str(REPO_ROOT),
     "checkpoint.load_step": "4", "compile.backend": "aot_eager", "debug.seed": "7",
     "hybrid.flavor": "debug_moe", "hybrid.loss_curve_file": "curve.jsonl",
-    "hybrid.pattern": "M*G-", "hybrid.hc_mult": "4", "hybrid.m_layers": "gdp", "hybrid.model_config": str(REPO_ROOT / "tests" / "torchtitan_0_3" / "hf_nemotron_h"), "job.dump_folder": "out",
+    "hybrid.pattern": "M*G-", "hybrid.hc_mult": "4", "hybrid.m_layers": "gdp", "hybrid.g_layers": "gdn2", "hybrid.model_config": str(REPO_ROOT / "tests" / "torchtitan_0_3" / "hf_nemotron_h"), "job.dump_folder": "out",
     "model.flavor": "debug_moe", "model.converters": "quantize.linear.float8",
     "quantize.linear.float8.recipe_name": "rowwise", "quantize.converters": "quantize.linear.float8",
     "quantize.linear.float8.filter_fqns": "layers.0",

@@ -92,3 +92,91 @@ def test_packed_documents_compile_with_fullgraph():
 
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(*tensors, seq_idx), run(*tensors, seq_idx))
+
+
+# ---- the mixer (model/gdn2.py), what `G` builds under g_layers = "gdn2"
+DIM, STEPS = 24, 11
+
+
+def _mixer(seed: int):
+    from titan_hybrid.model.gdn import GDNArgs
+    from titan_hybrid.model.gdn2 import GatedDeltaNet2
+
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet2(dim=DIM, args=GDNArgs(key_head_dim=4, value_head_dim=6, n_key_heads=2,
+                                                 n_value_heads=4)).double()
+    with torch.no_grad():
+        layer.init_weights(init_std=0.2, out_std=0.2)
+        for param in layer.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return layer
+
+
+def megatron_gdn2(layer, x):
+    """Megatron's GatedDeltaNet2 forward from its equations, float64."""
+    import torch.nn.functional as F
+
+    args = layer.args
+    hk, hv, dk, dv = args.n_key_heads, args.n_value_heads, args.key_head_dim, args.value_head_dim
+    q, k, v, z, f, b, w = (x @ layer.in_proj.weight.T).split(
+        [hk * dk, hk * dk, hv * dv, hv * dv, hk * dk, hk * dk, hv * dv], -1)
+    qkv = torch.cat((q, k, v), -1)
+    width = layer.conv1d.weight.shape[-1]
+    qkv = F.silu(F.conv1d(F.pad(qkv.transpose(1, 2), (width - 1, 0)), layer.conv1d.weight,
+                          groups=qkv.shape[-1]).transpose(1, 2))
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
+    rep = hv // hk
+
+    def heads(t):  # per key head -> per value head
+        return t.unflatten(-1, (hk, dk)).repeat_interleave(rep, dim=2)
+
+    q, k = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (heads(q), heads(k)))
+    g = heads(-torch.exp(layer.A_log).repeat_interleave(dk) * F.softplus(f + layer.dt_bias))
+    erase, write = heads(torch.sigmoid(b)), torch.sigmoid(w).unflatten(-1, (hv, dv))
+    v = v.unflatten(-1, (hv, dv))
+    state = torch.zeros(x.shape[0], hv, dk, dv, dtype=torch.float64)
+    out = []
+    for t in range(x.shape[1]):
+        state = torch.exp(g[:, t])[..., None] * state
+        read = torch.einsum("bhk,bhkv->bhv", erase[:, t] * k[:, t], state)
+        state = state + k[:, t, ..., None] * (write[:, t] * v[:, t] - read)[..., None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t] * dk ** -0.5))
+    o = torch.stack(out, 1)
+    normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + layer.norm.eps)
+    y = normed * layer.norm.weight * F.silu(z.unflatten(-1, (hv, dv)))
+    return y.flatten(-2) @ layer.out_proj.weight.T
+
+
+def test_the_mixer_is_megatrons_gdn2_forward_and_backward():
+    ours, theirs = _mixer(0), _mixer(0)
+    x = torch.randn(2, STEPS, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got, expected = ours(x), megatron_gdn2(theirs, x)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(got)
+    (got * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for (name, mine), (_, param) in zip(ours.named_parameters(), theirs.named_parameters(),
+                                        strict=True):
+        torch.testing.assert_close(mine.grad, param.grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_g_builds_gdn2_only_when_the_option_says_so():
+    import dataclasses
+
+    from titan_hybrid.hf.families import check_hf_compatible
+    from titan_hybrid.model.args import hybrid_flavors
+    from titan_hybrid.model.gdn2 import KIND, GatedDeltaNet2
+    from titan_hybrid.model.model import HybridModel
+
+    args = hybrid_flavors["debug_gdn2"]
+    model = HybridModel(args)
+    assert type(model.layers["0"].mixer) is GatedDeltaNet2 and KIND.name == "gdn2"
+    assert list(model.layers["0"].mixer.fused_parts["in_proj.weight"]) == [
+        ".query", ".key", ".value", ".z", ".f", ".b", ".w"]  # Megatron's split names
+    plain = HybridModel(dataclasses.replace(args, g_layers="gdn"))
+    assert type(plain.layers["0"].mixer).__name__ == "GatedDeltaNet"
+    with pytest.raises(ValueError, match=r"^g_layers='kda' is not one of \['gdn', 'gdn2'\]"):
+        dataclasses.replace(args, g_layers="kda").validate()
+    with pytest.raises(ValueError, match=r"^gated DeltaNet-2 layers \(m_layers='mamba2', "
+                                         r"g_layers='gdn2'\) are held by none"):
+        check_hf_compatible(args)

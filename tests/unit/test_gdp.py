@@ -113,8 +113,8 @@ def test_m_builds_gdp_only_when_the_option_says_so():
         dataclasses.replace(args, gdp=GDPArgs(num_householder=0)).validate()
     from titan_hybrid.hf.families import check_hf_compatible
 
-    with pytest.raises(ValueError, match=r"^m_layers='gdp': gated DeltaProduct layers are held "
-                                         r"by none of the Hugging Face families"):
+    with pytest.raises(ValueError, match=r"^gated DeltaProduct layers \(m_layers='gdp', "
+                                         r"g_layers='gdn'\) are held by none of the Hugging"):
         check_hf_compatible(args)
 
 

@@ -122,6 +122,7 @@ def run_config_from(sections: dict, *, dump_folder: str, float8, model=None) -> 
         model = resolve_model_args(hybrid.flavor, pattern=hybrid.pattern,
                                    seq_len=training.seq_len, seed=training.seed,
                                    hc_mult=hybrid.hc_mult, m_layers=hybrid.m_layers,
+                                   g_layers=hybrid.g_layers,
                                    base=model_args_from_hf(hybrid.model_config)
                                    if hybrid.model_config else None)
     return RunConfig(model=model, dump_folder=dump_folder, float8=float8, **sections)

@@ -250,6 +250,10 @@ class HybridSection:
         What the pattern's `M` layers build: "mamba2", or "gdp", gated DeltaProduct (Megatron's
         gdp_stack_spec; its sizes and Householder steps in the model's `gdp` section). Unset:
         the flavor's.""")
+    g_layers: str | None = option(None, """
+        What the pattern's `G` layers build: "gdn", or "gdn2", gated DeltaNet-2 (Megatron's
+        experimental_attention_variant "gdn2"; its sizes in the model's `gdn2` section).
+        Unset: the flavor's.""")
     load_layers_by_order: bool = option(False, """
         Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
         loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init.

@@ -180,8 +180,9 @@ def check_hf_compatible(args: HybridModelArgs) -> Family:
     hf_format = hf_format_of(args)
     variants = [kind for kind in args.kinds() if kind.variant is not None]
     if variants:
-        raise ValueError(f"m_layers='{args.m_layers}': {variants[0].title} layers are held by "
-                         "none of the Hugging Face families titan_hybrid writes")
+        raise ValueError(f"{variants[0].title} layers (m_layers='{args.m_layers}', g_layers="
+                         f"'{args.g_layers}') are held by none of the Hugging Face families "
+                         "titan_hybrid writes")
     unheld = None if hf_format is FAMILIES["deepseek_v4"] else _held_by_deepseek_v4_only(args)
     if unheld:
         raise ValueError(f"{unheld} is held only by the DeepSeek-V4 format, and this model's "

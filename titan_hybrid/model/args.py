@@ -73,6 +73,9 @@ class HybridModelArgs:
     # What `M` builds: "mamba2", or "gdp", gated DeltaProduct (its section `gdp`; Megatron's
     # gdp_stack_spec, under which every `M` is a GDP mixer).
     m_layers: str = "mamba2"
+    # What `G` builds: "gdn", or "gdn2", gated DeltaNet-2 (its section `gdn2`, GDN's fields;
+    # Megatron's experimental_attention_variant "gdn2").
+    g_layers: str = "gdn"
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
     # "bamba": hf/families.py), set by a conversion from one; empty: chosen by the
     # layer kinds.
@@ -89,6 +92,7 @@ class HybridModelArgs:
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdp: GDPArgs = field(default_factory=GDPArgs)
+    gdn2: GDNArgs = field(default_factory=GDNArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
     kda: KDAArgs = field(default_factory=KDAArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
@@ -295,6 +299,10 @@ hybrid_flavors = FlavorRegistry({
     "debug_gdp": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="gdp",
         gdp=GDPArgs(num_householder=2, d_state=32, head_dim=32, n_groups=2)),
+    # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").
+    "debug_gdn2": dataclasses.replace(
+        _debug(), pattern="G-*-G-", g_layers="gdn2",
+        gdn2=GDNArgs(key_head_dim=32, value_head_dim=32, n_key_heads=2, n_value_heads=4)),
     # A whole DeepSeek-V4 model (hf/deepseek_v4.py's format): its three attention kinds, each
     # with a MoE layer (the first hash-routed), four hyper-connection streams, one MTP depth;
     # V4's router, clamp and norms, and one window (transformers has one value).
@@ -333,11 +341,12 @@ hybrid_flavors = FlavorRegistry({
 
 def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
                        seed: int | None = None, hc_mult: int | None = None,
-                       m_layers: str | None = None,
+                       m_layers: str | None = None, g_layers: str | None = None,
                        base: HybridModelArgs | None = None) -> HybridModelArgs:
     """The model args a run trains: a copy of the flavor's (or of `base`, the args of
     `hybrid.model_config`, which replace the flavor), with the run's pattern (if given),
-    sequence length, init seed, hyper-connection streams and `M` mixer (if given), validated
+    sequence length, init seed, hyper-connection streams and `M` / `G` mixers (if given),
+    validated
     (ValueError for an unknown flavor or shapes that cannot work)."""
     flavor_args = base if base is not None else hybrid_flavors[flavor]
     # One new object whose sections are copies too: nothing is shared with the flavor table.
@@ -346,7 +355,8 @@ def resolve_model_args(flavor: str, *, pattern: str = "", seq_len: int,
     fields.update(pattern=pattern or flavor_args.pattern, max_seq_len=seq_len,
                   init_seed=flavor_args.init_seed if seed is None else seed,
                   hc_mult=flavor_args.hc_mult if hc_mult is None else hc_mult,
-                  m_layers=m_layers or flavor_args.m_layers)
+                  m_layers=m_layers or flavor_args.m_layers,
+                  g_layers=g_layers or flavor_args.g_layers)
     model_args = HybridModelArgs(**fields)
     model_args.validate()
     return model_args

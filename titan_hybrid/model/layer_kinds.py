@@ -19,6 +19,7 @@ from titan_hybrid.model import (
     deepseek_v4_hca,
     dsa,
     gdn,
+    gdn2,
     gdp,
     kda,
     mamba,
@@ -36,9 +37,11 @@ LAYER_KINDS: dict[str, LayerKind] = {
 
 # What a symbol builds instead of its own kind when a model option says so, as Megatron selects
 # such mixers (a stack spec, not a symbol): {symbol: (the HybridModelArgs field, {value: kind})}.
-# `M` builds gated DeltaProduct under `m_layers = "gdp"` (Megatron's gdp_stack_spec).
+# `M` builds gated DeltaProduct under `m_layers = "gdp"` (Megatron's gdp_stack_spec), `G` gated
+# DeltaNet-2 under `g_layers = "gdn2"` (Megatron's experimental_attention_variant "gdn2").
 VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
     mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND}),
+    gdn.KIND.symbol: ("g_layers", {"gdn": gdn.KIND, "gdn2": gdn2.KIND}),
 }
 # Every kind a model may hold: the table's and the variants'.
 ALL_KINDS: list[LayerKind] = [*LAYER_KINDS.values(), *(
