@@ -1,11 +1,11 @@
-"""Gated DeltaProduct (issue 50) against our gated DeltaNet layer (baseline), in one process
-invocation:
+"""Gated DeltaProduct and gated DeltaNet-2 (issue 50) against our gated DeltaNet layer
+(baseline), in one process invocation:
 
     python bench/gdp_vs_gdn.py [--seq-lens 512 2048] [--householder 2 3] [--repeats 5]
 
 Each row is one forward + backward of a mixer layer on CPU in fp32, batch 2, hidden 512: GDN
-(`model/gdn.py`: 8 value heads of 64 over 4 key heads of 64) and GDP (`model/gdp.py` with the
-same heads, `num_householder` n). Timings alternate the two layers within each round, and the
+(`model/gdn.py`: 8 value heads of 64 over 4 key heads of 64), GDP (`model/gdp.py` with the
+same heads, `num_householder` n) and GDN2 (`model/gdn2.py`, the same heads). Timings alternate the two layers within each round, and the
 ratio is the median over rounds of GDN's time / GDP's (< 1: GDP slower); tokens/s are from the
 best times. Peak memory: each (mixer, T) runs once in a fresh subprocess, which records how far
 one forward + backward raises the peak RSS above the RSS before it (bench/mixers_vs_transformers.py
@@ -31,17 +31,19 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs  # noqa: E402
+from titan_hybrid.model.gdn2 import GatedDeltaNet2  # noqa: E402
 from titan_hybrid.model.gdp import GatedDeltaProductMixer, GDPArgs  # noqa: E402
 
 DIM, BATCH, HEADS, GROUPS, HEAD_DIM = 512, 2, 8, 4, 64
 
 
 def mixer(name: str) -> torch.nn.Module:
-    """"gdn", or "gdp<n>"."""
+    """"gdn", "gdn2", or "gdp<n>"."""
     torch.manual_seed(0)
-    if name == "gdn":
-        layer = GatedDeltaNet(dim=DIM, args=GDNArgs(key_head_dim=HEAD_DIM, value_head_dim=HEAD_DIM,
-                                                    n_key_heads=GROUPS, n_value_heads=HEADS))
+    if name in ("gdn", "gdn2"):
+        layer = (GatedDeltaNet if name == "gdn" else GatedDeltaNet2)(
+            dim=DIM, args=GDNArgs(key_head_dim=HEAD_DIM, value_head_dim=HEAD_DIM,
+                                  n_key_heads=GROUPS, n_value_heads=HEADS))
     else:
         layer = GatedDeltaProductMixer(dim=DIM, args=GDPArgs(
             num_householder=int(name[3:]), d_state=HEAD_DIM, head_dim=HEAD_DIM, n_groups=GROUPS,
@@ -111,8 +113,8 @@ def main() -> None:
     if args.probe:
         print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
         return
-    names = ["gdn", *(f"gdp{n}" for n in args.householder)]
-    print(f"GDP vs GDN (baseline: our gated DeltaNet layer), fwd+bwd, fp32 CPU, batch {BATCH}, "
+    names = ["gdn", *(f"gdp{n}" for n in args.householder), "gdn2"]
+    print(f"GDP and GDN2 vs GDN (baseline: our gated DeltaNet layer), fwd+bwd, fp32 CPU, batch {BATCH}, "
           f"hidden {DIM}, {HEADS} value heads over {GROUPS} key heads of {HEAD_DIM}, "
           f"{torch.get_num_threads()} threads")
     print("| mixer | T | tokens/s | x GDN (paired) | peak MiB | x GDN |")
