@@ -180,3 +180,22 @@ def test_g_builds_gdn2_only_when_the_option_says_so():
     with pytest.raises(ValueError, match=r"^gated DeltaNet-2 layers \(m_layers='mamba2', "
                                          r"g_layers='gdn2'\) are held by none"):
         check_hf_compatible(args)
+
+
+def test_mfu_counts_the_ops_matmuls():
+    """GDN2's core FLOPs (GDN's and KDA's count: the gates are elementwise) are what torch's FLOP
+    counter sees the op's forward do per token, within the sub-chunk split's extra (KDA's)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from titan_hybrid.model.gdn import GDNArgs
+    from titan_hybrid.model.gdn2 import KIND
+
+    tokens, heads, dim = 256, 2, 32
+    q, k, g, b = (torch.randn(1, tokens, heads, dim) for _ in range(4))
+    v, w = torch.randn(1, tokens, heads, dim), torch.rand(1, tokens, heads, dim)
+    with FlopCounterMode(display=False) as counter:
+        chunk_gdn2(q, k, v, -g.abs(), b.sigmoid(), w, use_qk_l2norm_in_kernel=True)
+    counted = counter.get_total_flops() / tokens
+    declared = KIND.core_flops(GDNArgs(key_head_dim=dim, value_head_dim=dim, n_key_heads=heads,
+                                       n_value_heads=heads), 64, tokens)
+    assert declared <= counted <= 1.05 * declared
