@@ -12,11 +12,11 @@ whole bracket group with its sub-layers), every MTP depth, the hyper head (with
 hyper-connections), the final norm, the LM head, then the root, which holds no parameter: a
 parameter of the root would be gathered from the first forward to the last backward, under
 EP overlap by one microbatch's forward and the other's backward at once (the backward's
-reshard freed the hyper head under the forward: a segfault). The norm and the head are two units, not one `fully_shard([norm, head])` group: the
-MTP depths call the head again without the norm, and a group's modules must run forward
-together (torch 2.11 runs a group's pre-forward only for the first of its modules after the
-group's last post-forward, so after a head-only call the next forward's norm found its weight
-still sharded). A head tied to the embedding (enable_weight_tying) makes the embedding, the
+reshard freed the hyper head under the forward: a segfault). The norm and the head are two
+units, not one `fully_shard([norm, head])` group: the MTP depths call the head again without
+the norm, and a group's modules must run forward together (torch 2.11 runs a group's
+pre-forward only for the first of its modules after the group's last post-forward, so after a
+head-only call the next forward's norm found its weight still sharded). A head tied to the embedding (enable_weight_tying) makes the embedding, the
 final norm and the head one group, gathered from the embedding's forward to the backward: a
 parameter must be one unit's (FSDP would shard a weight shared by two units twice and keep the
 copies apart). Under expert parallelism each MoE layer's experts are a unit of their own,
