@@ -8,18 +8,15 @@ Each row is one forward + backward of a mixer layer on CPU in fp32, batch 2, hid
 same heads, `num_householder` n) and GDN2 (`model/gdn2.py`, the same heads). Timings alternate the two layers within each round, and the
 ratio is the median over rounds of GDN's time / GDP's (< 1: GDP slower); tokens/s are from the
 best times. Peak memory: each (mixer, T) runs once in a fresh subprocess, which records how far
-one forward + backward raises the peak RSS above the RSS before it (bench/mixers_vs_transformers.py
-explains the probe); the ratio is GDP's / GDN's.
+one forward + backward raises the peak RSS above the RSS before it (bench/peak_rss.py); the
+ratio is GDP's / GDN's.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +27,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from bench.peak_rss import in_fresh_process, rss_growth  # noqa: E402
 from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs  # noqa: E402
 from titan_hybrid.model.gdn2 import GatedDeltaNet2  # noqa: E402
 from titan_hybrid.model.gdp import GatedDeltaProductMixer, GDPArgs  # noqa: E402
@@ -71,33 +69,16 @@ def timings(names: list[str], T: int, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _rss_and_peak() -> tuple[int, int]:
-    with open("/proc/self/status") as f:
-        status = dict(line.split(":", 1) for line in f)
-    return tuple(int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
-
-
 def probe(name: str, T: int) -> dict:
     """In a fresh process: the peak-RSS growth (bytes) of one forward + backward."""
-    step(mixer(name), torch.randn(BATCH, 128, DIM))
+    step(mixer(name), torch.randn(BATCH, 128, DIM))  # one-time allocations
     layer, x = mixer(name), torch.randn(BATCH, T, DIM)
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    before = _rss_and_peak()
-    step(layer, x)
-    return {"bytes": _rss_and_peak()[1] - before[0], "lower_bound": before[1] >= _rss_and_peak()[1]}
+    return rss_growth(lambda: step(layer, x))
 
 
 def peak_memory(name: str, T: int) -> dict:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", name, str(T),
-                           "--threads", str(torch.get_num_threads())], capture_output=True,
-                          text=True, check=True, env=dict(os.environ,
-                                                          MALLOC_MMAP_THRESHOLD_="65536"))
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_fresh_process(__file__, ["--probe", name, str(T),
+                                       "--threads", str(torch.get_num_threads())])
 
 
 def main() -> None:

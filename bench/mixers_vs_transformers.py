@@ -63,14 +63,17 @@ ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, C, H) have n
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +99,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 from transformers.utils import logging as hf_logging
 
+from bench.peak_rss import in_fresh_process, rss_growth
 from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs, SlidingWindowAttention
@@ -338,38 +342,16 @@ def compare(op: str, T: int, repeats: int, batch: int = BATCH) -> dict:
     return result
 
 
-def _rss_and_peak() -> tuple[int, int]:
-    with open("/proc/self/status") as f:
-        status = dict(line.split(":", 1) for line in f)
-    return tuple(int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
-
-
 def peak_memory_probe(op: str, impl: str, T: int) -> dict:
     """Run in a fresh process: peak-RSS growth (bytes) of one fwd+bwd step."""
     fwd_bwd(*make_case(op, CHUNK)[impl])  # one-time allocations (thread pools, kernels)
     fn, leaves = make_case(op, T)[impl]
-    gc.collect()
-    try:  # "5" resets the peak RSS (VmHWM, what ru_maxrss reports) to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    rss_before, peak_before = _rss_and_peak()
-    fwd_bwd(fn, leaves)
-    peak = _rss_and_peak()[1]
-    # Without the reset an earlier, higher peak can hide the step's: then only a lower bound.
-    return {"bytes": peak - rss_before, "lower_bound": peak <= peak_before}
+    return rss_growth(lambda: fwd_bwd(fn, leaves))
 
 
 def peak_memory(op: str, impl: str, T: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe", op, impl, str(T),
-           "--threads", str(torch.get_num_threads())]
-    # A fixed mmap threshold stops glibc from raising it (to up to 32 MiB) as tensors are freed,
-    # so every tensor above 64 KiB is mapped and unmapped: RSS then follows live tensors, and
-    # repeated probes agree to ~0.1% instead of varying by ~20% with heap fragmentation.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_fresh_process(__file__, ["--probe", op, impl, str(T),
+                                       "--threads", str(torch.get_num_threads())])
 
 
 def fmt_mib(mem: dict | None) -> str:
