@@ -104,13 +104,35 @@ class ConvAndDeltaRule(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """GDN. A variant (GDN2, model/gdn2.py) changes the gates: `gate_parts` (in_proj's
+    components after [q | k | v | z]), `decay_rows` (A_log's and dt_bias's rows), `core_type`
+    and `core_gates` (the gate logits the core takes, from in_proj's gate columns)."""
+
+    core_type = ConvAndDeltaRule
+
+    @staticmethod
+    def gate_parts(args: GDNArgs) -> dict[str, int]:
+        """beta and the decay's logit alpha, one per value head."""
+        return {".beta": args.n_value_heads, ".alpha": args.n_value_heads}
+
+    @staticmethod
+    def decay_rows(args: GDNArgs) -> tuple[int, int]:
+        return args.n_value_heads, args.n_value_heads
+
+    @staticmethod
+    def core_gates(gates: torch.Tensor, key_dim: int, value_dim: int):
+        """(alpha, beta) of the core, from in_proj's gate columns [beta | alpha] (local sizes:
+        key_dim and value_dim are the rank's)."""
+        beta, alpha = gates.chunk(2, -1)
+        return alpha, beta
+
     def __init__(self, *, dim: int, args: GDNArgs, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.args = args
         key_dim = args.n_key_heads * args.key_head_dim
         value_dim = args.n_value_heads * args.value_head_dim
         in_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim, ".z": value_dim,
-                    ".beta": args.n_value_heads, ".alpha": args.n_value_heads}
+                    **self.gate_parts(args)}
         conv_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim}
         self.fused_parts = {"in_proj.weight": in_parts, "conv1d.weight": conv_parts}
         in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
@@ -118,12 +140,13 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = nn.Linear(dim, in_size, bias=False)
         self.conv1d = nn.Conv1d(conv_size, conv_size, args.conv_width, groups=conv_size,
                                 bias=False)
-        self.A_log = nn.Parameter(torch.empty(args.n_value_heads, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(args.n_value_heads))
+        a_rows, dt_rows = self.decay_rows(args)
+        self.A_log = nn.Parameter(torch.empty(a_rows, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(dt_rows))
         self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=args.norm_eps or norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
 
-        self.conv_and_delta_rule = ConvAndDeltaRule(args)
+        self.conv_and_delta_rule = self.core_type(args)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Heads split; the output norm is one weight shared by all heads, applied to each
@@ -134,11 +157,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
-        n_value_heads = self.A_log.shape[0]  # local count under TP
-        n_key_heads = n_value_heads * args.n_key_heads // args.n_value_heads
-        key_dim, value_dim = n_key_heads * args.key_head_dim, n_value_heads * args.value_head_dim
-        qkv, z, beta, alpha = self.in_proj(x_BTD).split(
-            [2 * key_dim + value_dim, value_dim, n_value_heads, n_value_heads], -1)
+        value_dim = self.out_proj.weight.shape[1]  # local sizes under TP
+        key_dim = (value_dim // args.value_head_dim * args.n_key_heads // args.n_value_heads
+                   * args.key_head_dim)
+        projected = self.in_proj(x_BTD)
+        qkv, z, gates = projected.split(
+            [2 * key_dim + value_dim, value_dim, projected.shape[-1] - 2 * (key_dim + value_dim)],
+            -1)
+        alpha, beta = self.core_gates(gates, key_dim, value_dim)
         o_BTHV = self.conv_and_delta_rule(qkv, alpha, beta, self.conv1d.weight.squeeze(1),
                                           self.A_log, self.dt_bias, layout)
         out = self.norm(o_BTHV, z.view_as(o_BTHV))
@@ -153,10 +179,15 @@ class GatedDeltaNet(nn.Module):
         self.norm.init_weights()
 
 
-def _validate(args: GDNArgs, dim: int) -> None:
+def check_heads(args: GDNArgs, section: str) -> None:
+    """Each key head is shared by whole value heads (ValueError naming the section)."""
     if args.n_value_heads % args.n_key_heads:
-        raise ValueError(f"gdn: n_value_heads={args.n_value_heads} is not divisible by "
+        raise ValueError(f"{section}: n_value_heads={args.n_value_heads} is not divisible by "
                          f"n_key_heads={args.n_key_heads}")
+
+
+def _validate(args: GDNArgs, dim: int) -> None:
+    check_heads(args, "gdn")
 
 
 def delta_rule_flops(key_dim: int, value_dim: int, chunk: int) -> int:

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from titan_hybrid.model.common import (
-    REPLICATED_ON_LOCAL_SHARDS,
-    TPLayout,
-    init_depthwise_conv,
-    init_linear,
-    init_ssm_decay,
-    sharded,
-    upcast,
+from titan_hybrid.model.common import upcast
+from titan_hybrid.model.gdn import (
+    ConvAndDeltaRule,
+    GatedDeltaNet,
+    GDNArgs,
+    check_heads,
+    delta_rule_flops,
 )
-from titan_hybrid.model.gdn import ConvAndDeltaRule, GDNArgs, delta_rule_flops
 from titan_hybrid.model.layer_kind import (
     GROUPS,
     HEADS,
@@ -33,8 +30,6 @@ from titan_hybrid.model.layer_kind import (
     HeadChannels,
     LayerKind,
 )
-from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.norms import HeadGatedRMSNorm
 from titan_hybrid.model.symbols import SYMBOL_VARIANTS
 from titan_hybrid.ops.gated_delta import CHUNK_SIZE
 from titan_hybrid.ops.gdn2 import chunk_gdn2
@@ -76,55 +71,31 @@ class ConvAndGDN2Rule(ConvAndDeltaRule):
                           use_qk_l2norm_in_kernel=True)
 
 
-class GatedDeltaNet2(nn.Module):
-    def __init__(self, *, dim: int, args: GDNArgs, norm_eps: float = 1e-5) -> None:
-        super().__init__()
-        self.args = args
+class GatedDeltaNet2(GatedDeltaNet):
+    """GDN's layer (projections, conv, norm, TP layouts, init) with GDN2's gates."""
+
+    core_type = ConvAndGDN2Rule
+
+    @staticmethod
+    def gate_parts(args: GDNArgs) -> dict[str, int]:
+        """The decay's logit f and the erase gate b per key channel, the write gate w per value
+        channel (Megatron's split names)."""
         key_dim = args.n_key_heads * args.key_head_dim
-        value_dim = args.n_value_heads * args.value_head_dim
-        in_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim, ".z": value_dim,
-                    ".f": key_dim, ".b": key_dim, ".w": value_dim}
-        conv_parts = {".query": key_dim, ".key": key_dim, ".value": value_dim}
-        self.fused_parts = {"in_proj.weight": in_parts, "conv1d.weight": conv_parts}
-        in_size, conv_size = sum(in_parts.values()), sum(conv_parts.values())
-        self.in_proj = nn.Linear(dim, in_size, bias=False)
-        self.conv1d = nn.Conv1d(conv_size, conv_size, args.conv_width, groups=conv_size,
-                                bias=False)
-        self.A_log = nn.Parameter(torch.empty(args.n_key_heads, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(key_dim))
-        self.norm = HeadGatedRMSNorm(args.value_head_dim, eps=args.norm_eps or norm_eps)
-        self.out_proj = nn.Linear(value_dim, dim, bias=False)
-        self.conv_and_gdn2_rule = ConvAndGDN2Rule(args)
+        return {".f": key_dim, ".b": key_dim, ".w": args.n_value_heads * args.value_head_dim}
 
-    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
-        return {**{name: sharded(0, parts) for name, parts in self.fused_parts.items()},
-                "out_proj.weight": sharded(1), "A_log": sharded(0), "dt_bias": sharded(0),
-                "norm.weight": REPLICATED_ON_LOCAL_SHARDS}
+    @staticmethod
+    def decay_rows(args: GDNArgs) -> tuple[int, int]:
+        """A_log one per key head, dt_bias one per key channel."""
+        return args.n_key_heads, args.n_key_heads * args.key_head_dim
 
-    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
-        args = self.args
-        key_heads = self.A_log.shape[0]  # local count under TP
-        key_dim = key_heads * args.key_head_dim
-        value_dim = key_heads * args.n_value_heads // args.n_key_heads * args.value_head_dim
-        qkv, z, f, erase_write = self.in_proj(x_BTD).split(
-            [2 * key_dim + value_dim, value_dim, key_dim, key_dim + value_dim], -1)
-        o_BTHV = self.conv_and_gdn2_rule(qkv, f, erase_write, self.conv1d.weight.squeeze(1),
-                                         self.A_log, self.dt_bias, layout)
-        return self.out_proj(self.norm(o_BTHV, z.view_as(o_BTHV)).flatten(-2))
-
-    def init_weights(self, *, init_std: float, out_std: float) -> None:
-        init_linear(self.in_proj, std=init_std)
-        init_linear(self.out_proj, std=out_std)
-        init_depthwise_conv(self.conv1d)
-        init_ssm_decay(self.A_log, self.dt_bias, a_range=(1.0, 16.0), dt_min=1e-3, dt_max=0.1,
-                       dt_floor=1e-4)
-        self.norm.init_weights()
+    @staticmethod
+    def core_gates(gates: torch.Tensor, key_dim: int, value_dim: int):
+        """(f, [b | w])."""
+        return gates.split([key_dim, key_dim + value_dim], -1)
 
 
 def _validate(args: GDNArgs, dim: int) -> None:
-    if args.n_value_heads % args.n_key_heads:
-        raise ValueError(f"gdn2: n_value_heads={args.n_value_heads} is not divisible by "
-                         f"n_key_heads={args.n_key_heads}")
+    check_heads(args, "gdn2")
     if args.allow_neg_eigval:
         raise ValueError("gdn2: allow_neg_eigval=True has no meaning for GDN2 (Megatron's "
                          "erase gate is a sigmoid)")
@@ -158,7 +129,7 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [("gdn2.n_key_heads", args.n_key_heads),
                                              ("gdn2.n_value_heads", args.n_value_heads)],
     context_parallel=ContextParallelRule(
-        core="conv_and_gdn2_rule",
+        core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("gdn2.n_value_heads", args.n_value_heads),
                                        ("gdn2.n_key_heads", args.n_key_heads)),
         head_channels=_head_channels, state_passing="delta_rule"),
