@@ -105,8 +105,9 @@ class ConvAndDeltaRule(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """GDN. A variant (GDN2, model/gdn2.py) changes the gates: `gate_parts` (in_proj's
-    components after [q | k | v | z]), `decay_rows` (A_log's and dt_bias's rows), `core_type`
-    and `core_gates` (the gate logits the core takes, from in_proj's gate columns)."""
+    components after [q | k | v | z]), `decay_rows` (A_log's and dt_bias's rows), `core_type`,
+    and `gate_widths` / `core_gates` (how in_proj's gate columns split into the core's gate
+    logits)."""
 
     core_type = ConvAndDeltaRule
 
@@ -119,11 +120,16 @@ class GatedDeltaNet(nn.Module):
     def decay_rows(args: GDNArgs) -> tuple[int, int]:
         return args.n_value_heads, args.n_value_heads
 
+    def gate_widths(self, key_dim: int, value_dim: int) -> list[int]:
+        """Widths of the pieces in_proj's gate columns split into, from the rank's key_dim and
+        value_dim (TP shards): [beta | alpha]. One split with [q | k | v] and z, so the
+        backward joins the gradients with one cat."""
+        heads = value_dim // self.args.value_head_dim
+        return [heads, heads]
+
     @staticmethod
-    def core_gates(gates: torch.Tensor, key_dim: int, value_dim: int):
-        """(alpha, beta) of the core, from in_proj's gate columns [beta | alpha] (local sizes:
-        key_dim and value_dim are the rank's)."""
-        beta, alpha = gates.chunk(2, -1)
+    def core_gates(beta, alpha):
+        """(alpha, beta) of the core from the gate pieces."""
         return alpha, beta
 
     def __init__(self, *, dim: int, args: GDNArgs, norm_eps: float = 1e-5) -> None:
@@ -160,11 +166,9 @@ class GatedDeltaNet(nn.Module):
         value_dim = self.out_proj.weight.shape[1]  # local sizes under TP
         key_dim = (value_dim // args.value_head_dim * args.n_key_heads // args.n_value_heads
                    * args.key_head_dim)
-        projected = self.in_proj(x_BTD)
-        qkv, z, gates = projected.split(
-            [2 * key_dim + value_dim, value_dim, projected.shape[-1] - 2 * (key_dim + value_dim)],
-            -1)
-        alpha, beta = self.core_gates(gates, key_dim, value_dim)
+        qkv, z, *gates = self.in_proj(x_BTD).split(
+            [2 * key_dim + value_dim, value_dim, *self.gate_widths(key_dim, value_dim)], -1)
+        alpha, beta = self.core_gates(*gates)
         o_BTHV = self.conv_and_delta_rule(qkv, alpha, beta, self.conv1d.weight.squeeze(1),
                                           self.A_log, self.dt_bias, layout)
         out = self.norm(o_BTHV, z.view_as(o_BTHV))

@@ -88,10 +88,13 @@ class GatedDeltaNet2(GatedDeltaNet):
         """A_log one per key head, dt_bias one per key channel."""
         return args.n_key_heads, args.n_key_heads * args.key_head_dim
 
+    def gate_widths(self, key_dim: int, value_dim: int) -> list[int]:
+        """[f | b w]: the erase and write gates stay one piece, as the core takes them."""
+        return [key_dim, key_dim + value_dim]
+
     @staticmethod
-    def core_gates(gates: torch.Tensor, key_dim: int, value_dim: int):
-        """(f, [b | w])."""
-        return gates.split([key_dim, key_dim + value_dim], -1)
+    def core_gates(f, erase_and_write):
+        return f, erase_and_write
 
 
 def _validate(args: GDNArgs, dim: int) -> None:
