@@ -30,6 +30,7 @@ from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv
 from titan_hybrid.ops.conv_triton import causal_depthwise_conv1d_triton
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_torch
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm, gated_group_rms_norm_torch
+from titan_hybrid.ops.gdn2 import chunk_gdn2, chunk_gdn2_torch
 from titan_hybrid.ops.kda import chunk_kda, chunk_kda_torch
 from titan_hybrid.ops.kernels import force_kernels, kernel_op_refused, probe_kernels
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined, ssd_chunked_torch
@@ -93,6 +94,18 @@ def _kda(dtype, gen):  # the KDA mixer's call: a log-decay per key channel in fl
             dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=True))
 
 
+def _gdn2(dtype, gen):  # the GDN2 mixer's call: a decay and an erase gate per key channel,
+    b, t, h, d = 2, 200, 2, 128  # a write gate per value channel
+    seq_idx = torch.zeros(b, t, dtype=torch.int32, device=DEVICE)
+    seq_idx[0, 90:] = 1
+    return (dict(q=_rand(gen, b, t, h, d, dtype=dtype), k=_rand(gen, b, t, h, d, dtype=dtype),
+                 v=_rand(gen, b, t, h, d, dtype=dtype),
+                 g=-F.softplus(_rand(gen, b, t, h, d)),
+                 b=torch.sigmoid(_rand(gen, b, t, h, d)).to(dtype),
+                 w=torch.sigmoid(_rand(gen, b, t, h, d)).to(dtype)),
+            dict(seq_idx=seq_idx, use_qk_l2norm_in_kernel=True))
+
+
 def _conv(dtype, gen):  # width 4, 8-aligned channels: the shapes the CUDA kernel takes
     seq_idx = torch.zeros(2, 100, dtype=torch.int32, device=DEVICE)
     seq_idx[:, 60:] = 1
@@ -109,6 +122,8 @@ CASES = (
          ("fla_gated_delta_fwd", "fla_gated_delta_bwd"), TF32),
     Case("Kimi delta attention", "fla", chunk_kda, chunk_kda_torch, _kda,
          ("fla_kda_fwd", "fla_kda_bwd"), TF32),
+    Case("gated DeltaNet-2", "fla", chunk_gdn2, chunk_gdn2_torch, _gdn2,
+         ("fla_gdn2_fwd", "fla_gdn2_bwd"), TF32),
     # the torch path computes in bfloat16 for bfloat16 inputs, the kernel in float32
     Case("causal conv1d", "causal_conv1d", causal_depthwise_conv1d, causal_depthwise_conv1d_torch,
          _conv, ("causal_conv1d_fwd", "causal_conv1d_bwd"),

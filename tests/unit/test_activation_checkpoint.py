@@ -117,6 +117,7 @@ def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
     scans = {torch.ops.titan_hybrid.mamba_ssd_fwd.default,
              torch.ops.titan_hybrid.mamba2_core_fwd.default,
              torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
-             torch.ops.titan_hybrid.fla_kda_fwd.default}
+             torch.ops.titan_hybrid.fla_kda_fwd.default,
+             torch.ops.titan_hybrid.fla_gdn2_fwd.default}
     assert scans <= SELECTIVE_AC_SAVED_OPS
     assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in SELECTIVE_AC_SAVED_OPS

@@ -243,6 +243,14 @@ kda_fwd = Launcher("fla", "fla.ops.kda.chunk_fwd", "chunk_kda_fwd",
 kda_bwd = Launcher("fla", "fla.ops.kda.chunk_bwd", "chunk_kda_bwd",
                    keywords=("q", "k", "v", "beta", "Aqk", "Akk", "do", "dht", "g")
                    + _KDA_OPTIONS)
+# ... and what its ChunkGDN2Function calls, with the same outputs but the erase and write gates
+# gradients (db, dw) in place of dbeta.
+gdn2_fwd = Launcher("fla", "fla.ops.gdn2.chunk_fwd", "chunk_gdn2_fwd",
+                    keywords=("q", "k", "v", "g", "b", "w_gate", "output_final_state")
+                    + _KDA_OPTIONS)
+gdn2_bwd = Launcher("fla", "fla.ops.gdn2.chunk_bwd", "chunk_gdn2_bwd",
+                    keywords=("q", "k", "v", "b", "w_gate", "Aqk", "Akk", "do", "dht", "g")
+                    + _KDA_OPTIONS)
 l2norm_fwd = Launcher("fla", _L2NORM, "l2norm_fwd", ("x",))
 l2norm_bwd = Launcher("fla", _L2NORM, "l2norm_bwd", ("y", "rstd", "dy"))
 prepare_chunk_indices = Launcher("fla", "fla.ops.utils.index", "prepare_chunk_indices",
@@ -256,8 +264,8 @@ causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function
     "return_dinitial_states", "silu_activation"))
 
 LAUNCHERS = (ssd_scan_fwd, *SSD_BACKWARD_STEPS, gated_rms_norm_fwd, gated_rms_norm_bwd,
-             gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, l2norm_fwd, l2norm_bwd,
-             prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
+             gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, gdn2_fwd, gdn2_bwd,
+             l2norm_fwd, l2norm_bwd, prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 
 
 def launchers_of(package: str) -> tuple[Launcher, ...]:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import titan_hybrid.ops.gated_delta  # noqa: F401  (the kernel ops, defined at import)
+import titan_hybrid.ops.gdn2  # noqa: F401
 import titan_hybrid.ops.kda  # noqa: F401
 import titan_hybrid.ops.ssd  # noqa: F401
 from titan_hybrid.compat.aten_ops import (
