@@ -2,9 +2,8 @@
 one-process curve under FSDP2, TP2 + SP (value and key heads split, the decay's and erase
 gate's channels with their key heads), PP2 and CP2 in both linear modes (chunkwise: GDN's
 identity columns, whose write gate pads), a TP2 checkpoint resumed at TP1, and full AC with
-compile and FP8 on one process. In the extended
-run: the default suite's time is near its budget. The mixer against Megatron's equations in
-float64 is tests/unit/test_gdn2.py."""
+compile and FP8 on one process. In the extended run: the default suite's time is near its
+budget. The mixer against Megatron's equations in float64 is tests/unit/test_gdn2.py."""
 
 from __future__ import annotations
 
