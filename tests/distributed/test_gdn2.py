@@ -1,9 +1,10 @@
 """Gated DeltaNet-2 (`debug_gdn2`: `G-*-G-` with `g_layers = "gdn2"`) in the real trainer: the
 one-process curve under FSDP2, TP2 + SP (value and key heads split, the decay's and erase
 gate's channels with their key heads), PP2 and CP2 in both linear modes (chunkwise: GDN's
-identity columns, whose write gate pads), a TP2 checkpoint resumed at TP1, and full AC with
-compile and FP8 on one process. In the extended run: the default suite's time is near its
-budget. The mixer against Megatron's equations in float64 is tests/unit/test_gdn2.py."""
+identity columns, whose write gate pads), and a TP2 checkpoint resumed at TP1 (full AC with
+compile and FP8: tests/distributed/test_gdp.py, with GDP's). In the extended run: the default
+suite's time is near its budget. The mixer against Megatron's equations in float64 is
+tests/unit/test_gdn2.py."""
 
 from __future__ import annotations
 
@@ -45,16 +46,3 @@ def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(saved.losses[2:], rel=1e-5)
 
-
-@pytest.mark.extended
-def test_activation_checkpointing_with_compile_and_fp8_train_gdn2(tmp_path, reference_run):
-    """Full AC with compile gives the one-process curve (the op compiles whole with its
-    documents, tests/unit/test_gdn2.py); emulated FP8 Linears stay within FP8's rounding of it
-    (measured 1.0e-4), and move it."""
-    single = reference_run(*JOB).losses
-    compiled = run_training(tmp_path / "ac", *JOB, "--activation_checkpoint.mode", "full",
-                            "--compile.enable").check().losses
-    assert compiled == pytest.approx(single, rel=1e-5)
-    fp8 = run_training(tmp_path / "fp8", *JOB, "--model.converters", "quantize.linear.float8",
-                       "--quantize.linear.float8.emulate").check()
-    assert fp8.losses == pytest.approx(single, rel=2e-3) and fp8.losses != single

@@ -1,8 +1,9 @@
 """Gated DeltaProduct (`debug_gdp`: `M-*-M-` with `m_layers = "gdp"`, 2 Householder steps a
 token) in the real trainer: the one-process curve under FSDP2, TP2 + SP (heads and key groups
 split), PP2, and CP2 in both linear modes (chunkwise: each piece's summary is its transition
-over all its tokens' steps); a TP2 checkpoint resumes at TP1. The mixer against Megatron's
-equations in float64 is tests/unit/test_gdp.py."""
+over all its tokens' steps); a TP2 checkpoint resumes at TP1; full AC with compile, and FP8, for
+GDP and GDN2 alike. The mixer against Megatron's equations in float64 is
+tests/unit/test_gdp.py."""
 
 from __future__ import annotations
 
@@ -63,14 +64,17 @@ def test_tp2_pp2_and_head_exchange_cp2_give_the_curve_and_tp2_checkpoints_resume
 
 
 @pytest.mark.extended
-def test_activation_checkpointing_with_compile_and_fp8_train_gdp(tmp_path, reference_run):
-    """Full AC with compile gives the one-process curve (the op compiles with its documents,
-    tests/unit/test_gated_delta_product.py); emulated FP8 Linears stay within FP8's rounding
-    of it (measured 1.5e-4)."""
-    single = reference_run(*JOB).losses
-    compiled = run_training(tmp_path / "ac", *JOB, "--activation_checkpoint.mode", "full",
+@pytest.mark.parametrize("flavor", ["debug_gdp", "debug_gdn2"])
+def test_activation_checkpointing_with_compile_and_fp8_train_gdp_and_gdn2(tmp_path,
+                                                                         reference_run, flavor):
+    """Full AC with compile gives the one-process curve (each op compiles with its documents:
+    tests/unit/test_gated_delta_product.py, test_gdn2.py); emulated FP8 Linears stay within
+    FP8's rounding of it (measured 1.5e-4 for GDP, 1.0e-4 for GDN2), and move it."""
+    job = ("--model.flavor", flavor, *JOB[2:])
+    single = reference_run(*job).losses
+    compiled = run_training(tmp_path / "ac", *job, "--activation_checkpoint.mode", "full",
                             "--compile.enable").check().losses
     assert compiled == pytest.approx(single, rel=1e-5)
-    fp8 = run_training(tmp_path / "fp8", *JOB, "--model.converters", "quantize.linear.float8",
+    fp8 = run_training(tmp_path / "fp8", *job, "--model.converters", "quantize.linear.float8",
                        "--quantize.linear.float8.emulate").check()
     assert fp8.losses == pytest.approx(single, rel=2e-3) and fp8.losses != single

@@ -144,3 +144,33 @@ def l2norm_in_kernel(q, k, enabled: bool, empty: Callable[[], torch.Tensor]):
 def l2norm_in_kernel_bwd(dq, dk, q_normed, k_normed, q_rstd, k_rstd):
     return (kernel_packages.l2norm_bwd(q_normed, q_rstd, dq),
             kernel_packages.l2norm_bwd(k_normed, k_rstd, dk))
+
+
+def erase_write_fwd_outputs(rows: KernelRows, v_dtype, o, final_state, residuals, g_cum, Aqk,
+                            Akk, use_qk_l2norm: bool,
+                            empty: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """KDA's and GDN2's kernel forward op outputs from fla's ([B, T] rows again): o in v's
+    dtype, the final state (or a placeholder), the l2norm residuals, the cumulative decay and
+    the chunks' Aqk and Akk (what the backward takes)."""
+    o, g_cum, Aqk, Akk = rows.from_kernel(o, g_cum, Aqk, Akk)
+    if use_qk_l2norm:  # else the residuals are placeholders
+        residuals = rows.from_kernel(*residuals)
+    final_state = rows.final_states(final_state)
+    return [o.to(v_dtype), empty() if final_state is None else final_state, *residuals, g_cum,
+            Aqk, Akk]
+
+
+def erase_write_fwd_fake_outputs(q, k, v, g, output_final_state: bool, use_qk_l2norm: bool):
+    """The fake (shape-only) outputs of KDA's and GDN2's kernel forward ops: o, the final state
+    (or an empty placeholder), the l2norm residuals (q, k normalised, their reciprocal norms;
+    or four placeholders), the cumulative decay and the chunks' Aqk and Akk."""
+    B, T, H, K = q.shape
+    final_state = (q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
+                   if output_final_state else q.new_empty(0))
+    if use_qk_l2norm:
+        rstd = q.new_empty(B, T, H, dtype=torch.float32)
+        residuals = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
+    else:
+        residuals = [q.new_empty(0) for _ in range(4)]
+    return [torch.empty_like(v), final_state, *residuals, torch.empty_like(g, dtype=torch.float32),
+            k.new_empty(B, T, H, FLA_CHUNK_SIZE), k.new_empty(B, T, H, FLA_CHUNK_SIZE)]

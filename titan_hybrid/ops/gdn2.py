@@ -22,6 +22,8 @@ from titan_hybrid.ops.custom_ops import kernel_op
 from titan_hybrid.ops.delta_rule_documents import (
     FLA_CHUNK_SIZE,
     KernelRows,
+    erase_write_fwd_fake_outputs,
+    erase_write_fwd_outputs,
     l2norm_in_kernel,
     l2norm_in_kernel_bwd,
 )
@@ -97,26 +99,13 @@ def _gdn2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         initial_state=rows.initial_states(initial_state), output_final_state=output_final_state,
         cu_seqlens=rows.cu_seqlens, chunk_indices=rows.chunk_indices(),
         chunk_size=FLA_CHUNK_SIZE)
-    o, g_cum, Aqk, Akk = rows.from_kernel(o, g_cum, Aqk, Akk)
-    if use_qk_l2norm:
-        residuals = rows.from_kernel(*residuals)
-    final_state = rows.final_states(final_state)
-    return [o.to(v.dtype), empty() if final_state is None else final_state, *residuals, g_cum,
-            Aqk, Akk]
+    return erase_write_fwd_outputs(rows, v.dtype, o, final_state, residuals, g_cum, Aqk, Akk,
+                                   use_qk_l2norm, empty)
 
 
 @_gdn2_fwd.register_fake
 def _(q, k, v, g, b, w, scale, initial_state, output_final_state, seq_idx, use_qk_l2norm):
-    B, T, H, K = q.shape
-    final_state = (q.new_empty((B, H, K, v.shape[-1]), dtype=torch.float32)
-                   if output_final_state else q.new_empty(0))
-    if use_qk_l2norm:
-        rstd = q.new_empty(B, T, H, dtype=torch.float32)
-        residuals = [torch.empty_like(q), torch.empty_like(k), rstd, torch.empty_like(rstd)]
-    else:
-        residuals = [q.new_empty(0) for _ in range(4)]
-    return [torch.empty_like(v), final_state, *residuals, torch.empty_like(g, dtype=torch.float32),
-            k.new_empty(B, T, H, FLA_CHUNK_SIZE), k.new_empty(B, T, H, FLA_CHUNK_SIZE)]
+    return erase_write_fwd_fake_outputs(q, k, v, g, output_final_state, use_qk_l2norm)
 
 
 @kernel_op("fla_gdn2_bwd")
