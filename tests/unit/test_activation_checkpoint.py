@@ -98,15 +98,15 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
     with kernels_on():
         loss, grads, plain = _run(model, tokens.to(DEVICE))
         runs = {"none": [plain[name] for name in scans]}
-        for mode in MODES:
+        # "selective 2" wraps whole layers (here the MLPs, which run no scan): the test above
+        # checks which.
+        for mode in ("full", "selective op"):
             ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
             runs[mode] = [counts[name] for name in scans]
             torch.testing.assert_close(ac_loss, loss, rtol=0, atol=0)
             for name, grad in grads.items():
                 torch.testing.assert_close(ac_grads[name], grad, rtol=0, atol=0)
-    # "selective 2" checkpoints layers 1, 3 and 5, the MLPs: each scan runs once
-    assert runs == {"none": [1, 1, 1], "full": [2, 2, 2], "selective op": [1, 1, 1],
-                    "selective 2": [1, 1, 1]}
+    assert runs == {"none": [1, 1, 1], "full": [2, 2, 2], "selective op": [1, 1, 1]}
 
 
 def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():

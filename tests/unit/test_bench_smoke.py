@@ -274,7 +274,10 @@ def test_mamba_layer_bench_runs_ours_small():
         assert f"baseline skipped: {skipped}" in report(result, "nemotron_h_1b", 1, 128, 1)
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extended)])
+# Compiled, the bench's inductor runs take ~45 s: once a CI run, as the FP8 rows above (the
+# Triton conv's custom ops under compile are tests/unit/test_conv_triton.py's, on every torch).
+@pytest.mark.parametrize("compiled", [
+    False, pytest.param(True, marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
 def test_conv_kernels_bench_counts_each_path(compiled):
     """bench/conv_kernels.py small: our Triton conv is two launches (forward, backward) and no
     ATen convolution work; the torch path's documents cost many ATen calls in eager; compiled,

@@ -101,7 +101,7 @@ def test_fla_kernel_under_compile_matches_the_torch_path():
     torch path: rows of 150 tokens (three chunks, the last partial) laid end to end as
     documents (starts inside and at chunk edges), l2norm in the kernel, initial and final
     states; every output and input gradient, float32 (relative Frobenius error < 2e-5 in
-    Triton's interpreter, 5e-3 on CUDA's tf32 dots; measured 1.7e-6 here)."""
+    Triton's interpreter, 5e-3 on CUDA's tf32 dots; measured 1.8e-6 here)."""
 
     from tests.triton_kernels import (
         DEVICE,
@@ -113,7 +113,7 @@ def test_fla_kernel_under_compile_matches_the_torch_path():
     )
 
     gen = torch.Generator().manual_seed(7)
-    rows, T_kernel, H_kernel, K_kernel = 3, 150, 2, 16
+    rows, T_kernel, H_kernel, K_kernel = 2, 150, 2, 16
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
@@ -126,7 +126,7 @@ def test_fla_kernel_under_compile_matches_the_torch_path():
                    w=torch.sigmoid(rand(rows, T_kernel, H_kernel, K_kernel)),
                    initial_state=rand(rows, H_kernel, K_kernel, K_kernel))
     tensors = {name: x.to(DEVICE) for name, x in tensors.items()}
-    packed = [[0] * 40 + [1] * 70 + [2] * 40, [7] * 150, [3] * 64 + [4] * 86]
+    packed = [[0] * 40 + [1] * 70 + [2] * 40, [3] * 64 + [4] * 86]
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True,
                   seq_idx=torch.tensor(packed, device=DEVICE))
     compiled = torch.compile(chunk_gdn2, backend="aot_eager", fullgraph=True)
