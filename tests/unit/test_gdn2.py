@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.test_gdp import assert_mixer_is_the_reference
 from titan_hybrid.ops.gdn2 import chunk_gdn2
 from titan_hybrid.ops.kda import chunk_kda_torch
 
@@ -192,16 +193,8 @@ def megatron_gdn2(layer, x):
 
 
 def test_the_mixer_is_megatrons_gdn2_forward_and_backward():
-    ours, theirs = _mixer(0), _mixer(0)
     x = torch.randn(2, STEPS, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    got, expected = ours(x), megatron_gdn2(theirs, x)
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    weights = torch.randn_like(got)
-    (got * weights).sum().backward()
-    (expected * weights).sum().backward()
-    for (name, mine), (_, param) in zip(ours.named_parameters(), theirs.named_parameters(),
-                                        strict=True):
-        torch.testing.assert_close(mine.grad, param.grad, rtol=1e-9, atol=1e-11, msg=name)
+    assert_mixer_is_the_reference(_mixer(0), _mixer(0), megatron_gdn2, x)
 
 
 def test_g_builds_gdn2_only_when_the_option_says_so():

@@ -70,9 +70,9 @@ def reference(layer: GatedDeltaProductMixer, x_BTD: torch.Tensor) -> torch.Tenso
     return (y * layer.norm.weight) @ layer.out_proj.weight.T
 
 
-def test_the_mixer_is_megatrons_gdp_forward_and_backward():
-    ours, theirs = mixer(), mixer()
-    x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def assert_mixer_is_the_reference(ours, theirs, reference, x):
+    """`ours(x)` equals `reference(theirs, x)` (two float64 copies of one mixer), and so does
+    every parameter's gradient of one random projection of the output."""
     got, expected = ours(x), reference(theirs, x)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     weights = torch.randn_like(got)
@@ -82,6 +82,11 @@ def test_the_mixer_is_megatrons_gdp_forward_and_backward():
                                                   theirs.named_parameters(), strict=True):
         torch.testing.assert_close(mine.grad, reference_param.grad, rtol=1e-9, atol=1e-11,
                                    msg=name)
+
+
+def test_the_mixer_is_megatrons_gdp_forward_and_backward():
+    x = torch.randn(2, T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_mixer_is_the_reference(mixer(), mixer(), reference, x)
 
 
 def test_packed_documents_give_each_documents_output_alone():
