@@ -17,7 +17,8 @@ The trainer's own log line (tokens/s, TFLOP/s, MFU, peak memory) is the job's gp
 
 A job is `FLAVOR[:VARIANT[+VARIANT...]]`: `transformer` (every sequence mixer attention:
 gpu_check's baseline), `ac_none` (no activation checkpointing), `ac_op` (per-op selective
-checkpointing), `bN` (local batch N). Jobs run in order until --deadline
+checkpointing), `ac_kinds` (full checkpointing of the attention, MLP and MoE layers only),
+`bN` (local batch N). Jobs run in order until --deadline
 seconds have passed; the markdown tables go to stdout and to OUT/tables.md, and the Triton and
 inductor caches into OUT/compile_caches.tar.gz (to skip a cold autotune next time: unpack it
 into TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR's parent, docs/gpu_and_performance.md,
@@ -290,6 +291,9 @@ VARIANTS = {
     "ac_none": ["--activation_checkpoint.mode", "none"],
     "ac_op": ["--activation_checkpoint.mode", "selective",
               "--activation_checkpoint.selective_ac_option", "op"],
+    # full AC on the attention, MLP and MoE layers; the recurrent layers keep their activations
+    "ac_kinds": ["--activation_checkpoint.mode", "full",
+                 "--activation_checkpoint.layer_kinds", "*-E"],
 }
 
 

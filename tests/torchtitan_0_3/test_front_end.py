@@ -130,6 +130,7 @@ README_FLAGS = sorted(set(re.findall(r"(?<![\w-])--([a-z_]+\.[a-z0-9_.]+)", "\n"
 # A value for each flag the README shows with one (booleans are bare flags).
 VALUES = {
     "activation_checkpoint.mode": "full", "activation_checkpoint.selective_ac_option": "op",
+    "activation_checkpoint.layer_kinds": "*-",
     "checkpoint.async_mode": "async", "checkpoint.initial_load_path": str(REPO_ROOT),
     "checkpoint.load_step": "4", "compile.backend": "aot_eager", "debug.seed": "7",
     "hybrid.flavor": "debug_moe", "hybrid.loss_curve_file": "curve.jsonl",

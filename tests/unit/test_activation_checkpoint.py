@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -70,10 +71,59 @@ def test_modes_give_the_same_gradients_and_selective_keeps_half_the_matmuls():
     assert recomputed_full > 0, mm
     assert recomputed_selective == recomputed_full // 2, mm
     # every second layer by its index in the model: layers 1 and 3 of 0-3
-    wrapped = [name for name, layer in _checkpointed(model, "selective 2").layers.named_children()
-               if hasattr(layer, "_checkpoint_wrapped_module")]
-    assert wrapped == ["1", "3"]
+    assert _wrapped(_checkpointed(model, "selective 2")) == ["1", "3"]
     assert 0 < mm["selective 2"] - mm["none"] < recomputed_full, mm
+
+
+def _wrapped(model) -> list[str]:
+    return [name for name, layer in model.layers.named_children()
+            if hasattr(layer, "_checkpoint_wrapped_module")]
+
+
+@pytest.mark.parametrize("pattern, kinds, mode, wrapped", [
+    ("M*G-", "*-", "full", ["1", "3"]),
+    ("M*G-", "MG", "selective op", ["0", "2"]),
+    # a bracket group is one checkpoint unit: it is checkpointed when it holds a listed kind
+    ("[M*]G-", "*", "full", ["0"]),
+    ("[M*]G-", "-", "selective 2", []),  # selective 2 picks layer 1, which holds no MLP
+    ("[M*]G-M-", "-M", "selective 2", ["3"]),
+])
+def test_layer_kinds_checkpoint_only_the_layers_of_those_kinds(pattern, kinds, mode, wrapped):
+    model = tiny_model(pattern)
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
+    loss, grads, plain = _run(model, tokens)
+    config = dataclasses.replace(MODES[mode], layer_kinds=kinds)
+    checkpointed = copy.deepcopy(model)
+    apply_activation_checkpointing(checkpointed, config, model_compile_enabled=False,
+                                   base_folder="")
+    assert _wrapped(checkpointed) == wrapped
+    ac_loss, ac_grads, counts = _run(checkpointed, tokens)
+    assert torch.equal(ac_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(ac_grads[name], grad), name
+    # the recompute reruns the checkpointed layers' matmuls and no other layer's
+    layer_matmuls = _forward_matmuls(model, tokens)
+    recomputed = sum(layer_matmuls[name] for name in wrapped)
+    if mode == "selective op":  # every second one of them is kept
+        recomputed -= sum(count // 2 for name, count in layer_matmuls.items() if name in wrapped)
+    assert counts["aten.mm"] - plain["aten.mm"] == recomputed, (layer_matmuls, counts["aten.mm"])
+
+
+def _forward_matmuls(model, tokens) -> dict[str, int]:
+    """The matmuls each top-level layer runs in the model's forward."""
+    runs, before, matmuls = OpRuns(), {}, {}
+    handles = []
+    for name, layer in model.layers.named_children():
+        handles.append(layer.register_forward_pre_hook(
+            lambda module, args, name=name: before.__setitem__(name, runs.counts["aten.mm"])))
+        handles.append(layer.register_forward_hook(
+            lambda module, args, out, name=name: matmuls.__setitem__(
+                name, runs.counts["aten.mm"] - before[name])))
+    with torch.no_grad(), runs:
+        model(tokens)
+    for handle in handles:
+        handle.remove()
+    return matmuls
 
 
 @pytest.mark.parametrize("config, message", [
@@ -81,6 +131,10 @@ def test_modes_give_the_same_gradients_and_selective_keeps_half_the_matmuls():
     (ActivationCheckpoint(mode="selective", selective_ac_option="x"),
      "selective_ac_option 'x' must be 'op' or a positive integer"),
     (ActivationCheckpoint(mode="memory_budget"), "'memory_budget' needs compile.enable"),
+    (ActivationCheckpoint(mode="none", layer_kinds="*"),
+     "layer_kinds '\\*' chooses the layers of mode full or selective, not of mode 'none'"),
+    (ActivationCheckpoint(mode="full", layer_kinds="*x"),
+     "layer_kinds '\\*x': 'x' is not a layer symbol"),
 ])
 def test_bad_modes_are_named(config, message):
     with pytest.raises(ValueError, match=message):

@@ -43,6 +43,8 @@ BAD_INPUTS = [
       "half"), "activation_checkpoint.selective_ac_option 'half' must be 'op' or a positive"),
     (("--activation_checkpoint.mode", "memory_budget"),
      "activation_checkpoint.mode 'memory_budget' needs compile.enable"),
+    (("--activation_checkpoint.mode", "full", "--activation_checkpoint.layer_kinds", "*K"),
+     "activation_checkpoint.layer_kinds '*K': the pattern's main part has no 'K' layer"),
     (("--optimizer.early_step_in_backward",),
      "optimizer.early_step_in_backward=True is not supported"),
     (("--job.custom_config_module", "titan_hybrid.job_config"),

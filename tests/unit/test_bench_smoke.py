@@ -250,6 +250,8 @@ def test_gpu_profile_job_variants_become_trainer_options(tmp_path):
     joined = " ".join(command)
     assert "--training.local_batch_size 4 " in joined
     assert "--activation_checkpoint.selective_ac_option op" in joined
+    command, _ = job_command("hybrid_moe_2b:ac_kinds", args, tmp_path)
+    assert command[command.index("--activation_checkpoint.layer_kinds") + 1] == "*-E"
     command, _ = job_command("nemotron_h_1b:transformer", args, tmp_path)
     assert command[command.index("--hybrid.pattern") + 1] == "*-**-*-*-**-*-*-**-*-*-*-"
     with pytest.raises(SystemExit, match="variant 'ac_half'"):
@@ -313,3 +315,18 @@ def test_gdp_vs_gdn_bench_times_both_mixers_small():
 
     times = timings(["gdn", "gdp2"], T=32, repeats=2)
     assert [len(t) for t in times.values()] == [2, 2] and min(min(t) for t in times.values()) > 0
+
+
+def test_ac_policies_bench_times_and_measures_each_policy_small(capsys):
+    """bench/ac_policies.py small: every policy steps on one model in turn (wrappers put on
+    and taken off), and the probe (which the bench runs in a fresh process) reports a peak."""
+    from bench.ac_policies import POLICIES, build, probe, set_policy, timings
+
+    model = build("debug", vocab=128, seq_len=64)
+    times = timings(model, batch=1, seq_len=64, repeats=1)
+    assert list(times) == list(POLICIES) and min(min(t) for t in times.values()) > 0
+    assert not any(hasattr(layer, "_checkpoint_wrapped_module") for layer in model.layers.values())
+    set_policy(model, "full, layer_kinds *-")
+    assert [name for name, layer in model.layers.items()
+            if hasattr(layer, "_checkpoint_wrapped_module")] == ["1", "2", "3", "5", "7"]
+    assert probe("debug", vocab=128, batch=1, seq_len=64, policy="full")["bytes"] > 0

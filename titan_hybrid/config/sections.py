@@ -159,6 +159,10 @@ class ActivationCheckpointSection:
     mode: str = option("none", "none, full, selective or memory_budget.")
     selective_ac_option: str = option("2", """
         With mode selective: an integer N (every N-th layer) or "op" (per-op selective AC).""")
+    layer_kinds: str = option("", """
+        With mode full or selective: checkpoint only the layers (or bracket groups) that hold
+        one of these pattern symbols, e.g. "*-E" recomputes attention, MLP and MoE layers and
+        keeps the Mamba / GDN / KDA layers' activations; empty: every layer.""")
     early_stop: bool = option(False, """
         Stop a checkpointed region's recompute as soon as the saved tensors are rebuilt.""")
     memory_budget: float = option(0.5, """

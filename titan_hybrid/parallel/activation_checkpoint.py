@@ -6,6 +6,10 @@ Modes: `full` (each layer's forward is recomputed in the backward), `selective` 
 `selective_ac_option` N (every N-th layer, counted by its index in the whole model, so a
 pipeline stage checkpoints the layers it would in the whole model) or `op` (per-op, below), and
 `memory_budget` (compiled models: torch's partitioner saves activations up to the budget).
+`layer_kinds` narrows full and selective AC to the layers (or bracket groups) that hold one of
+the listed pattern symbols: a checkpoint chosen per layer kind, since a kind's activation
+memory and the cost of its recompute differ (a Mamba2 layer's recompute reruns its scan; an
+MLP's keeps only its input and the big [B, T, ffn] activation goes).
 
 Per-op selective AC (`--activation_checkpoint.mode selective
 --activation_checkpoint.selective_ac_option op`) keeps the outputs of the ops in
@@ -43,6 +47,8 @@ from titan_hybrid.compat.checkpointing import (
     set_activation_memory_budget,
 )
 from titan_hybrid.config.sections import ActivationCheckpointSection
+from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.symbols import SYMBOLS
 from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
 
 SELECTIVE_AC_SAVED_OPS = {
@@ -90,9 +96,16 @@ def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSect
     return _wrap(layer, config) if every <= 1 or (index + 1) % every == 0 else layer
 
 
+def _layer_symbols(layer: nn.Module) -> set[str]:
+    """The pattern symbols of a top-level layer, or of every layer of a bracket group."""
+    return {module.symbol for module in layer.modules() if isinstance(module, HybridLayer)}
+
+
 def check_activation_checkpoint(config: ActivationCheckpointSection, *,
-                                model_compile_enabled: bool) -> None:
-    """ValueError for a mode or option that cannot run (the pre-flight check calls it too)."""
+                                model_compile_enabled: bool,
+                                pattern_symbols: set[str] | None = None) -> None:
+    """ValueError for a mode or option that cannot run (the pre-flight check calls it too,
+    with the symbols of the pattern's main part, which layer_kinds must name)."""
     if config.mode not in MODES:
         raise ValueError(f"activation_checkpoint.mode '{config.mode}' is not one of "
                          f"{', '.join(MODES)}")
@@ -103,6 +116,20 @@ def check_activation_checkpoint(config: ActivationCheckpointSection, *,
     if config.mode == "memory_budget" and not model_compile_enabled:
         raise ValueError("activation_checkpoint.mode 'memory_budget' needs compile.enable "
                          "with 'model' in compile.components")
+    kinds = config.layer_kinds
+    if not kinds:
+        return
+    if config.mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}' chooses the layers of "
+                         f"mode full or selective, not of mode '{config.mode}'")
+    for symbol in kinds:
+        if symbol not in SYMBOLS:
+            raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}': '{symbol}' is not a "
+                             f"layer symbol (one of {' '.join(SYMBOLS)})")
+        if pattern_symbols is not None and symbol not in pattern_symbols:
+            raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}': the pattern's main "
+                             f"part has no '{symbol}' layer (it has "
+                             f"{' '.join(sorted(pattern_symbols))})")
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointSection, *,
@@ -119,4 +146,6 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         return
     layers = model.get_submodule("layers")
     for name, layer in list(layers.named_children()):
+        if config.layer_kinds and not _layer_symbols(layer) & set(config.layer_kinds):
+            continue
         layers.register_module(name, _checkpointed(int(name), layer, config))
