@@ -317,10 +317,10 @@ def test_gdp_vs_gdn_bench_times_both_mixers_small():
     assert [len(t) for t in times.values()] == [2, 2] and min(min(t) for t in times.values()) > 0
 
 
-def test_ac_policies_bench_times_and_measures_each_policy_small(capsys):
-    """bench/ac_policies.py small: every policy steps on one model in turn (wrappers put on
-    and taken off), and the probe (which the bench runs in a fresh process) reports a peak."""
-    from bench.ac_policies import POLICIES, build, probe, set_policy, timings
+def test_ac_policies_bench_times_each_policy_small():
+    """bench/ac_policies.py small: every policy steps on one model in turn (the wrappers put on
+    and taken off)."""
+    from bench.ac_policies import POLICIES, build, set_policy, timings
 
     model = build("debug", vocab=128, seq_len=64)
     times = timings(model, batch=1, seq_len=64, repeats=1)
@@ -329,4 +329,19 @@ def test_ac_policies_bench_times_and_measures_each_policy_small(capsys):
     set_policy(model, "full, layer_kinds *-")
     assert [name for name, layer in model.layers.items()
             if hasattr(layer, "_checkpoint_wrapped_module")] == ["1", "2", "3", "5", "7"]
-    assert probe("debug", vocab=128, batch=1, seq_len=64, policy="full")["bytes"] > 0
+
+
+@pytest.mark.extended  # two fresh processes
+@pytest.mark.once_per_ci
+def test_ac_policies_bench_memory_probe_sees_full_checkpointing_lower_the_peak():
+    """The probe the bench runs in a fresh process per policy: full AC's peak is below no
+    checkpointing's (in a process that has run other tests, freed heap memory would hide a
+    step's growth)."""
+    from bench.ac_policies import __file__ as bench
+    from bench.peak_rss import in_fresh_process
+
+    def peak(policy: str) -> int:
+        return in_fresh_process(bench, ["--probe", policy, "--flavor", "debug", "--vocab", "128",
+                                        "--seq-len", "256", "--threads", "1"])["bytes"]
+
+    assert 0 < peak("full") < peak("none") / 2
