@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.peak_rss import in_fresh_process, rss_growth  # noqa: E402
+from bench.peak_rss import fmt_mib, in_fresh_process, rss_growth  # noqa: E402
 from titan_hybrid.config.sections import ActivationCheckpointSection  # noqa: E402
 from titan_hybrid.model.args import hybrid_flavors  # noqa: E402
 from titan_hybrid.model.model import HybridModel  # noqa: E402
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     for policy in POLICIES:
         paired = statistics.median(mine / none for mine, none in
                                    zip(times[policy], times["none"], strict=True))
-        mib = memory[policy]["bytes"] / 2**20
-        print(f"| {policy} | {mib:,.0f}{'+' if memory[policy]['lower_bound'] else ''} | "
+        print(f"| {policy} | {fmt_mib(memory[policy])} | "
               f"{memory[policy]['bytes'] / memory['none']['bytes']:.2f} | "
               f"{statistics.median(times[policy]):.2f} | {paired:.2f} |", flush=True)
 

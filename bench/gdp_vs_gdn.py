@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from bench.peak_rss import in_fresh_process, rss_growth  # noqa: E402
+from bench.peak_rss import fmt_mib, in_fresh_process, rss_growth  # noqa: E402
 from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs  # noqa: E402
 from titan_hybrid.model.gdn2 import GatedDeltaNet2  # noqa: E402
 from titan_hybrid.model.gdp import GatedDeltaProductMixer, GDPArgs  # noqa: E402
@@ -106,9 +106,8 @@ def main() -> None:
         for name in names:
             paired = statistics.median(gdn / mine for gdn, mine in
                                        zip(times["gdn"], times[name], strict=True))
-            mib = memory[name]["bytes"] / 2**20
             print(f"| {name} | {T} | {BATCH * T / min(times[name]):,.0f} | {paired:.2f} | "
-                  f"{mib:,.0f}{'+' if memory[name]['lower_bound'] else ''} | "
+                  f"{fmt_mib(memory[name])} | "
                   f"{memory[name]['bytes'] / memory['gdn']['bytes']:.2f} |", flush=True)
 
 

@@ -99,7 +99,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 from transformers.utils import logging as hf_logging
 
-from bench.peak_rss import in_fresh_process, rss_growth
+from bench.peak_rss import fmt_mib, in_fresh_process, rss_growth
 from titan_hybrid.model.args import DSAArgs, MambaArgs, MLAArgs
 from titan_hybrid.model.common import inverse_softplus
 from titan_hybrid.model.deepseek_v4 import DeepseekV4AttentionArgs, SlidingWindowAttention
@@ -352,12 +352,6 @@ def peak_memory_probe(op: str, impl: str, T: int) -> dict:
 def peak_memory(op: str, impl: str, T: int) -> dict:
     return in_fresh_process(__file__, ["--probe", op, impl, str(T),
                                        "--threads", str(torch.get_num_threads())])
-
-
-def fmt_mib(mem: dict | None) -> str:
-    if mem is None:
-        return "-"
-    return f"{mem['bytes'] / 2**20:,.0f}{'+' if mem['lower_bound'] else ''}"
 
 
 def main() -> None:

@@ -46,3 +46,10 @@ def in_fresh_process(script: str, args: list[str]) -> dict:
     done = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True,
                           text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fmt_mib(measured: dict | None) -> str:
+    """A probe's peak in MiB for a table cell; "+" marks a lower bound, "-" no probe."""
+    if measured is None:
+        return "-"
+    return f"{measured['bytes'] / 2**20:,.0f}{'+' if measured['lower_bound'] else ''}"
