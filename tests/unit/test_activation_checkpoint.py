@@ -2,7 +2,8 @@
 mode gives the gradients of no checkpointing bit for bit (the recompute repeats the same
 arithmetic), and per-op selective AC keeps what it says it keeps: half the matmuls, and the
 SSD scan's and gated delta rule's kernel outputs (counted with the profiler: a kept op does not
-run again in the backward)."""
+run again in the backward). `layer_kinds` wraps only the layers of the listed kinds, and the
+backward reruns only their matmuls."""
 
 from __future__ import annotations
 
@@ -103,9 +104,9 @@ def test_layer_kinds_checkpoint_only_the_layers_of_those_kinds(pattern, kinds, m
         assert torch.equal(ac_grads[name], grad), name
     # the recompute reruns the checkpointed layers' matmuls and no other layer's
     layer_matmuls = _forward_matmuls(model, tokens)
-    recomputed = sum(layer_matmuls[name] for name in wrapped)
-    if mode == "selective op":  # every second one of them is kept
-        recomputed -= sum(count // 2 for name, count in layer_matmuls.items() if name in wrapped)
+    # (per-op selective keeps a region's first, third, ... matmul and recomputes the others)
+    share = (lambda count: count // 2) if mode == "selective op" else (lambda count: count)
+    recomputed = sum(share(layer_matmuls[name]) for name in wrapped)
     assert counts["aten.mm"] - plain["aten.mm"] == recomputed, (layer_matmuls, counts["aten.mm"])
 
 
