@@ -68,6 +68,9 @@ def test_activation_checkpointing_leaves_the_loss_bitwise_unchanged(tmp_path):
                              "--activation_checkpoint.selective_ac_option", "op",
                              "--activation_checkpoint.layer_kinds", "MG").check()
     assert plain.losses == full.losses == selective.losses
+    # the debug flavor's M-*-M-G-: the layers 0, 4 and 6
+    assert ("Applied activation checkpointing (selective op, layer kinds MG) of 3 of 8 layers"
+            in selective.output)
 
 
 def test_a_local_corpus_trains_and_validates_on_another_local_set(tmp_path):

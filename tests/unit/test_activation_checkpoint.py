@@ -95,9 +95,11 @@ def test_layer_kinds_checkpoint_only_the_layers_of_those_kinds(pattern, kinds, m
     loss, grads, plain = _run(model, tokens)
     config = dataclasses.replace(MODES[mode], layer_kinds=kinds)
     checkpointed = copy.deepcopy(model)
-    apply_activation_checkpointing(checkpointed, config, model_compile_enabled=False,
-                                   base_folder="")
+    summary = apply_activation_checkpointing(checkpointed, config, model_compile_enabled=False,
+                                             base_folder="")
     assert _wrapped(checkpointed) == wrapped
+    assert summary.endswith(f"layer kinds {kinds}) of {len(wrapped)} of {len(model.layers)} "
+                            "layers / groups"), summary
     ac_loss, ac_grads, counts = _run(checkpointed, tokens)
     assert torch.equal(ac_loss, loss)
     for name, grad in grads.items():

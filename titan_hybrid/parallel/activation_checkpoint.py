@@ -126,26 +126,37 @@ def check_activation_checkpoint(config: ActivationCheckpointSection, *,
         if symbol not in SYMBOLS:
             raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}': '{symbol}' is not a "
                              f"layer symbol (one of {' '.join(SYMBOLS)})")
-        if pattern_symbols is not None and symbol not in pattern_symbols:
-            raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}': the pattern's main "
-                             f"part has no '{symbol}' layer (it has "
-                             f"{' '.join(sorted(pattern_symbols))})")
+    # A kind the pattern lacks is allowed (one policy, "*-E", fits every flavor); none at all
+    # would checkpoint nothing.
+    if pattern_symbols is not None and not set(kinds) & pattern_symbols:
+        raise ValueError(f"activation_checkpoint.layer_kinds '{kinds}': the pattern's main part "
+                         f"has none of these kinds (it has {' '.join(sorted(pattern_symbols))}),"
+                         " so no layer would be checkpointed")
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpointSection, *,
-                                   model_compile_enabled: bool, base_folder: str) -> None:
-    """Checkpoint `model`'s layers (a whole model or a pipeline stage) in place."""
+                                   model_compile_enabled: bool, base_folder: str) -> str:
+    """Checkpoint `model`'s layers (a whole model or a pipeline stage) in place; returns what
+    was done, for the log."""
     check_activation_checkpoint(config, model_compile_enabled=model_compile_enabled)
     if config.mode == "none":
-        return
+        return "no activation checkpointing"
     keep_compiled_frames_of_every_layer()
     if config.mode == "memory_budget":
         pareto = (str(Path(base_folder) / "memory_budget_pareto")
                   if config.visualize_memory_budget_pareto else None)
         set_activation_memory_budget(config.memory_budget, pareto)
-        return
+        return f"activation memory budget {config.memory_budget}"
     layers = model.get_submodule("layers")
+    wrapped = []
     for name, layer in list(layers.named_children()):
         if config.layer_kinds and not _layer_symbols(layer) & set(config.layer_kinds):
             continue
-        layers.register_module(name, _checkpointed(int(name), layer, config))
+        checkpointed = _checkpointed(int(name), layer, config)
+        layers.register_module(name, checkpointed)
+        if checkpointed is not layer:
+            wrapped.append(name)
+    option = "" if config.mode == "full" else f" {config.selective_ac_option}"
+    kinds = f", layer kinds {config.layer_kinds}" if config.layer_kinds else ""
+    return (f"activation checkpointing ({config.mode}{option}{kinds}) of {len(wrapped)} of "
+            f"{len(layers)} layers / groups")

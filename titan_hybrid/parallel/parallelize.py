@@ -121,9 +121,9 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
         logger.info(f"Applied expert parallel over {parallel_dims.ep} ranks")
     compile_model = run.compile.enable and "model" in run.compile.components
     if run.activation_checkpoint.mode != "none":
-        apply_activation_checkpointing(model, run.activation_checkpoint,
-                                       model_compile_enabled=compile_model,
-                                       base_folder=run.dump_folder)
+        logger.info("Applied " + apply_activation_checkpointing(
+            model, run.activation_checkpoint, model_compile_enabled=compile_model,
+            base_folder=run.dump_folder))
     if compile_model:
         # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
         split_precision = (parallel_dims.dp_cp_enabled
