@@ -87,7 +87,15 @@ def _wrap(layer: nn.Module, config: ActivationCheckpointSection, **options) -> n
                               early_stop=config.early_stop, **options)
 
 
+def _layer_symbols(layer: nn.Module) -> set[str]:
+    """The pattern symbols of a top-level layer, or of every layer of a bracket group."""
+    return {module.symbol for module in layer.modules() if isinstance(module, HybridLayer)}
+
+
 def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSection):
+    """`layer` wrapped for checkpointing, or unchanged where the options leave it out."""
+    if config.layer_kinds and not _layer_symbols(layer) & set(config.layer_kinds):
+        return layer
     if config.mode == "full":
         return _wrap(layer, config)
     if config.selective_ac_option == "op":
@@ -96,16 +104,11 @@ def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSect
     return _wrap(layer, config) if every <= 1 or (index + 1) % every == 0 else layer
 
 
-def _layer_symbols(layer: nn.Module) -> set[str]:
-    """The pattern symbols of a top-level layer, or of every layer of a bracket group."""
-    return {module.symbol for module in layer.modules() if isinstance(module, HybridLayer)}
-
-
 def check_activation_checkpoint(config: ActivationCheckpointSection, *,
                                 model_compile_enabled: bool,
                                 pattern_symbols: set[str] | None = None) -> None:
     """ValueError for a mode or option that cannot run (the pre-flight check calls it too,
-    with the symbols of the pattern's main part, which layer_kinds must name)."""
+    with the symbols of the pattern's main part, of which layer_kinds must name one)."""
     if config.mode not in MODES:
         raise ValueError(f"activation_checkpoint.mode '{config.mode}' is not one of "
                          f"{', '.join(MODES)}")
@@ -150,8 +153,6 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
     layers = model.get_submodule("layers")
     wrapped = []
     for name, layer in list(layers.named_children()):
-        if config.layer_kinds and not _layer_symbols(layer) & set(config.layer_kinds):
-            continue
         checkpointed = _checkpointed(int(name), layer, config)
         layers.register_module(name, checkpointed)
         if checkpointed is not layer:
