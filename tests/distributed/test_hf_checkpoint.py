@@ -20,7 +20,7 @@ from transformers.models.deepseek_v32 import DeepseekV32ForCausalLM
 from tests.launch import run_training
 from titan_hybrid.checkpoint.state import NON_MODEL_PREFIXES
 from titan_hybrid.data.corpus import TOKENIZER_DIR as TOKENIZER
-from titan_hybrid.hf.deepseek import to_deepseek
+from titan_hybrid.hf.families import FAMILIES
 from titan_hybrid.hf.nemotron_h import nemotron_h_config
 from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.model import HybridModel
@@ -151,7 +151,7 @@ def test_deepseek_export_of_a_run_loads_into_transformers_with_our_logits(tmp_pa
     ours.load_state_dict(entries, strict=True)
 
     written = safetensors_of(saved / "step-2")
-    expected = to_deepseek(ours.state_dict(), args)
+    expected = FAMILIES["deepseek"].adapter(args).to_hf(ours.state_dict())
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     assert json.loads((saved / "step-2" / "config.json").read_text())["architectures"] == [

@@ -10,14 +10,8 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from titan_hybrid.hf.deepseek import (
-    DeepSeekStateDictAdapter,
-    deepseek_config,
-    from_deepseek,
-    to_deepseek,
-)
-from titan_hybrid.hf.families import check_hf_compatible, hybrid_state_dict_adapter
-from titan_hybrid.hf.nemotron_h import NemotronHStateDictAdapter
+from titan_hybrid.hf.deepseek import deepseek_config
+from titan_hybrid.hf.families import FAMILIES, check_hf_compatible, hybrid_state_dict_adapter
 from titan_hybrid.model.args import DSAArgs, MLAArgs, MLPArgs, hybrid_flavors
 from titan_hybrid.model.model import HybridModel
 
@@ -37,6 +31,21 @@ def tiny_args(pattern: str, **mla_changes):
     # 6 of up to 20 keys per query: the sparse path is taken.
     args.dsa = DSAArgs(**shapes, index_n_heads=2, index_head_dim=16, index_topk=6)
     return args
+
+
+def to_deepseek(state_dict: dict[str, torch.Tensor], args) -> dict:
+    """Our model's plain state dict -> DeepSeek's keys (views of its tensors): the family's
+    adapter, as an offline conversion uses it."""
+    return FAMILIES["deepseek"].adapter(args).to_hf(state_dict)
+
+
+def from_deepseek(hf_state_dict: dict[str, torch.Tensor], args) -> dict:
+    """DeepSeek's keys -> our model's plain state dict: to_hf of such a dict first records
+    which halves from_hf joins into fc1."""
+    adapter = FAMILIES["deepseek"].adapter(args)
+    with torch.device("meta"):
+        adapter.to_hf(HybridModel(args).state_dict())
+    return adapter.from_hf(hf_state_dict)
 
 
 @pytest.mark.parametrize("pattern, mla_changes", [
@@ -82,11 +91,11 @@ def test_runs_pick_the_adapter_by_layer_kinds_and_it_renames_split_entries():
     """What `--checkpoint.*_in_hf` uses: DeepSeek's adapter for MLA / DSA models, Nemotron-H's
     for the others. It sees fc1 as its checkpoint components (`fc1.weight_w` / `_v`, as
     SplitModelWrapper hands them out) and renames every entry, handing back the same objects."""
-    assert isinstance(hybrid_state_dict_adapter(tiny_args("M-*-"), None),
-                      NemotronHStateDictAdapter)
+    assert (hybrid_state_dict_adapter(tiny_args("M-*-"), None).format_name
+            == FAMILIES["nemotron_h"].format_name)
     args = tiny_args("D-D-")
     adapter = hybrid_state_dict_adapter(args, None)
-    assert isinstance(adapter, DeepSeekStateDictAdapter)
+    assert adapter.format_name == FAMILIES["deepseek"].format_name
     model = HybridModel(args)
     # Defined values: before init_weights the parameters are torch.empty, which may hold NaN,
     # and torch.equal(NaN, NaN) is False.

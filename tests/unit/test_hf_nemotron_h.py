@@ -19,8 +19,8 @@ import transformers  # noqa: E402  (the test extra installs it)
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from titan_hybrid.checkpoint.state import SplitModelWrapper
+from titan_hybrid.hf.families import FAMILIES
 from titan_hybrid.hf.nemotron_h import (
-    NemotronHStateDictAdapter,
     check_nemotron_h_compatible,
     model_args_from_nemotron_h_config,
     nemotron_h_config,
@@ -71,7 +71,7 @@ def distinctive_model(args):
 def split_to_hf(args, model) -> dict:
     """The HF state dict of titan_hybrid's split state dict (its checkpoint manager's)."""
     split = SplitModelWrapper([model], tensor_parallel_layouts(model)).state_dict()
-    return NemotronHStateDictAdapter(args, None).to_hf(split)
+    return FAMILIES["nemotron_h"].adapter(args).to_hf(split)
 
 
 def save_hf(hf_state_dict: dict, folder, args) -> None:
@@ -115,7 +115,7 @@ def test_transformers_checkpoint_loads_into_our_model(tmp_path):
     args = dataclasses.replace(args, max_seq_len=64)
     model = our_model(args)
     wrapper = SplitModelWrapper([model], tensor_parallel_layouts(model))
-    adapter = NemotronHStateDictAdapter(args, str(tmp_path))
+    adapter = FAMILIES["nemotron_h"].adapter(args, str(tmp_path))
     hf_state_dict = adapter.to_hf(wrapper.state_dict())
     dcp.load(hf_state_dict, storage_reader=adapter.get_hf_storage_reader(str(tmp_path)))
     wrapper.load_state_dict(adapter.from_hf(hf_state_dict))
@@ -128,7 +128,7 @@ def test_plain_tensor_conversion_round_trips():
     args = small_args()
     model = our_model(args)
     plain = {key: value.clone() for key, value in model.state_dict().items()}
-    adapter = NemotronHStateDictAdapter(args, None)
+    adapter = FAMILIES["nemotron_h"].adapter(args)
     fused = {key: value for key, value in plain.items() if "in_proj" in key or "conv1d" in key}
     # A fused-key state dict (the model's own) is split by component sizes in from_hf.
     split = adapter.from_hf({
@@ -154,7 +154,7 @@ def test_a_plain_state_dict_converts_whole_and_nothing_is_dropped(tmp_path):
     model = distinctive_model(args)
     split = split_to_hf(args, model)
     plain_state = model.state_dict()
-    plain = NemotronHStateDictAdapter(args, None)
+    plain = FAMILIES["nemotron_h"].adapter(args)
     hf = plain.to_hf(plain_state)
     assert hf.keys() == split.keys() and len(hf) == len(plain_state)
     assert hf["backbone.layers.0.mixer.in_proj.weight"] is plain_state["layers.0.mamba.in_proj.weight"]

@@ -1,70 +1,16 @@
-"""What the Hugging Face state-dict adapters share: the file layout of an HF export, the reader of
-an HF checkpoint, and the entries of a key map beyond a plain rename (an expert's slice, a copy
-of a shared tensor). families.py picks a model's adapter."""
+"""The parts of a key map beyond a plain rename (an expert's slice, a copy of a shared tensor, a
+reshaped tensor), the checks of the state dicts the key-map adapter (engine.py) converts, and
+the config.json helpers several families share."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
-from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, local_placement
-from titan_hybrid.model.args import HybridModelArgs
-
-
-class HFStateDictAdapter(BaseStateDictAdapter):
-    """torchtitan's adapter protocol; subclasses give `to_hf` / `from_hf` and FORMAT_NAME.
-
-    An export splits its tensors over files as `hf_assets_path`'s model.safetensors.index.json
-    does when there is one (`fqn_to_index_mapping`), else writes one file. Unlike torchtitan's
-    StateDictAdapter, a missing index is not worth a warning: the adapter is built for every
-    run, and `hf_assets_path` usually holds only the tokenizer."""
-
-    FORMAT_NAME: str  # the format's name in messages
-
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None, *,
-                 config_json: Callable[[HybridModelArgs], dict] | None = None) -> None:
-        """`config_json`: the config.json of the model's export (formats.py's hf_config), for
-        the checkpoint manager's last save in HF."""
-        self.model_args = model_args
-        self.hf_assets_path = hf_assets_path
-        self.config_json = config_json
-        # {logical key: the state dict's own key} of the last to_hf (a plain state dict's
-        # grouped sub-layers), for from_hf to give the same keys back
-        self._physical: dict[str, str] = {}
-        self.fqn_to_index_mapping = None
-        index_file = os.path.join(hf_assets_path or "", "model.safetensors.index.json")
-        if hf_assets_path and os.path.isfile(index_file):
-            with open(index_file) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.fqn_to_index_mapping = {key: int(re.search(r"\d+", file).group(0))
-                                         for key, file in weight_map.items()}
-
-    def hf_config(self) -> dict:
-        """The config.json that `transformers` reads with this model's HF checkpoint."""
-        if self.config_json is None:
-            raise ValueError(f"this {self.FORMAT_NAME} adapter writes no config.json (build it "
-                             "with titan_hybrid.hf.families.hybrid_state_dict_adapter)")
-        return self.config_json(self.model_args)
-
-    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
-        """Before reading a file whose tensors have these shapes: a format whose files come in
-        variants (OLMo Hybrid's) takes the file's. Nothing for the others."""
-
-    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
-        if from_quantized:
-            raise ValueError(f"checkpoint.initial_load_in_hf_quantized: {self.FORMAT_NAME} "
-                             "checkpoints are read unquantized only")
-        return HuggingFaceStorageReader(path)
-
 
 # ------------------------------------------------------------------ the state dicts adapters see
 # titan_hybrid's checkpoint manager hands an adapter its split state dict: a fused parameter

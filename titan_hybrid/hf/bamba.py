@@ -5,8 +5,8 @@ half of each head's channels (`attention.rope_interleave = False`, `rotary_fract
 HF decoder layer j is our layers 2j (`input_layernorm`, then `mamba.*` or `self_attn.*`, with
 Nemotron-H's names for the same tensors: the Mamba2 mixer's fused in_proj [z|x|B|C|dt] and
 conv [x|B|C] are our components end to end) and 2j + 1 (`pre_ff_layernorm`,
-`feed_forward.gate_proj` / `up_proj` = the halves of our fused fc1, `down_proj` = fc2). The
-state-dict adapter is hf/engine.py's with these names.
+`feed_forward.gate_proj` / `up_proj` = the halves of our fused fc1, `down_proj` = fc2):
+the key map that hf/engine.py's adapter reads.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.adapter import json_float, tagged_float
-from titan_hybrid.hf.engine import StateDictAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.hf.vocabulary import swiglu_mlp
@@ -50,7 +49,7 @@ def check_bamba_compatible(args: HybridModelArgs) -> None:
         raise ValueError("model cannot use the HF Bamba format: " + "; ".join(problems))
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
+def bamba_key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
     """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
     check_bamba_compatible(args)
     mapping: dict[str, str | tuple[str, ...]] = {
@@ -71,13 +70,6 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
         mapping[hf + "pre_ff_layernorm.weight"] = f"{ffn}mlp_norm.weight"
         mapping.update(swiglu_mlp(hf + "feed_forward.", f"{ffn}mlp."))
     return mapping
-
-
-class BambaStateDictAdapter(StateDictAdapter):
-    FORMAT_NAME = "Bamba"
-
-    def key_map(self) -> dict[str, str | tuple[str, ...]]:
-        return _key_map(self.model_args)
 
 
 def mamba_config(args: HybridModelArgs) -> dict:
@@ -166,7 +158,8 @@ def model_args_from_bamba_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="bamba", model_types=("bamba",),
-    adapter=BambaStateDictAdapter,
+    format_name="Bamba",
+    key_map=bamba_key_map,
     check=check_bamba_compatible,
     config=bamba_config,
     to_args=model_args_from_bamba_config)

@@ -1,14 +1,14 @@
-"""Hugging Face DeepSeek-V3 / V3.2 interop for models whose layers pair up as DeepSeek's dense
-decoder layers: patterns `+-+-...` (DeepseekV3ForCausalLM) or `D-D-...` (DeepseekV32ForCausalLM),
-SwiGLU MLPs, no MTP. The state-dict adapter of `--checkpoint.initial_load_in_hf` /
-`--checkpoint.last_save_in_hf` for such models (formats.py picks it by the layer kinds),
-offline conversion of full (unsharded) state dicts, and config.json.
+"""Hugging Face DeepSeek-V3 / V3.2 interop for models whose layers pair up as DeepSeek's
+decoder layers: patterns `+-+-...` (DeepseekV3ForCausalLM) or `D-D-...` (DeepseekV32ForCausalLM)
+with SwiGLU MLPs, then the same attention with MoE layers, and MTP depths. The key map of
+`--checkpoint.initial_load_in_hf` / `--checkpoint.last_save_in_hf` for such models
+(families.py picks it by the layer kinds), and config.json.
 
 HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`: the MLA / DSA layer,
 whose parameter names are transformers' already) and 2j + 1 (`post_attention_layernorm`,
-`mlp.gate_proj` / `up_proj` = the halves of our fused fc1, `mlp.down_proj` = fc2). DeepSeek's
-MoE layers (group-limited sigmoid routing, routed scaling) are not our `E`, so patterns with
-`E` are refused by name, as is everything else the format cannot hold.
+`mlp.gate_proj` / `up_proj` = the halves of our fused fc1, `mlp.down_proj` = fc2; or the MoE
+layer: `mlp.gate`, `mlp.shared_experts.*`, `mlp.experts.{e}.*`). What the format cannot hold
+(another router, bracket groups, ...) is refused by name.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from titan_hybrid.hf.adapter import ExpertSlice, SharedCopy
-from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
+from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
@@ -27,7 +27,6 @@ from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 from titan_hybrid.model.mla import KIND as MLA
 from titan_hybrid.model.mlp import KIND as MLP
-from titan_hybrid.model.model import HybridModel
 from titan_hybrid.model.moe import KIND as MOE
 
 # (architecture, model_type) of the decoder layer's attention kind: MLA or DSA, by kind name.
@@ -89,10 +88,13 @@ def mixer_parameter_names(args: HybridModelArgs, kind: LayerKind) -> list[str]:
     return list(layer.state_dict())
 
 
-def _key_map(args: HybridModelArgs) -> KeyMap:
+def deepseek_key_map(args: HybridModelArgs) -> KeyMap:
     """HF key -> our key, one expert's slice of our experts' parameter, or a copy of a tensor
     our model shares; the gate / up halves of an MLP or expert map to our fc1 with a suffix _w
-    / _v (the split state dict's components).
+    / _v (the split state dict's components). No MLA / DSA parameter is fused: every HF tensor
+    is one entry of ours under another key, so each rank writes or reads the pieces it holds
+    under any TP / FSDP layout, nothing is gathered, and a load lands in the very entries
+    `to_hf` handed out.
 
     MTP depth d is decoder layer L + d (L main ones), as in DeepSeek-V3's checkpoints (vLLM's
     and SGLang's names; transformers skips it): its enorm, hnorm and eh_proj, the decoder
@@ -137,37 +139,6 @@ def _decoder_layer(args: HybridModelArgs, kind: LayerKind, attention_names: list
     mapping[hf + "mlp.gate.e_score_correction_bias"] = moe + "router.e_score_correction_bias"
     mapping.update(swiglu_mlp(hf + "mlp.shared_experts.", moe + "shared_expert."))
     return mapping | routed_experts(hf + "mlp.experts.", moe + "experts.", args.moe.num_experts)
-
-
-class DeepSeekStateDictAdapter(StateDictAdapter):
-    """No MLA / DSA parameter is fused: every HF tensor is one entry of ours under another key
-    (fc1's halves are its split components `fc1.weight_w` / `_v`), so each rank writes or reads
-    the pieces it holds under any TP / FSDP layout, nothing is gathered, and a load lands in
-    the very entries `to_hf` handed out."""
-
-    FORMAT_NAME = "DeepSeek-V3 / V3.2"
-
-    def key_map(self) -> KeyMap:
-        return _key_map(self.model_args)
-
-
-def to_deepseek(state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
-    """Our model's plain state dict -> DeepSeek's keys (views of its tensors)."""
-    return DeepSeekStateDictAdapter(args, None).to_hf(state_dict)
-
-
-def from_deepseek(hf_state_dict: dict[str, torch.Tensor], args: HybridModelArgs) -> dict:
-    """DeepSeek's keys -> our model's plain state dict; a missing key is a ValueError naming
-    it."""
-    adapter = DeepSeekStateDictAdapter(args, None)
-    missing = [key for key in _key_map(args) if key not in hf_state_dict]
-    if missing:
-        raise ValueError(f"DeepSeek checkpoint lacks {len(missing)} tensors of this model, "
-                         f"e.g. {missing[0]!r}")
-    # A plain state dict's fused keys: to_hf of such a dict records which halves to join.
-    with torch.device("meta"):
-        adapter.to_hf(HybridModel(args).state_dict())
-    return adapter.from_hf(hf_state_dict)
 
 
 def deepseek_config(args: HybridModelArgs) -> dict:
@@ -288,7 +259,8 @@ def model_args_from_deepseek_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="deepseek", model_types=("deepseek_v3", "deepseek_v32"),
-    adapter=DeepSeekStateDictAdapter,
+    format_name="DeepSeek-V3 / V3.2",
+    key_map=deepseek_key_map,
     check=check_deepseek_compatible,
     config=deepseek_config,
     to_args=model_args_from_deepseek_config,

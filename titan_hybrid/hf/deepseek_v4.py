@@ -20,7 +20,7 @@ Two namings are read, and transformers' is written:
 - transformers' save_pretrained: `model.layers.{j}.` + DeepSeek's layer names,
   `model.embed_tokens.weight`, `model.norm.weight`, `model.hc_head.hc_fn`, `head.weight`;
 - DeepSeek's release: the layers without `model.`, `embed.weight`, `norm.weight`,
-  `hc_head_fn`, `head.weight` (`fit_to_file` takes a file's).
+  `hc_head_fn`, `head.weight` (`deepseek_v4_file_key_map` takes a file's).
 Quantized releases (FP8 / FP4 experts with `.scale` tensors) are refused: their scale tensors
 have no place in the model, and an error names them.
 """
@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
+from titan_hybrid.hf.engine import KeyMap, Shapes
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.vocabulary import routed_experts
 from titan_hybrid.model import deepseek_v4, deepseek_v4_csa, deepseek_v4_hca
@@ -232,8 +232,11 @@ def _decoder_layer(args: HybridModelArgs, hf: str, mixer: str, ffn: str, attenti
                                     args.moe.num_experts, names=("w1", "w3", "w2"))
 
 
-def _key_map(args: HybridModelArgs, release: bool) -> KeyMap:
-    """HF key -> ours, in DeepSeek's release naming or transformers' save_pretrained one."""
+def deepseek_v4_key_map(args: HybridModelArgs, release: bool = False) -> KeyMap:
+    """HF key -> ours, in DeepSeek's release naming or transformers' save_pretrained one (what
+    an export writes). Every HF tensor is one of ours under another name, or one expert's
+    slice of our experts (fc1's halves are the split state dict's components `fc1.weight_w` /
+    `_v`), so each rank writes or reads the pieces it holds under any layout."""
     check_deepseek_v4_compatible(args)
     model = "" if release else "model."
     mapping: KeyMap = {("embed.weight" if release else "model.embed_tokens.weight"):
@@ -264,26 +267,10 @@ def _key_map(args: HybridModelArgs, release: bool) -> KeyMap:
     return mapping
 
 
-class DeepseekV4StateDictAdapter(StateDictAdapter):
-    """Every HF tensor is one of ours under another name, or one expert's slice of our experts
-    (fc1's halves are the split state dict's components `fc1.weight_w` / `_v`), so each rank
-    writes or reads the pieces it holds under any layout. Writes transformers' naming; reads a
-    file in either (fit_to_file)."""
-
-    FORMAT_NAME = "DeepSeek-V4"
-
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
-                 **options) -> None:
-        super().__init__(model_args, hf_assets_path, **options)
-        self.release_naming = False
-
-    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
-        """Take the naming of a file whose tensors are these: DeepSeek's release names its
-        embedding `embed.weight`."""
-        self.release_naming = "embed.weight" in stored
-
-    def key_map(self) -> KeyMap:
-        return _key_map(self.model_args, self.release_naming)
+def deepseek_v4_file_key_map(args: HybridModelArgs, stored: Shapes) -> KeyMap:
+    """The key map of a file whose tensors are `stored`: DeepSeek's release names its
+    embedding `embed.weight`."""
+    return deepseek_v4_key_map(args, release="embed.weight" in stored)
 
 
 # --------------------------------------------------------------------------- config -> args
@@ -390,7 +377,9 @@ def model_args_from_deepseek_v4_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="deepseek_v4", model_types=("deepseek_v4",),
-    adapter=DeepseekV4StateDictAdapter,
+    format_name="DeepSeek-V4",
+    key_map=deepseek_v4_key_map,
+    file_key_map=deepseek_v4_file_key_map,
     check=check_deepseek_v4_compatible,
     config=deepseek_v4_config,
     to_args=model_args_from_deepseek_v4_config,

@@ -1,5 +1,6 @@
-"""The one state-dict adapter engine: a family gives its key map (HF key -> what it is made of
-of ours) and its name, and this turns our state dicts into HF ones and back, for every family.
+"""The one state-dict adapter (KeyMapAdapter): a family gives its key map (HF key -> what it is
+made of of ours) and its name, and this turns our state dicts into HF ones and back, for every
+family, and reads and names the files of an HF checkpoint.
 
 A key map entry is our tensor under another name, a tuple of consecutive components of one of
 our fused parameters (Mamba2's in_proj, a SwiGLU fc1's halves), runs of rows taken in turn
@@ -21,17 +22,21 @@ pieces (its HF writer keeps one per rank).
 
 from __future__ import annotations
 
-from abc import abstractmethod
+import json
+import os
+import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor, Shard
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, merged_chunks
 from titan_hybrid.checkpoint.state import logical_keys, physical_keys
 from titan_hybrid.hf.adapter import (
     ExpertSlice,
-    HFStateDictAdapter,
     Reshaped,
     SharedCopy,
     check_all_used,
@@ -55,6 +60,7 @@ class RowPieces(NamedTuple):
 
 KeyMap = dict[str, str | tuple[str, ...] | RowPieces | ExpertSlice | Reshaped | SharedCopy]
 SINGLE = (ExpertSlice, Reshaped, SharedCopy)  # entries of one of our tensors, under `.key`
+Shapes = dict[str, tuple[int, ...]]  # the tensors of an HF file: name -> shape
 
 
 def sources(ours) -> tuple[str, ...]:
@@ -75,31 +81,83 @@ def _fused_layouts(args: HybridModelArgs) -> dict[str, TPLayout]:
                          if layout.partition_names})[0]
 
 
+def _index_of(hf_assets_path: str | None) -> dict[str, int] | None:
+    """{HF key: its file's number} of the folder's model.safetensors.index.json (None: no
+    index)."""
+    index_file = os.path.join(hf_assets_path or "", "model.safetensors.index.json")
+    if not (hf_assets_path and os.path.isfile(index_file)):
+        return None
+    with open(index_file) as f:
+        weight_map = json.load(f)["weight_map"]
+    return {key: int(re.search(r"\d+", file).group(0)) for key, file in weight_map.items()}
+
+
 def _tp_sharded(value) -> bool:
     names = value.device_mesh.mesh_dim_names or ()
     return any(name in ("tp", "etp") and isinstance(placement, Shard)
                for name, placement in zip(names, value.placements))
 
 
-class StateDictAdapter(HFStateDictAdapter):
-    """A family's adapter: its `key_map` and FORMAT_NAME (hf/<family>.py)."""
+class KeyMapAdapter(BaseStateDictAdapter):
+    """torchtitan's state-dict adapter protocol for one family's format (hf/family.py's
+    `Family.adapter` builds it): `to_hf` / `from_hf` through the family's key map.
 
-    FORMAT_NAME: str
+    An export splits its tensors over files as `hf_assets_path`'s model.safetensors.index.json
+    does when there is one (`fqn_to_index_mapping`), else writes one file. torchtitan's
+    StateDictAdapter reads that index too, but warns when it is missing: this adapter is built
+    for every run, and `hf_assets_path` usually holds only the tokenizer."""
 
-    @abstractmethod
-    def key_map(self) -> KeyMap:
-        """HF key -> our key (a fused parameter's component: `<fqn><part>`), the tuple of
-        consecutive components an HF tensor is made of, its RowPieces, one expert's slice,
-        our tensor reshaped, or a copy of a tensor our model shares."""
-
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
-                 **options) -> None:
-        super().__init__(model_args, hf_assets_path, **options)
+    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None, *,
+                 format_name: str, key_map: Callable[[HybridModelArgs], KeyMap],
+                 file_key_map: Callable[[HybridModelArgs, Shapes], KeyMap] | None = None,
+                 config_json: Callable[[HybridModelArgs], dict] | None = None) -> None:
+        """`format_name`: the format's name in messages; `key_map`: the model's key map as an
+        export names the tensors; `file_key_map`: for a format whose files come in variants,
+        the key map of a file whose tensors have these shapes (fit_to_file); `config_json`:
+        the config.json of the model's export (families.py's hf_config), for the checkpoint
+        manager's last save in HF."""
+        self.model_args = model_args
+        self.hf_assets_path = hf_assets_path
+        self.format_name = format_name
+        self._key_map, self._file_key_map = key_map, file_key_map
+        self._stored: Shapes | None = None  # the file fit_to_file was given
+        self.config_json = config_json
+        self.fqn_to_index_mapping = _index_of(hf_assets_path)
+        # {logical key: the state dict's own key} of the last to_hf (a plain state dict's
+        # grouped sub-layers), for from_hf to give the same keys back
+        self._physical: dict[str, str] = {}
         # HF key -> (the value handed out, {our key: what a load through it fills})
         self._handed_out: dict[str, tuple[torch.Tensor, dict]] = {}
         self._plain_fused: list[str] = []  # the fused parameters a plain state dict held whole
         self._plain_values: dict[str, torch.Tensor] = {}  # and their values
         self._layouts: dict | None = None
+
+    def key_map(self) -> KeyMap:
+        """HF key -> our key (a fused parameter's component: `<fqn><part>`), the tuple of
+        consecutive components an HF tensor is made of, its RowPieces, one expert's slice,
+        our tensor reshaped, or a copy of a tensor our model shares: the names of the file
+        fit_to_file was given, else those an export writes."""
+        if self._stored is not None and self._file_key_map is not None:
+            return self._file_key_map(self.model_args, self._stored)
+        return self._key_map(self.model_args)
+
+    def fit_to_file(self, stored: Shapes) -> None:
+        """Before reading a file whose tensors have these shapes: a format whose files come in
+        variants (OLMo Hybrid's, DeepSeek-V4's, Kimi Linear's) takes the file's."""
+        self._stored = stored
+
+    def hf_config(self) -> dict:
+        """The config.json that `transformers` reads with this model's HF checkpoint."""
+        if self.config_json is None:
+            raise ValueError(f"this {self.format_name} adapter writes no config.json (build it "
+                             "with titan_hybrid.hf.families.hybrid_state_dict_adapter)")
+        return self.config_json(self.model_args)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        if from_quantized:
+            raise ValueError(f"checkpoint.initial_load_in_hf_quantized: {self.format_name} "
+                             "checkpoints are read unquantized only")
+        return HuggingFaceStorageReader(path)
 
     @property
     def fused_layouts(self) -> dict[str, TPLayout]:
@@ -163,7 +221,7 @@ class StateDictAdapter(HFStateDictAdapter):
             hf_state_dict[hf_key] = value
             if not isinstance(ours, SharedCopy):
                 self._handed_out[hf_key] = (value, parts)
-        check_all_used(state_dict, used, "model tensor(s)", f"HF {self.FORMAT_NAME} format")
+        check_all_used(state_dict, used, "model tensor(s)", f"HF {self.format_name} format")
         return hf_state_dict
 
     def _missing(self, keys: tuple[str, ...], state_dict: dict) -> str:

@@ -44,8 +44,8 @@ from titan_hybrid.hf import (
     qwen3_next,
     safetensors_io,
 )
-from titan_hybrid.hf.adapter import HFStateDictAdapter
 from titan_hybrid.hf.deepseek import ARCHITECTURES, ATTENTION_KINDS
+from titan_hybrid.hf.engine import KeyMapAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.model.args import HybridModelArgs
 
@@ -203,7 +203,7 @@ def hf_config(args: HybridModelArgs) -> dict:
 
 
 def hybrid_state_dict_adapter(model_args: HybridModelArgs,
-                              hf_assets_path: str | None) -> HFStateDictAdapter:
+                              hf_assets_path: str | None) -> KeyMapAdapter:
     """The TrainSpec's `state_dict_adapter` (torchtitan calls it with these two arguments on
     every run): the adapter of the model's format. A model the format cannot hold fails only
     when the adapter is used, and the pre-flight check (training/preflight.py) refuses such a

@@ -2,8 +2,10 @@
 (hf/<family>.py, as its `FAMILY`) and listed once in hf/families.py.
 
 A family ties together the model args of its config.json (`to_args`), the config.json of an
-export (`config`), what its format cannot hold (`check`), and the state-dict adapter that
-names its tensors (`adapter`).
+export (`config`), what its format cannot hold (`check`), and the names of its tensors
+(`key_map`, and `file_key_map` where its files come in variants), which engine.py's
+KeyMapAdapter turns into torchtitan's state-dict adapter (`adapter`). A family is data: no
+family has an adapter class of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titan_hybrid.hf.adapter import HFStateDictAdapter
+from titan_hybrid.hf.engine import KeyMap, KeyMapAdapter, Shapes
 from titan_hybrid.model.args import HybridModelArgs
 
 
@@ -20,7 +22,10 @@ from titan_hybrid.model.args import HybridModelArgs
 class Family:
     name: str  # the model args' `hf_format` naming it
     model_types: tuple[str, ...]  # the config.json `model_type`s it reads
-    adapter: type[HFStateDictAdapter]
+    format_name: str  # the format's name in messages
+    # HF key -> what it is made of of ours (engine.py's KeyMap), as an export names the
+    # tensors; ValueError naming what the format cannot hold
+    key_map: Callable[[HybridModelArgs], KeyMap]
     check: Callable[[HybridModelArgs], object]  # ValueError naming what it cannot hold
     config: Callable[[HybridModelArgs], dict]  # the config.json of an export
     to_args: Callable[[dict], HybridModelArgs]  # ValueError naming a setting it cannot hold
@@ -30,6 +35,18 @@ class Family:
     # keeps the config's MTP fields but writes no MTP tensor.
     mtp_marker: Callable[[HybridModelArgs], str] | None = None
     mtp_count_field: str = ""
+    # For a format whose files come in variants (other names, other cuts of a fused tensor):
+    # the key map of a file whose tensors have these shapes
+    file_key_map: Callable[[HybridModelArgs, Shapes], KeyMap] | None = None
+
+    def adapter(self, model_args: HybridModelArgs, hf_assets_path: str | None = None, *,
+                config_json: Callable[[HybridModelArgs], dict] | None = None
+                ) -> KeyMapAdapter:
+        """The state-dict adapter of a model in this format (`config_json`: the config.json
+        of its export, for the checkpoint manager's last save in HF)."""
+        return KeyMapAdapter(model_args, hf_assets_path, format_name=self.format_name,
+                             key_map=self.key_map, file_key_map=self.file_key_map,
+                             config_json=config_json)
 
     def model_args(self, config: dict) -> HybridModelArgs:
         """The model args of a config.json of this family: `to_args`'s, with the LM head tied

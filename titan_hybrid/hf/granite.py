@@ -17,7 +17,6 @@ import dataclasses
 
 from titan_hybrid.hf.adapter import softmax_routed
 from titan_hybrid.hf.bamba import mamba_args_from_config, mamba_config
-from titan_hybrid.hf.engine import StateDictAdapter
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp, moe
@@ -63,7 +62,8 @@ def check_granite_compatible(args: HybridModelArgs) -> None:
         raise ValueError("model cannot use the HF Granite 4.0-H format: " + "; ".join(problems))
 
 
-def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
+def granite_key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
+    """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
     check_granite_compatible(args)
     mapping: dict[str, str | tuple[str, ...]] = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -91,13 +91,6 @@ def _key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
                                                         f"{ffn}moe.experts.fc1_v")
             mapping[experts + "output_linear.weight"] = f"{ffn}moe.experts.fc2"
     return mapping
-
-
-class GraniteStateDictAdapter(StateDictAdapter):
-    FORMAT_NAME = "Granite 4.0-H"
-
-    def key_map(self) -> dict[str, str | tuple[str, ...]]:
-        return _key_map(self.model_args)
 
 
 def granite_config(args: HybridModelArgs) -> dict:
@@ -181,7 +174,8 @@ def model_args_from_granite_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="granite", model_types=("granitemoehybrid",),
-    adapter=GraniteStateDictAdapter,
+    format_name="Granite 4.0-H",
+    key_map=granite_key_map,
     check=check_granite_compatible,
     config=granite_config,
     to_args=model_args_from_granite_config)

@@ -1,7 +1,7 @@
 """Hugging Face Kimi Linear interop (`kimi_linear`: KimiLinearForCausalLM): KDA (`K`) and
 MLA without position encoding (`+` with `mla.rotary=False`) decoder layers, each with a SwiGLU
-MLP (`-`) or DeepSeek-style MoE (`E`), no MTP, no tied head. The state-dict adapter, config.json
-and the model args of one.
+MLP (`-`) or DeepSeek-style MoE (`E`), no MTP, no tied head. The key map, config.json and the
+model args of one.
 
 HF decoder layer j is our layers 2j (`input_layernorm`, `self_attn.*`) and 2j + 1
 (`post_attention_layernorm`, then `mlp.gate_proj` / `up_proj` / `down_proj` (or under
@@ -19,11 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.adapter import Reshaped
-from titan_hybrid.hf.deepseek import (
-    DeepSeekStateDictAdapter,
-    feed_forward_problems,
-    mixer_parameter_names,
-)
+from titan_hybrid.hf.deepseek import feed_forward_problems, mixer_parameter_names
+from titan_hybrid.hf.engine import KeyMap, Shapes
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
@@ -62,11 +59,13 @@ def check_kimi_linear_compatible(args: HybridModelArgs) -> None:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 
 
-def _key_map(args: HybridModelArgs, dense: str = "mlp.") -> dict:
-    """HF key -> ours; `dense`: the dense MLPs' prefix (transformers' save_pretrained writes
-    them under `block_sparse_moe.`, reversing its rename of every layer's)."""
+def kimi_linear_key_map(args: HybridModelArgs, dense: str = "mlp.") -> KeyMap:
+    """HF key -> ours (every HF tensor one entry of ours, one expert's slice, or A_log's view,
+    as DeepSeek's); `dense`: the dense MLPs' prefix, `mlp.` in Kimi's checkpoints and an
+    export (transformers' save_pretrained writes them under `block_sparse_moe.`, reversing its
+    rename of every layer's)."""
     check_kimi_linear_compatible(args)
-    mapping: dict = {"model.embed_tokens.weight": "tok_embeddings.weight",
+    mapping: KeyMap = {"model.embed_tokens.weight": "tok_embeddings.weight",
                      "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     names = {kind.symbol: mixer_parameter_names(args, kind) for kind in (KDA, MLA)
              if kind in args.kinds()}
@@ -94,20 +93,12 @@ def _key_map(args: HybridModelArgs, dense: str = "mlp.") -> dict:
     return mapping
 
 
-class KimiLinearStateDictAdapter(DeepSeekStateDictAdapter):
-    """DeepSeek's adapter (every HF tensor one entry of ours, or one expert's slice, or
-    A_log's view) with Kimi Linear's names."""
-
-    FORMAT_NAME = NAME
-    dense = "mlp."  # Kimi's checkpoints' (and what an export writes)
-
-    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
-        """A folder transformers saved names its dense MLPs as its MoE layers."""
-        self.dense = ("block_sparse_moe." if any(
-            key.endswith("block_sparse_moe.gate_proj.weight") for key in stored) else "mlp.")
-
-    def key_map(self) -> dict:
-        return _key_map(self.model_args, self.dense)
+def kimi_linear_file_key_map(args: HybridModelArgs, stored: Shapes) -> KeyMap:
+    """The key map of a file whose tensors are `stored`: a folder transformers saved names
+    its dense MLPs as its MoE layers."""
+    saved_by_transformers = any(key.endswith("block_sparse_moe.gate_proj.weight")
+                                for key in stored)
+    return kimi_linear_key_map(args, "block_sparse_moe." if saved_by_transformers else "mlp.")
 
 
 def kimi_linear_config(args: HybridModelArgs) -> dict:
@@ -221,7 +212,9 @@ def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="kimi_linear", model_types=("kimi_linear",),
-    adapter=KimiLinearStateDictAdapter,
+    format_name=NAME,
+    key_map=kimi_linear_key_map,
+    file_key_map=kimi_linear_file_key_map,
     check=check_kimi_linear_compatible,
     config=kimi_linear_config,
     to_args=model_args_from_kimi_linear_config,

@@ -1,12 +1,11 @@
-"""Hugging Face Nemotron-H interop: a torchtitan state-dict adapter for the hub format that
-`transformers`' `nemotron_h` model reads (`backbone.layers.N.mixer.*`), and config.json <->
-HybridModelArgs.
+"""Hugging Face Nemotron-H interop: the key map of the hub format that `transformers`'
+`nemotron_h` model reads (`backbone.layers.N.mixer.*`), and config.json <-> HybridModelArgs.
 
 With it `--checkpoint.initial_load_in_hf` and `--checkpoint.last_save_in_hf` work under any
-TP / FSDP layout. The adapter sees the state dict of SplitModelWrapper, whose fused tensors
-are already components in global coordinates, so a fused HF tensor (Mamba in_proj
-[z | x | B | C | dt], conv [x | B | C]) is those components laid end to end: every rank writes
-or reads only the pieces it holds, nothing is gathered.
+TP / FSDP layout. The state-dict adapter (engine.py) sees the state dict of SplitModelWrapper,
+whose fused tensors are already components in global coordinates, so a fused HF tensor (Mamba
+in_proj [z | x | B | C | dt], conv [x | B | C]) is those components laid end to end: every
+rank writes or reads only the pieces it holds, nothing is gathered.
 
 Nemotron-H has Mamba2, attention without position embeddings and a non-gated squared-ReLU MLP:
 patterns of `M`, `*`, `-` with `mlp.activation = "relu2"` and `attention.use_rope = False`;
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_hybrid.hf.adapter import ExpertSlice
-from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
+from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
@@ -143,53 +142,49 @@ def _prefixes(items, base: str) -> list[tuple[str, LayerKind]]:
     return layers
 
 
-class NemotronHStateDictAdapter(StateDictAdapter):
-    """An HF tensor is one of ours, one expert's slice of ours, or a whole fused parameter
-    (Mamba2's in_proj and conv1d: HF fuses the same components in the same order)."""
+def _layer_entries(args: HybridModelArgs, hf: str, prefix: str, kind: LayerKind) -> dict:
+    """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
+    names, section = MIXER_NAMES[kind.name], args.section(kind)
+    entries: dict = {hf + "norm.weight": f"{prefix}{kind.name}_norm.weight"}
+    for ours, theirs in names.renames.items():
+        if ours not in names.optional or names.optional[ours](section):
+            entries[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
+    for name, parts in names.fused.items():
+        entries[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
+                                             for part in parts)
+    for ours, theirs in names.per_expert.items():
+        for expert in range(section.num_experts):
+            entries[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
+                f"{prefix}{kind.name}.{ours}", expert)
+    return entries
 
-    FORMAT_NAME = "Nemotron-H"
 
-    def _layer_entries(self, hf: str, prefix: str, kind: LayerKind) -> dict:
-        """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
-        names, section = MIXER_NAMES[kind.name], self.model_args.section(kind)
-        entries: dict = {hf + "norm.weight": f"{prefix}{kind.name}_norm.weight"}
-        for ours, theirs in names.renames.items():
-            if ours not in names.optional or names.optional[ours](section):
-                entries[f"{hf}mixer.{theirs}"] = f"{prefix}{kind.name}.{ours}"
-        for name, parts in names.fused.items():
-            entries[f"{hf}mixer.{name}"] = tuple(f"{prefix}{kind.name}.{name}{part}"
-                                                 for part in parts)
-        for ours, theirs in names.per_expert.items():
-            for expert in range(section.num_experts):
-                entries[f"{hf}mixer.{theirs.format(expert)}"] = ExpertSlice(
-                    f"{prefix}{kind.name}.{ours}", expert)
-        return entries
-
-    def key_map(self) -> KeyMap:
-        """HF key -> our key, the tuple of our component keys of a fused HF tensor, or one
-        expert's slice of our parameter."""
-        check_nemotron_h_compatible(self.model_args)
-        mapping: dict[str, str | tuple[str, ...]] = {
-            "backbone.embeddings.weight": "tok_embeddings.weight",
-            "backbone.norm_f.weight": "norm.weight",
-            "lm_head.weight": "output.weight",
-        }
-        for number, (prefix, kind) in enumerate(physical_layer_prefixes(self.model_args)):
-            mapping.update(self._layer_entries(f"backbone.layers.{number}.", prefix, kind))
-        # MTP (Megatron-Bridge's and vLLM's names; transformers does not model it): depth d's
-        # layer j is mtp.layers.{d * P + j}, P layers a depth, named as backbone layers; the
-        # depth's first layer holds its input norms and projection, its last the final norm.
-        for depth in range(self.model_args.parsed_pattern.mtp_depths):
-            layers = mtp_layer_prefixes(self.model_args, depth)
-            first, last = depth * len(layers), (depth + 1) * len(layers) - 1
-            for j, (prefix, kind) in enumerate(layers):
-                mapping.update(self._layer_entries(f"mtp.layers.{first + j}.", prefix, kind))
-            for theirs, ours in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
-                                 ("eh_proj", "eh_proj")):
-                mapping[f"mtp.layers.{first}.{theirs}.weight"] = f"mtp.{depth}.{ours}.weight"
-            mapping[f"mtp.layers.{last}.final_layernorm.weight"] = (
-                f"mtp.{depth}.final_norm.weight")
-        return mapping
+def nemotron_h_key_map(args: HybridModelArgs) -> KeyMap:
+    """HF key -> our key, the tuple of our component keys of a fused HF tensor (Mamba2's
+    in_proj and conv1d: HF fuses the same components in the same order, so the HF tensor is
+    the parameter whole), or one expert's slice of our parameter."""
+    check_nemotron_h_compatible(args)
+    mapping: dict[str, str | tuple[str, ...]] = {
+        "backbone.embeddings.weight": "tok_embeddings.weight",
+        "backbone.norm_f.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    for number, (prefix, kind) in enumerate(physical_layer_prefixes(args)):
+        mapping.update(_layer_entries(args, f"backbone.layers.{number}.", prefix, kind))
+    # MTP (Megatron-Bridge's and vLLM's names; transformers does not model it): depth d's
+    # layer j is mtp.layers.{d * P + j}, P layers a depth, named as backbone layers; the
+    # depth's first layer holds its input norms and projection, its last the final norm.
+    for depth in range(args.parsed_pattern.mtp_depths):
+        layers = mtp_layer_prefixes(args, depth)
+        first, last = depth * len(layers), (depth + 1) * len(layers) - 1
+        for j, (prefix, kind) in enumerate(layers):
+            mapping.update(_layer_entries(args, f"mtp.layers.{first + j}.", prefix, kind))
+        for theirs, ours in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
+                             ("eh_proj", "eh_proj")):
+            mapping[f"mtp.layers.{first}.{theirs}.weight"] = f"mtp.{depth}.{ours}.weight"
+        mapping[f"mtp.layers.{last}.final_layernorm.weight"] = (
+            f"mtp.{depth}.final_norm.weight")
+    return mapping
 
 
 # --------------------------------------------------------------------------- config.json
@@ -330,7 +325,8 @@ def model_args_from_nemotron_h_config(config: dict, base: HybridModelArgs | None
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="nemotron_h", model_types=("nemotron_h",),
-    adapter=NemotronHStateDictAdapter,
+    format_name="Nemotron-H",
+    key_map=nemotron_h_key_map,
     check=check_nemotron_h_compatible,
     config=nemotron_h_config,
     to_args=model_args_from_nemotron_h_config,

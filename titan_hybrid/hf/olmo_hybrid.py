@@ -9,8 +9,8 @@ and its rotary embedding, when it has one, rotates whole heads by rotate-half pa
 DeltaNet's projections and its three convolutions are our in_proj's and conv1d's components;
 its beta is 2 sigmoid(b) (`gdn.allow_neg_eigval`) and its output norm's epsilon is 1e-5.
 
-The files come in two variants, and the adapter takes the one of the file it reads
-(`fit_to_file`); it writes the published one, which transformers reads too:
+The files come in two variants, and a read takes the one of its file
+(`olmo_hybrid_file_key_map`); an export writes the published one, which transformers reads too:
 - published: the attention layers' norms `post_attention_layernorm` /
   `post_feedforward_layernorm`, and the convolutions [key_dim | key_dim | value_dim] rows;
 - transformers 5.24's `save_pretrained`: it renames every `post_attention_layernorm` to
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.engine import KeyMap, RowPieces, StateDictAdapter
+from titan_hybrid.hf.engine import KeyMap, RowPieces, Shapes
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.vocabulary import llama_attention, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp
@@ -65,82 +65,86 @@ def check_olmo_hybrid_compatible(args: HybridModelArgs) -> None:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 
 
-class OlmoHybridStateDictAdapter(StateDictAdapter):
-    FORMAT_NAME = NAME
+def published_conv_rows(args: HybridModelArgs) -> tuple[int, int, int]:
+    """The rows of q_conv1d, k_conv1d and v_conv1d in the published files: [key_dim |
+    key_dim | value_dim], our conv1d's components."""
+    delta = args.gdn
+    key_dim = delta.n_key_heads * delta.key_head_dim
+    return key_dim, key_dim, delta.n_value_heads * delta.value_head_dim
 
-    def __init__(self, model_args: HybridModelArgs, hf_assets_path: str | None,
-                 **options) -> None:
-        super().__init__(model_args, hf_assets_path, **options)
-        # The file variant (the module docstring); the published one until fit_to_file.
-        self.saved_by_transformers = False
-        delta = model_args.gdn
-        key_dim = delta.n_key_heads * delta.key_head_dim
-        self.conv_rows = (key_dim, key_dim, delta.n_value_heads * delta.value_head_dim)
 
-    def fit_to_file(self, stored: dict[str, tuple[int, ...]]) -> None:
-        """Take the variant of a file whose tensors have these shapes."""
-        self.saved_by_transformers = any(
-            key.endswith(".feedforward_layer_norm.weight")
-            and key.replace("feedforward_layer_norm", "post_feedforward_layernorm") in stored
-            for key in stored)
-        convs = next((key[:-len("q_conv1d.weight")] for key in stored
-                      if key.endswith("linear_attn.q_conv1d.weight")), None)
-        if convs is not None:
-            rows = tuple(stored.get(f"{convs}{conv}.weight", (0,))[0] for conv in CONVS)
-            if sum(rows) == sum(self.conv_rows):  # else the shape check names the tensors
-                self.conv_rows = rows
+def olmo_hybrid_key_map(args: HybridModelArgs, *, saved_by_transformers: bool = False,
+                        conv_rows: tuple[int, ...] | None = None) -> KeyMap:
+    """HF key -> ours, in the published variant (what an export writes) or, with
+    `saved_by_transformers`, transformers' (the module docstring); `conv_rows`: the rows of
+    the three convolutions in the file (the published ones when None)."""
+    check_olmo_hybrid_compatible(args)
+    conv_rows = conv_rows or published_conv_rows(args)
+    mapping: KeyMap = {"model.embed_tokens.weight": "tok_embeddings.weight",
+                       "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    post_attention = ("feedforward_layer_norm" if saved_by_transformers
+                      else "post_attention_layernorm")
+    for j in range(len(symbols) // 2):
+        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+        mapping.update(swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp."))
+        if symbols[2 * j] == attention.KIND.symbol:
+            mapping[f"{hf}{post_attention}.weight"] = f"{mixer}attention_norm.weight"
+            mapping[f"{hf}post_feedforward_layernorm.weight"] = f"{ffn}mlp_norm.weight"
+            mapping.update(llama_attention(f"{hf}self_attn.", f"{mixer}attention.",
+                                           qk_norm=True))
+            continue
+        mapping[f"{hf}attention_layer_norm.weight"] = f"{mixer}gdn_norm.weight"
+        mapping[f"{hf}feedforward_layer_norm.weight"] = f"{ffn}mlp_norm.weight"
+        module, ours = f"{hf}linear_attn.", f"{mixer}gdn."
+        in_proj = f"{ours}in_proj.weight"
+        for theirs, part in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"),
+                             ("g_proj", "z"), ("b_proj", "beta"), ("a_proj", "alpha")):
+            mapping[f"{module}{theirs}.weight"] = f"{in_proj}.{part}"
+        mapping.update(_convolutions(args, module, f"{ours}conv1d.weight", conv_rows))
+        for theirs, name in (("A_log", "A_log"), ("dt_bias", "dt_bias"),
+                             ("o_norm.weight", "norm.weight"),
+                             ("o_proj.weight", "out_proj.weight")):
+            mapping[module + theirs] = ours + name
+    return mapping
 
-    def key_map(self) -> KeyMap:
-        args = self.model_args
-        check_olmo_hybrid_compatible(args)
-        mapping: KeyMap = {"model.embed_tokens.weight": "tok_embeddings.weight",
-                           "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
-        symbols = args.parsed_pattern.physical_layer_symbols()
-        post_attention = ("feedforward_layer_norm" if self.saved_by_transformers
-                          else "post_attention_layernorm")
-        for j in range(len(symbols) // 2):
-            hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
-            mapping.update(swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp."))
-            if symbols[2 * j] == attention.KIND.symbol:
-                mapping[f"{hf}{post_attention}.weight"] = f"{mixer}attention_norm.weight"
-                mapping[f"{hf}post_feedforward_layernorm.weight"] = f"{ffn}mlp_norm.weight"
-                mapping.update(llama_attention(f"{hf}self_attn.", f"{mixer}attention.",
-                                               qk_norm=True))
-                continue
-            mapping[f"{hf}attention_layer_norm.weight"] = f"{mixer}gdn_norm.weight"
-            mapping[f"{hf}feedforward_layer_norm.weight"] = f"{ffn}mlp_norm.weight"
-            module, ours = f"{hf}linear_attn.", f"{mixer}gdn."
-            in_proj = f"{ours}in_proj.weight"
-            for theirs, part in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value"),
-                                 ("g_proj", "z"), ("b_proj", "beta"), ("a_proj", "alpha")):
-                mapping[f"{module}{theirs}.weight"] = f"{in_proj}.{part}"
-            mapping.update(self._convolutions(module, f"{ours}conv1d.weight"))
-            for theirs, name in (("A_log", "A_log"), ("dt_bias", "dt_bias"),
-                                 ("o_norm.weight", "norm.weight"),
-                                 ("o_proj.weight", "out_proj.weight")):
-                mapping[module + theirs] = ours + name
-        return mapping
 
-    def _convolutions(self, module: str, conv: str) -> KeyMap:
-        """q_conv1d / k_conv1d / v_conv1d as runs of our conv1d's [query | key | value] rows,
-        cut where the file cuts them."""
-        delta = self.model_args.gdn
-        key_dim = delta.n_key_heads * delta.key_head_dim
-        components = ((f"{conv}.query", key_dim), (f"{conv}.key", key_dim),
-                      (f"{conv}.value", delta.n_value_heads * delta.value_head_dim))
-        mapping, row = {}, 0
-        for name, count in zip(CONVS, self.conv_rows):
-            pieces, start = [], 0
-            for key, size in components:  # each component's share of rows [row, row + count)
-                lo, hi = max(row, start), min(row + count, start + size)
-                if lo < hi:
-                    pieces.append((key, lo - start, hi - lo))
-                start += size
-            whole = len(pieces) == 1 and dict(components)[pieces[0][0]] == count
-            mapping[f"{module}{name}.weight"] = pieces[0][0] if whole else RowPieces(
-                tuple(pieces))
-            row += count
-        return mapping
+def olmo_hybrid_file_key_map(args: HybridModelArgs, stored: Shapes) -> KeyMap:
+    """The key map of the variant of a file whose tensors have these shapes."""
+    saved_by_transformers = any(
+        key.endswith(".feedforward_layer_norm.weight")
+        and key.replace("feedforward_layer_norm", "post_feedforward_layernorm") in stored
+        for key in stored)
+    conv_rows = published_conv_rows(args)
+    convs = next((key[:-len("q_conv1d.weight")] for key in stored
+                  if key.endswith("linear_attn.q_conv1d.weight")), None)
+    if convs is not None:
+        rows = tuple(stored.get(f"{convs}{conv}.weight", (0,))[0] for conv in CONVS)
+        if sum(rows) == sum(conv_rows):  # else the shape check names the tensors
+            conv_rows = rows
+    return olmo_hybrid_key_map(args, saved_by_transformers=saved_by_transformers,
+                               conv_rows=conv_rows)
+
+
+def _convolutions(args: HybridModelArgs, module: str, conv: str,
+                  conv_rows: tuple[int, ...]) -> KeyMap:
+    """q_conv1d / k_conv1d / v_conv1d as runs of our conv1d's [query | key | value] rows,
+    cut where the file cuts them (`conv_rows`)."""
+    components = tuple(zip((f"{conv}.query", f"{conv}.key", f"{conv}.value"),
+                           published_conv_rows(args)))
+    mapping, row = {}, 0
+    for name, count in zip(CONVS, conv_rows):
+        pieces, start = [], 0
+        for key, size in components:  # each component's share of rows [row, row + count)
+            lo, hi = max(row, start), min(row + count, start + size)
+            if lo < hi:
+                pieces.append((key, lo - start, hi - lo))
+            start += size
+        whole = len(pieces) == 1 and dict(components)[pieces[0][0]] == count
+        mapping[f"{module}{name}.weight"] = pieces[0][0] if whole else RowPieces(
+            tuple(pieces))
+        row += count
+    return mapping
 
 
 def olmo_hybrid_config(args: HybridModelArgs) -> dict:
@@ -217,7 +221,9 @@ def model_args_from_olmo_hybrid_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="olmo_hybrid", model_types=("olmo_hybrid",),
-    adapter=OlmoHybridStateDictAdapter,
+    format_name=NAME,
+    key_map=olmo_hybrid_key_map,
+    file_key_map=olmo_hybrid_file_key_map,
     check=check_olmo_hybrid_compatible,
     config=olmo_hybrid_config,
     to_args=model_args_from_olmo_hybrid_config)

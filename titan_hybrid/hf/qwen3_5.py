@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.adapter import softmax_routed
-from titan_hybrid.hf.engine import KeyMap, StateDictAdapter
+from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp, moe
@@ -92,9 +92,9 @@ def qwen3_5_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
             module + "in_proj_a.weight": f"{in_proj}.alpha"}
 
 
-def key_map(args: HybridModelArgs, gdn_in_proj=qwen3_5_in_proj) -> KeyMap:
-    """HF key -> our key (a component of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`),
-    the tuple of our components of a fused HF tensor (or its RowPieces, from
+def text_key_map(args: HybridModelArgs, gdn_in_proj=qwen3_5_in_proj) -> KeyMap:
+    """The key map of Qwen3.5's and Qwen3-Next's text models: HF key -> our key (a component
+    of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`), the tuple of our components of a fused HF tensor (or its RowPieces, from
     `gdn_in_proj(HF module prefix, our in_proj key, args)`), or one expert's slice.
 
     The MTP depth (vLLM's names; transformers skips mtp.* when it loads): `mtp.fc` reads
@@ -146,12 +146,10 @@ def decoder_layer(hf: str, mixer: str, ffn: str, symbols, args: HybridModelArgs,
                                     args.moe.num_experts)
 
 
-class Qwen35StateDictAdapter(StateDictAdapter):
-    FORMAT_NAME = "Qwen3.5"
-
-    def key_map(self) -> KeyMap:
-        check_qwen3_5_compatible(self.model_args)
-        return key_map(self.model_args)
+def qwen3_5_key_map(args: HybridModelArgs) -> KeyMap:
+    """Qwen3.5's key map; ValueError naming what its format cannot hold."""
+    check_qwen3_5_compatible(args)
+    return text_key_map(args)
 
 
 def text_config(args: HybridModelArgs) -> dict:
@@ -290,7 +288,8 @@ def model_args_from_qwen3_5_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
-    adapter=Qwen35StateDictAdapter,
+    format_name="Qwen3.5",
+    key_map=qwen3_5_key_map,
     check=check_qwen3_5_compatible,
     config=qwen3_5_config,
     to_args=model_args_from_qwen3_5_config,

@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.engine import (
-    KeyMap,
-    RowPieces,
-    StateDictAdapter,
-)
+from titan_hybrid.hf.engine import KeyMap, RowPieces
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.qwen3_5 import (
     check_qwen3_5_compatible,
     check_text_config,
     experts_config,
     experts_of,
-    key_map,
     layer_types,
     mixer_symbol,
     mtp_pattern,
     text_config,
+    text_key_map,
     text_model_args,
 )
 from titan_hybrid.model import mlp, moe
@@ -64,12 +60,11 @@ def grouped_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
             module + "in_proj_ba.weight": RowPieces(tuple(ba))}
 
 
-class Qwen3NextStateDictAdapter(StateDictAdapter):
-    FORMAT_NAME = NAME
-
-    def key_map(self) -> KeyMap:
-        check_qwen3_next_compatible(self.model_args)
-        return key_map(self.model_args, gdn_in_proj=grouped_in_proj)
+def qwen3_next_key_map(args: HybridModelArgs) -> KeyMap:
+    """Qwen3.5's key map with Qwen3-Next's in_proj; ValueError naming what its format cannot
+    hold."""
+    check_qwen3_next_compatible(args)
+    return text_key_map(args, gdn_in_proj=grouped_in_proj)
 
 
 def qwen3_next_config(args: HybridModelArgs) -> dict:
@@ -114,7 +109,8 @@ def model_args_from_qwen3_next_config(config: dict) -> HybridModelArgs:
 # The family, as titan_hybrid/hf/families.py lists it.
 FAMILY = Family(
     name="qwen3_next", model_types=("qwen3_next",),
-    adapter=Qwen3NextStateDictAdapter,
+    format_name=NAME,
+    key_map=qwen3_next_key_map,
     check=check_qwen3_next_compatible,
     config=qwen3_next_config,
     to_args=model_args_from_qwen3_next_config,
