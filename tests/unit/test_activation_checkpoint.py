@@ -167,14 +167,23 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
 
 
 def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
-    """Every sequence-mixing kind's kernel forward is in the save list because its op module
-    says so (ops/custom_ops.py), not because a list here names it."""
-    from titan_hybrid.parallel.activation_checkpoint import SELECTIVE_AC_SAVED_OPS
+    """Every sequence-mixing kind's kernel forward is in the save set because its op module
+    says so (ops/custom_ops.py), not because a list here names it; the set is read when AC is
+    applied, so an op declared after the AC module was imported is in it too."""
+    import titan_hybrid.model.layer_kinds  # noqa: F401  (every kind, and so every op module)
+    from titan_hybrid.ops.custom_ops import kernel_op
+    from titan_hybrid.parallel.activation_checkpoint import selective_ac_saved_ops
 
     scans = {torch.ops.titan_hybrid.mamba_ssd_fwd.default,
              torch.ops.titan_hybrid.mamba2_core_fwd.default,
              torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
              torch.ops.titan_hybrid.fla_kda_fwd.default,
              torch.ops.titan_hybrid.fla_gdn2_fwd.default}
-    assert scans <= SELECTIVE_AC_SAVED_OPS
-    assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in SELECTIVE_AC_SAVED_OPS
+    assert scans <= selective_ac_saved_ops()
+    assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in selective_ac_saved_ops()
+
+    @kernel_op("test_only_late_scan_fwd", saved_by_selective_ac=True)
+    def late_scan(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    assert torch.ops.titan_hybrid.test_only_late_scan_fwd.default in selective_ac_saved_ops()

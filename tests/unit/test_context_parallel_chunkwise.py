@@ -17,10 +17,7 @@ from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.kda import KDAArgs, KimiDeltaAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
-from titan_hybrid.parallel.context_parallel_chunkwise import (
-    ChunkwiseConvAndDeltaRule,
-    ChunkwiseConvAndScan,
-)
+from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
 
 
 @pytest.fixture(scope="module")
@@ -90,27 +87,30 @@ def kda_inputs(dtype, seq_len=48, seed=0):
                                        for t in (qkv, f, beta, *params)]
 
 
-# Each kind: its inputs, its chunkwise wrapper, and the names of (output, *inputs).
+# Each kind: its inputs and the names of (output, *inputs). The wrapper is the one of the
+# state passing its core declares (model/recurrent.py): KDA's transition is GDN's with a
+# decay per key channel, the same wrapper.
 KINDS = {
-    "mamba": (mamba_inputs, ChunkwiseConvAndScan,
+    "mamba": (mamba_inputs,
               ["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias"]),
-    "gdn": (gdn_inputs, ChunkwiseConvAndDeltaRule,
-            ["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"]),
-    # KDA's transition is GDN's with a decay per key channel: the same wrapper
-    "kda": (kda_inputs, ChunkwiseConvAndDeltaRule,
-            ["o", "qkv", "f", "beta", "conv_weight", "A_log", "dt_bias"]),
+    "gdn": (gdn_inputs, ["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"]),
+    "kda": (kda_inputs, ["o", "qkv", "f", "beta", "conv_weight", "A_log", "dt_bias"]),
 }
+
+
+def chunkwise(core, group):
+    return STATE_PASSING[core.state_passing](core, group)
 
 
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_two_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank_group, kind,
                                                                         documents):
-    make_inputs, wrapper, names = KINDS[kind]
+    make_inputs, names = KINDS[kind]
     core, inputs = make_inputs(torch.float64)
     layout = TokenLayout(positions=None, seq_idx=SEQ_IDX if documents else None)
     want = outputs_and_grads(core, inputs, layout)
-    got = outputs_and_grads(wrapper(core, one_rank_group), inputs, layout)
+    got = outputs_and_grads(chunkwise(core, one_rank_group), inputs, layout)
     for name, a, b in zip(names, got, want, strict=True):
         assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
 
@@ -121,12 +121,12 @@ def test_state_passing_through_the_kernels_matches_the_torch_path(one_rank_group
     """The pieces' scans run in the kernels, with documents, against the whole-sequence torch
     path, float32: mamba_ssm's (final states out, and their gradient in), and fla's (the
     identity columns enter as initial states and leave as final states, with gradients)."""
-    make_inputs, wrapper, _ = KINDS[kind]
+    make_inputs, _ = KINDS[kind]
     core, inputs = make_inputs(torch.float32, seq_len=64)
     seq_idx = torch.tensor([[0] * 5 + [1] * 37 + [2] * 22, [0] * 32 + [1] * 32])
     layout = TokenLayout(positions=None, seq_idx=seq_idx)
     want = outputs_and_grads(core, inputs, layout)
     with kernels_on():
-        got = outputs_and_grads(wrapper(core, one_rank_group), inputs, layout)
+        got = outputs_and_grads(chunkwise(core, one_rank_group), inputs, layout)
     for a, b in zip(got, want):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()

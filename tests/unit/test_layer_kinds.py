@@ -10,10 +10,13 @@ import torch
 
 from titan_hybrid.checkpoint.state import _layers_by_kind
 from titan_hybrid.model.args import HybridModelArgs, hybrid_flavors
-from titan_hybrid.model.layer_kinds import LAYER_KINDS
+from titan_hybrid.model.layer_kind import GROUPS, HEADS
+from titan_hybrid.model.layer_kinds import ALL_KINDS, LAYER_KINDS, VARIANTS
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.recurrent import RecurrentCore, is_per_token
 from titan_hybrid.model.symbols import SYMBOLS
-from titan_hybrid.parallel.context_parallel import LINEAR_MODES, splits
+from titan_hybrid.parallel.context_parallel import splits
+from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
 
 
 def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
@@ -29,15 +32,23 @@ def test_symbols_and_names_are_unique_and_the_grammar_reads_them():
             spec.name, spec.title, spec.closes_group)
 
 
-@pytest.mark.parametrize("symbol", list(LAYER_KINDS))
-def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
-    kind = LAYER_KINDS[symbol]
+def _args_building(kind) -> HybridModelArgs:
+    """The debug flavor's args, with the option that makes `kind`'s symbol build it."""
+    args = hybrid_flavors["debug"]
+    flag, kinds = VARIANTS.get(kind.symbol, (None, {}))
+    if flag is None:
+        return args
+    return dataclasses.replace(args, **{flag: next(v for v, k in kinds.items() if k is kind)})
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS, ids=lambda kind: kind.name)
+def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
     sections = {f.name: f for f in dataclasses.fields(HybridModelArgs)}
     assert kind.name in sections
-    args = hybrid_flavors["debug"]
+    args = _args_building(kind)
     assert isinstance(args.section(kind), kind.args_type)
     with torch.device("meta"):
-        layer = HybridLayer(symbol, args)
+        layer = HybridLayer(kind.symbol, args)
     assert layer.kind is kind and {name for name, _ in layer.named_children()} == {
         kind.name, f"{kind.name}_norm"}
     if kind.context_parallel is not None:
@@ -45,12 +56,17 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
         core = getattr(layer.mixer, rule.core)
         # Either CP gathers named arguments of the core (and its key layout), or reads a key
         # halo, or (a recurrent kind) exchanges heads by the channel layout the kind declares
-        # and passes states by an algorithm the chunkwise mode has; parallel/ names no kind.
-        names = set(inspect.signature(core.forward).parameters)
+        # and passes states by the algorithm its core declares (model/recurrent.py's
+        # contract); parallel/ names no kind.
+        names = list(inspect.signature(core.forward).parameters)
+        assert splits(rule)
         if rule.gather:
-            assert set(rule.gather) | {"query", "key"} <= names
+            assert set(rule.gather) | {"query", "key"} <= set(names)
         elif not rule.window_halo:
-            assert all(splits(rule, mode) for mode in LINEAR_MODES)
+            assert isinstance(core, RecurrentCore) and core.state_passing in STATE_PASSING
+            assert names[-1] == "layout"
+            assert core.conv_input in names and is_per_token(core.conv_input)
+            assert "conv_weight_CW" in names
             # Every argument but the layout is laid out by head. The layout reads the heads
             # from A_log and the groups from the conv's width ([B, T, conv channels] inputs).
             conv = sum(p.shape[0] for n, p in layer.mixer.named_parameters()
@@ -58,8 +74,11 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(symbol):
             tensors = {name: torch.zeros(1, 8, conv, device="meta") for name in names}
             tensors["A_log"] = layer.mixer.A_log
             plan = rule.head_channels(core.args, tensors)
-            assert set(plan.exchanged) | set(plan.sliced) == names - {"layout"}
-            assert plan.heads == layer.mixer.A_log.shape[0] and plan.groups >= 1
+            assert set(plan.exchanged) | set(plan.sliced) == set(names) - {"layout"}
+            # A_log is one per head (or, GDN2's, one per key group) of those the plan counts
+            (_, per), = plan.sliced["A_log"]
+            assert {HEADS: plan.heads, GROUPS: plan.groups}[per] == layer.mixer.A_log.shape[0]
+            assert plan.heads >= plan.groups >= 1
     if kind.context_parallel is not None:
         assert kind.mixes_sequence  # a token-wise kind has nothing for CP to do
     # A sequence-mixing kind without a rule (DeepSeek-V4 attention, so far) is refused under CP

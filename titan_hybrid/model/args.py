@@ -70,12 +70,11 @@ class HybridModelArgs:
     hc_mult: int = 0
     hc_sinkhorn_iters: int = 20  # Sinkhorn steps of each layer's stream-mixing matrix
     hc_eps: float = 1e-6  # added to the pre / comb weights and to every Sinkhorn division
-    # What `M` builds: "mamba2", or "gdp", gated DeltaProduct (its section `gdp`; Megatron's
-    # gdp_stack_spec, under which every `M` is a GDP mixer).
-    m_layers: str = "mamba2"
-    # What `G` builds: "gdn", or "gdn2", gated DeltaNet-2 (its section `gdn2`, GDN's fields;
-    # Megatron's experimental_attention_variant "gdn2").
-    g_layers: str = "gdn"
+    # What `M` and `G` build: one of the symbol's variants in layer_kinds.VARIANTS (whose
+    # first value, the symbol's own kind, is the default); a variant's sizes are in the
+    # section of its name.
+    m_layers: str = next(iter(VARIANTS["M"][1]))
+    g_layers: str = next(iter(VARIANTS["G"][1]))
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
     # "bamba": hf/families.py), set by a conversion from one; empty: chosen by the
     # layer kinds.

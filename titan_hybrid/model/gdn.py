@@ -33,7 +33,7 @@ from titan_hybrid.model.layer_kind import (
 )
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import HeadGatedRMSNorm
-from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.model.recurrent import DeltaRuleCore, delta_rule_flops
 from titan_hybrid.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_rule
 
 
@@ -51,30 +51,10 @@ class GDNArgs:
     norm_eps: float = 0.0
 
 
-class ConvAndDeltaRule(nn.Module):
-    """The part of the mixer that runs along time: causal conv over [q | k | v], SiLU, and the
-    gated delta rule. Per channel / per head, with the per-head parameters as arguments, so
-    context parallelism can trade sequence shards for head shards around it. Sizes come from
-    the tensors (TP / CP shards)."""
-
-    def __init__(self, args: GDNArgs) -> None:
-        super().__init__()
-        self.args = args
-
-    def forward(self, qkv_BTC: torch.Tensor, alpha_BTH: torch.Tensor, beta_BTH: torch.Tensor,
-                conv_weight_CW: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                layout: TokenLayout | None) -> torch.Tensor:
-        seq_idx = None if layout is None else layout.seq_idx
-        qkv = self.conv(qkv_BTC, conv_weight_CW, seq_idx)
-        o_BTHV, _ = self.delta_rule(*self.delta_rule_inputs(qkv, alpha_BTH, beta_BTH, A_log,
-                                                            dt_bias), seq_idx)
-        return o_BTHV
-
-    def conv(self, qkv_BTC, conv_weight_CW, seq_idx, initial_states=None, initial_seq_idx=None):
-        """`initial_states`: the inputs before the first position (context parallelism's)."""
-        return causal_depthwise_conv1d(qkv_BTC, conv_weight_CW, seq_idx=seq_idx,
-                                       activation="silu", initial_states=initial_states,
-                                       initial_seq_idx=initial_seq_idx)
+class ConvAndDeltaRule(DeltaRuleCore):
+    """GDN's part that runs along time (model/recurrent.py's DeltaRuleCore): the conv over
+    [q | k | v], SiLU, and the gated delta rule, per head, with the per-head parameters as
+    arguments. Sizes come from the tensors (TP / CP shards)."""
 
     def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
         """(q, k [B, T, Hk, K], v [B, T, Hv, V], log decay g, beta [B, T, Hv]) from the conv
@@ -93,10 +73,8 @@ class ConvAndDeltaRule(nn.Module):
         beta = torch.sigmoid(beta_BTH)
         return q_BTHK, k_BTHK, v_BTHV, g, 2 * beta if self.args.allow_neg_eigval else beta
 
-    @staticmethod
-    def delta_rule(q, k, v, g, beta, seq_idx, initial_state=None, output_final_state=False):
-        """(o [B, T, Hv, V], the state at the end of each row or None); `initial_state`
-        [B, Hv, K, V] enters each row's first document (ops/gated_delta.py)."""
+    def delta_rule(self, q, k, v, g, beta, seq_idx, initial_state=None,
+                   output_final_state=False):
         return chunk_gated_delta_rule(q, k, v, g, beta, seq_idx=seq_idx,
                                       initial_state=initial_state,
                                       output_final_state=output_final_state,
@@ -194,14 +172,6 @@ def _validate(args: GDNArgs, dim: int) -> None:
     check_heads(args, "gdn")
 
 
-def delta_rule_flops(key_dim: int, value_dim: int, chunk: int) -> int:
-    """Forward FLOPs of the chunked gated delta rule per head per token (ops/gated_delta.py,
-    what torch's FLOP counter sees it do): intra-chunk q k^T, k k^T and the scores' product
-    with the corrected values (2 * Q * (2K + V)), the UT transform's products with beta*V and
-    beta*exp(G)*K (2 * Q * (K + V)), state update and read-out (2 * 3 * K * V)."""
-    return 2 * chunk * (3 * key_dim + 2 * value_dim) + 6 * key_dim * value_dim
-
-
 def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
     return args.n_value_heads * delta_rule_flops(args.key_head_dim, args.value_head_dim,
                                                  min(CHUNK_SIZE, seq_len))
@@ -232,5 +202,5 @@ KIND = LayerKind(
         core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("gdn.n_value_heads", args.n_value_heads),
                                        ("gdn.n_key_heads", args.n_key_heads)),
-        head_channels=_head_channels, state_passing="delta_rule"),
+        head_channels=_head_channels),
 )

@@ -16,13 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.model.common import upcast
-from titan_hybrid.model.gdn import (
-    ConvAndDeltaRule,
-    GatedDeltaNet,
-    GDNArgs,
-    check_heads,
-    delta_rule_flops,
-)
+from titan_hybrid.model.gdn import GatedDeltaNet, GDNArgs, check_heads
 from titan_hybrid.model.layer_kind import (
     GROUPS,
     HEADS,
@@ -30,15 +24,16 @@ from titan_hybrid.model.layer_kind import (
     HeadChannels,
     LayerKind,
 )
-from titan_hybrid.model.symbols import SYMBOL_VARIANTS
+from titan_hybrid.model.recurrent import DeltaRuleCore, delta_rule_flops
+from titan_hybrid.model.symbols import SELF_ATTENTION, LayerSymbol
 from titan_hybrid.ops.gated_delta import CHUNK_SIZE
 from titan_hybrid.ops.gdn2 import chunk_gdn2
 
 
-class ConvAndGDN2Rule(ConvAndDeltaRule):
-    """GDN's conv and delta-rule core (model/gdn.py) with GDN2's gates: `alpha_BTH` is f
-    [B, T, Hk*K], `beta_BTH` the erase and write logits [b | w] [B, T, Hk*K + Hv*V], and
-    `dt_bias` one per key channel; context parallelism wraps it as it wraps GDN's."""
+class ConvAndGDN2Rule(DeltaRuleCore):
+    """GDN2's part that runs along time (model/recurrent.py's DeltaRuleCore) with GDN2's gates:
+    `alpha_BTH` is f [B, T, Hk*K], `beta_BTH` the erase and write logits [b | w]
+    [B, T, Hk*K + Hv*V], and `dt_bias` one per key channel."""
 
     def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
         """(q, k, g, b [B, T, Hv, K], v [B, T, Hv, V], the gates (b, w)), key heads repeated
@@ -125,7 +120,9 @@ def _core_flops(args: GDNArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="G", variant=SYMBOL_VARIANTS["gdn2"], args_type=GDNArgs,
+    symbol="G", args_type=GDNArgs,
+    variant=LayerSymbol(symbol="G", name="gdn2", title="gated DeltaNet-2",
+                        namespace=SELF_ATTENTION),
     build=lambda args, dim, norm_eps: GatedDeltaNet2(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "dt_bias"),
@@ -135,5 +132,5 @@ KIND = LayerKind(
         core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("gdn2.n_value_heads", args.n_value_heads),
                                        ("gdn2.n_key_heads", args.n_key_heads)),
-        head_channels=_head_channels, state_passing="delta_rule"),
+        head_channels=_head_channels),
 )

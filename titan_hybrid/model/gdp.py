@@ -1,5 +1,5 @@
 """Gated DeltaProduct mixer (Megatron-LM's GatedDeltaProductMixer, #6074), what `M` builds with
-`hybrid.m_mixer = "gdp"` (Megatron's `gdp_stack_spec`).
+`hybrid.m_layers = "gdp"` (Megatron's `gdp_stack_spec`).
 
 in_proj: hidden -> [z | V_0 .. V_{n-1} | K_0 .. K_{n-1} | Q | b_0 .. b_{n-1} | a] (Megatron's
 `zVKQba`: H*P, n x H*P, n x G*N, G*N, n x H, H), n = num_householder; a depthwise causal conv
@@ -27,7 +27,6 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.gdn import ConvAndDeltaRule, delta_rule_flops
 from titan_hybrid.model.layer_kind import (
     GROUPS,
     HEADS,
@@ -37,7 +36,8 @@ from titan_hybrid.model.layer_kind import (
 )
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
-from titan_hybrid.model.symbols import SYMBOL_VARIANTS
+from titan_hybrid.model.recurrent import DeltaRuleCore, delta_rule_flops
+from titan_hybrid.model.symbols import MIXER, LayerSymbol
 from titan_hybrid.ops.gated_delta import CHUNK_SIZE
 from titan_hybrid.ops.gated_delta_product import chunk_gated_delta_product
 
@@ -71,11 +71,11 @@ def fused_component_sizes(args: GDPArgs, dim: int) -> dict[str, dict[str, int]]:
             "conv1d.weight": conv}
 
 
-class ConvAndDeltaProduct(ConvAndDeltaRule):
-    """GDN's conv and delta-rule core (model/gdn.py) with n Householder steps a token: the
-    inputs of the steps interleaved along time (fla's layout), so that context parallelism's
-    head exchange and chunkwise state passing wrap it as they wrap GDN's. `qkv_BTC` is
-    [V.. | K.. | Q], `beta_BTH` [b_0 .. b_{n-1}], `alpha_BTH` the decay logit a."""
+class ConvAndDeltaProduct(DeltaRuleCore):
+    """GDP's part that runs along time (model/recurrent.py's DeltaRuleCore) with n Householder
+    steps a token: the inputs of the steps interleaved along time (fla's layout), so the delta
+    rule's state passing holds. `qkv_BTC` is [V.. | K.. | Q], `beta_BTH` [b_0 .. b_{n-1}],
+    `alpha_BTH` the decay logit a."""
 
     def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
         """(q [B, T, G, N], k [B, T*n, G, N], v [B, T*n, H, P], g [B, T, H], beta [B, T*n, H])."""
@@ -179,7 +179,8 @@ def _core_flops(args: GDPArgs, dim: int, seq_len: int) -> int:
 
 
 KIND = LayerKind(
-    symbol="M", variant=SYMBOL_VARIANTS["gdp"],
+    symbol="M", variant=LayerSymbol(symbol="M", name="gdp", title="gated DeltaProduct",
+                                    namespace=MIXER),
     args_type=GDPArgs,
     build=lambda args, dim, norm_eps: GatedDeltaProductMixer(dim=dim, args=args),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
@@ -190,5 +191,5 @@ KIND = LayerKind(
         core="conv_and_delta_product",
         head_groups=lambda args, dim: (("gdp heads", args.n_heads(dim)),
                                        ("gdp.n_groups", args.n_groups)),
-        head_channels=_head_channels, state_passing="delta_rule"),
+        head_channels=_head_channels),
 )

@@ -34,9 +34,9 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.gdn import ConvAndDeltaRule
 from titan_hybrid.model.layer_kind import HEADS, ContextParallelRule, HeadChannels, LayerKind
 from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.recurrent import DeltaRuleCore
 from titan_hybrid.ops.kda import CHUNK_SIZE, chunk_kda
 
 CONVOLVED = ("q", "k", "v")
@@ -89,18 +89,19 @@ def _softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
-class KDAConvAndDeltaRule(ConvAndDeltaRule):
-    """GDN's time-axis part (model/gdn.py: one causal conv over [q | k | v], SiLU, the delta
-    rule) with KDA's gate: the forget gate's pre-activation f [B, T, H*K] stands in for GDN's
-    alpha, and its decay is per key channel. Context parallelism wraps it like GDN's."""
+class KDAConvAndDeltaRule(DeltaRuleCore):
+    """KDA's part that runs along time (model/recurrent.py's DeltaRuleCore: one causal conv
+    over [q | k | v], SiLU, the delta rule): the forget gate's pre-activation f [B, T, H*K]
+    comes in as `alpha_BTH`, and its decay is per key channel."""
 
-    def delta_rule_inputs(self, qkv_BTC, f_BTC, beta_BTH, A_log, dt_bias):
-        """(q, k [B, T, H, K], v [B, T, H, K], log-decay g [B, T, H, K], beta [B, T, H])."""
+    def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
+        """(q, k [B, T, H, K], v [B, T, H, K], log-decay g [B, T, H, K], beta [B, T, H]);
+        `alpha_BTH` is the forget gate's pre-activation f [B, T, H*K]."""
         # reshape, not a view: under compile the op's gradients may come back strided
         heads = (*qkv_BTC.shape[:-1], -1, self.args.head_dim)
         q, k, v = (x.reshape(heads) for x in qkv_BTC.chunk(3, -1))
         # fp32: exp of long cumulative sums of these is taken inside the op
-        f = (upcast(f_BTC) + upcast(dt_bias)).reshape(heads)
+        f = (upcast(alpha_BTH) + upcast(dt_bias)).reshape(heads)
         A = torch.exp(upcast(A_log))[:, None]  # [H, 1]
         if self.args.gate_lower_bound < 0:
             g = self.args.gate_lower_bound * torch.sigmoid(A * f)
@@ -108,8 +109,8 @@ class KDAConvAndDeltaRule(ConvAndDeltaRule):
             g = -A * _softplus(f)
         return q, k, v, g, torch.sigmoid(upcast(beta_BTH))
 
-    @staticmethod
-    def delta_rule(q, k, v, g, beta, seq_idx, initial_state=None, output_final_state=False):
+    def delta_rule(self, q, k, v, g, beta, seq_idx, initial_state=None,
+                   output_final_state=False):
         return chunk_kda(q, k, v, g, beta, seq_idx=seq_idx, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
 
@@ -220,6 +221,5 @@ KIND = LayerKind(
         core="conv_and_delta_rule",
         head_groups=lambda args, dim: (("kda.n_heads", args.n_heads),
                                        ("kda.n_heads", args.n_heads)),
-        # the same transition matrices as GDN's, per key channel
-        head_channels=_head_channels, state_passing="delta_rule"),
+        head_channels=_head_channels),
 )

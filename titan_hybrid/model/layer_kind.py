@@ -1,12 +1,12 @@
-"""What a layer kind declares: one `LayerKind` per pattern symbol (M, G, *, +, D, W, H, -, E).
+"""What a layer kind declares: one `LayerKind` per pattern symbol (symbols.py's SYMBOLS), and
+one per variant a symbol builds under an option (layer_kinds.VARIANTS).
 
-Each layer module (mamba.py, gdn.py, attention.py, mla.py, dsa.py, deepseek_v4.py,
-deepseek_v4_hca.py, mlp.py, moe.py) ends with
-its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS` lists them. Everything that
-differs between kinds outside the layer's own module is read from here: model building, shape
-validation, FLOPs, the TP / CP / EP rules, checkpoint keys, Hugging Face names and the
-statistics a kind logs. A kind's name, title and pattern rules are its symbol's entry in
-`SYMBOLS` (symbols.py), which the pattern grammar reads without importing any layer module.
+Each layer module ends with its `KIND`; the table `titan_hybrid.model.layer_kinds.LAYER_KINDS`
+lists them. Everything that differs between kinds outside the layer's own module is read from
+here: model building, shape validation, FLOPs, the TP / CP / EP rules, checkpoint keys, Hugging
+Face names and the statistics a kind logs. A kind's name, title and pattern rules are its
+symbol's entry in `SYMBOLS` (symbols.py), which the pattern grammar reads without importing any
+layer module; a variant carries its own name and title (`LayerKind.variant`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ class ContextParallelRule:
     - `gather`: the core's queries stay local and the arguments it names (keys, values,
       latents: [B, S, ...] tensors) are all-gathered along the sequence together with its
       `key` TokenLayout argument;
-    - `head_channels` (recurrent kinds): mode head_a2a trades the sequence shard of every head
-      for the whole sequence of 1/cp of the heads, taking each argument's channels by the
-      layout this function gives (HeadChannels); mode chunkwise passes states between
-      sequence pieces by the algorithm `state_passing` names ("decay": Mamba2's scalar decay,
-      "delta_rule": GDN's / KDA's transition matrices);
+    - `head_channels` (recurrent kinds, whose core is a model/recurrent.py RecurrentCore):
+      mode head_a2a trades the sequence shard of every head for the whole sequence of 1/cp of
+      the heads, taking each argument's channels by the layout this function gives
+      (HeadChannels); mode chunkwise passes states between sequence pieces by the algorithm
+      the core's class declares (`RecurrentCore.state_passing`);
     - `window_halo`: the core reads a halo of keys before each piece (DeepSeek-V4's window).
     `head_groups(section, dim)` gives ((heads field, heads), (groups field, groups)) for the
     recurrent kinds: each CP rank takes whole groups' heads or whole heads of one group."""
@@ -58,7 +58,6 @@ class ContextParallelRule:
     gather: tuple[str, ...] = ()
     head_groups: Callable[[Any, int], tuple[tuple[str, int], tuple[str, int]]] | None = None
     head_channels: Callable[[Any, dict[str, torch.Tensor]], HeadChannels] | None = None
-    state_passing: str | None = None
     window_halo: bool = False
     # A compressor submodule (DeepSeek-V4 `C`, `H`) whose rows every query may need, whatever
     # rank holds their tokens: parallel/context_parallel_compressed.py gathers them.
@@ -157,8 +156,8 @@ class LayerKind:
     # the FLOPs leave out of 6 * parameters.
     inactive_params: Callable[[Any, int], int] = _all_active  # (section, dim)
     statistics: KindStatistics | None = None  # counters for the training log, if any
-    # A kind its symbol builds when an option says so (layer_kinds.VARIANTS: GDP for `M`, as
-    # Megatron's gdp_stack_spec): its own name, title and args section.
+    # A kind its symbol builds when an option says so (layer_kinds.VARIANTS, as Megatron
+    # selects such mixers by a stack spec): its own name (args section), title and namespace.
     variant: LayerSymbol | None = None
 
     def __deepcopy__(self, memo) -> "LayerKind":

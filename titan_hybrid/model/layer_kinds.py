@@ -1,13 +1,16 @@
-"""The table of layer kinds: the one place a new kind is registered.
+"""The table of layer kinds: the one place a new kind, or a variant of a symbol, is registered.
 
 Adding a kind: give its symbol an entry in SYMBOLS (symbols.py: name, title, pattern rules),
 write its module under model/ (the mixer, its args dataclass and a `KIND =
 LayerKind(symbol=...)`, see layer_kind.py), add it to the tuple below, and give HybridModelArgs a
 section of that name (model/args.py). A kind that mixes along the sequence states in its
-ContextParallelRule which core arguments CP all-gathers (or needs a wrapper of its own in
-parallel/context_parallel.py, registered under that rule). A kind whose mixer counts something
-for the training log names its counters, their reduction and its metrics in `statistics`
-(KindStatistics); titan_hybrid.training.kind_statistics collects them for every kind alike.
+ContextParallelRule how CP splits its core: the arguments CP all-gathers, or (a recurrent
+kind) a core on model/recurrent.py's contract and its HeadChannels. A kind whose mixer counts
+something for the training log names its counters, their reduction and its metrics in
+`statistics` (KindStatistics); titan_hybrid.training.kind_statistics collects them for every
+kind alike. Adding a variant of a symbol: its module (its KIND with `variant=LayerSymbol(...)`),
+its args section in HybridModelArgs and one entry in VARIANTS below; the symbol's option
+(`hybrid.m_layers`, ...) then takes its value. docs/architecture.md has the steps.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ LAYER_KINDS: dict[str, LayerKind] = {
 }
 
 # What a symbol builds instead of its own kind when a model option says so, as Megatron selects
-# such mixers (a stack spec, not a symbol): {symbol: (the HybridModelArgs field, {value: kind})}.
-# `M` builds gated DeltaProduct under `m_layers = "gdp"` (Megatron's gdp_stack_spec), `G` gated
-# DeltaNet-2 under `g_layers = "gdn2"` (Megatron's experimental_attention_variant "gdn2").
+# such mixers (a stack spec, not a symbol): {symbol: (the HybridModelArgs field and job option
+# `hybrid.<field>`, {value: kind})}; the first value is the symbol's own kind, the default.
+# Megatron's names: gdp_stack_spec (GDP), experimental_attention_variant "gdn2".
 VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
     mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND}),
     gdn.KIND.symbol: ("g_layers", {"gdn": gdn.KIND, "gdn2": gdn2.KIND}),

@@ -29,7 +29,7 @@ from titan_hybrid.model.layer_kind import (
 )
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm
-from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.model.recurrent import ScalarDecayCore
 from titan_hybrid.ops.mamba_core import core_runs_fused as mamba2_core_runs
 from titan_hybrid.ops.mamba_core import mamba2_core, split_xbc
 from titan_hybrid.ops.ssd import discretized_dt, mamba_chunk_scan_combined
@@ -73,40 +73,29 @@ def fused_component_sizes(args: MambaArgs, dim: int) -> dict[str, dict[str, int]
     return {name: {part: rows[part] for part in parts} for name, parts in FUSED_COMPONENTS.items()}
 
 
-class ConvAndScan(nn.Module):
-    """The part of the mixer that runs along time: causal conv over [x | B | C], SiLU, and the
-    SSD scan. Everything in it is per channel / per head, and the per-head parameters come in
-    as arguments, so context parallelism can wrap it (titan_hybrid.parallel.context_parallel):
-    trade sequence shards for head shards around it, or run `conv` and `scan` on pieces of the
-    sequence and pass states between them. Sizes come from the tensors (TP / CP shards)."""
+class ConvAndScan(ScalarDecayCore):
+    """Mamba2's part that runs along time (model/recurrent.py's ScalarDecayCore): causal conv
+    over [x | B | C], SiLU, and the SSD scan. Everything in it is per channel / per head, and
+    the per-head parameters come in as arguments. Sizes come from the tensors (TP / CP
+    shards)."""
 
-    def __init__(self, args: MambaArgs) -> None:
-        super().__init__()
-        self.args = args
+    conv_input = "xbc_BTC"
 
     def forward(self, xbc_BTC: torch.Tensor, dt_BTH: torch.Tensor, conv_weight_CW: torch.Tensor,
                 conv_bias_C: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
                 dt_bias: torch.Tensor, layout: TokenLayout | None) -> torch.Tensor:
         seq_idx = None if layout is None else layout.seq_idx
         xbc = self.conv(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx)
-        return self.scan(xbc, dt_BTH, A_log, D, dt_bias, seq_idx)
-
-    def conv(self, xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx, initial_states=None,
-             initial_seq_idx=None):
-        """`initial_states`: the inputs before the first position (context parallelism's)."""
-        return causal_depthwise_conv1d(xbc_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
-                                       activation="silu", initial_states=initial_states,
-                                       initial_seq_idx=initial_seq_idx)
+        return self.scan(xbc, seq_idx, dt_BTH=dt_BTH, A_log=A_log, D=D, dt_bias=dt_bias)
 
     def split_xbc(self, xbc_BTC: torch.Tensor, n_heads: int):
         """The conv output's x [B, T, H, P], B and C [B, T, G, N]."""
         return split_xbc(xbc_BTC, n_heads, self.args.head_dim, self.args.d_state)
 
-    def scan(self, xbc_BTC, dt_BTH, A_log, D, dt_bias, seq_idx, return_final_states=False):
-        """y [B, T, H, P]; with `return_final_states`, also the state at the end of each row
-        (of its last document) [B, H, P, N], in float32 (float64 for float64 inputs)."""
+    def scan(self, x_conv_BTC, seq_idx, return_final_states=False, *, dt_BTH, A_log, D,
+             dt_bias):
         args = self.args
-        x, b, c = self.split_xbc(xbc_BTC, A_log.shape[0])
+        x, b, c = self.split_xbc(x_conv_BTC, A_log.shape[0])
         return mamba_chunk_scan_combined(
             x, dt_BTH, self.decay_rate(A_log), b, c, args.chunk_size, D=D, dt_bias=dt_bias,
             seq_idx=seq_idx, dt_softplus=True, dt_limit=args.dt_limit,
@@ -116,10 +105,14 @@ class ConvAndScan(nn.Module):
     def decay_rate(A_log: torch.Tensor) -> torch.Tensor:
         return -torch.exp(upcast(A_log))
 
-    def log_decay(self, dt_BTH, A_log, dt_bias, dtype) -> torch.Tensor:
-        """[B, T, H]: each step's log state decay, dt * A, as the scan computes it."""
+    def log_decay(self, dtype, *, dt_BTH, A_log, dt_bias) -> torch.Tensor:
+        """dt * A, as the scan computes it."""
         dt = discretized_dt(dt_BTH, dt_bias, True, self.args.dt_limit, dtype)
         return dt * self.decay_rate(A_log).to(dtype)
+
+    def readout(self, x_conv_BTC, *, A_log):
+        """C [B, T, G, N] of the conv's output."""
+        return self.split_xbc(x_conv_BTC, A_log.shape[0])[2]
 
 
 class Mamba2Mixer(nn.Module):
@@ -224,5 +217,5 @@ KIND = LayerKind(
         core="conv_and_scan",
         head_groups=lambda args, dim: (("mamba.nheads", args.n_heads(dim)),
                                        ("mamba.n_groups", args.n_groups)),
-        head_channels=_head_channels, state_passing="decay"),
+        head_channels=_head_channels),
 )

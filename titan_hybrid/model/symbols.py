@@ -45,13 +45,6 @@ SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
                 closes_group=True),
 )}
 
-# Kinds a symbol builds when an option says so (model/layer_kinds.py's VARIANTS), by name: their
-# own name (args section, submodule, checkpoint word) and title; the symbol's namespace.
-SYMBOL_VARIANTS: dict[str, LayerSymbol] = {spec.name: spec for spec in (
-    LayerSymbol(symbol="M", name="gdp", title="gated DeltaProduct", namespace=MIXER),
-    LayerSymbol(symbol="G", name="gdn2", title="gated DeltaNet-2", namespace=SELF_ATTENTION),
-)}
-
 # Self-attention and the MLA family (Megatron's "MLA/DSA/CSA/HCA/Window") may not both appear
 # in one model, main part and MTP depths together.
 SELF_ATTENTION_SYMBOL = "*"

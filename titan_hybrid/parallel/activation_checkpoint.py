@@ -13,7 +13,7 @@ MLP's keeps only its input and the big [B, T, ffn] activation goes).
 
 Per-op selective AC (`--activation_checkpoint.mode selective
 --activation_checkpoint.selective_ac_option op`) keeps the outputs of the ops in
-`SELECTIVE_AC_SAVED_OPS` through the backward and recomputes the rest: torchtitan's rule for
+`selective_ac_saved_ops()` through the backward and recomputes the rest: torchtitan's rule for
 transformers (every matmul but every second one, the attention kernels, max, the reduce-scatter)
 plus the sequence-mixing scans, whose recompute costs most: the kernel custom ops declared
 `saved_by_selective_ac` where they are defined (ops/custom_ops.py: the SSD scan, the gated delta
@@ -24,6 +24,7 @@ would recompute everything, like full AC.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,10 +32,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import titan_hybrid.ops.gated_delta  # noqa: F401  (the kernel ops, defined at import)
-import titan_hybrid.ops.gdn2  # noqa: F401
-import titan_hybrid.ops.kda  # noqa: F401
-import titan_hybrid.ops.ssd  # noqa: F401
 from titan_hybrid.compat.aten_ops import (
     ATTENTION_OPS,
     GROUPED_MM_OP,
@@ -51,19 +48,19 @@ from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.symbols import SYMBOLS
 from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
 
-SELECTIVE_AC_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    GROUPED_MM_OP,
-    *ATTENTION_OPS,
-    REDUCE_SCATTER_OP,
-    torch.ops.aten.max.default,
-    *ops_saved_by_selective_ac(),
-}
 MODES = ("none", "full", "selective", "memory_budget")
 
 
-def _keep_listed_ops_and_every_second_matmul():
-    """A fresh selective-checkpoint context pair per forward: the listed ops' outputs are
+def selective_ac_saved_ops() -> set:
+    """The ops whose outputs per-op selective AC keeps: torchtitan's list, and the kernel ops
+    that declare themselves kept (ops/custom_ops.py's registry). Read when AC is applied: the
+    model is built by then, so every op module its layers call has registered its ops."""
+    return {torch.ops.aten.mm.default, GROUPED_MM_OP, *ATTENTION_OPS, REDUCE_SCATTER_OP,
+            torch.ops.aten.max.default, *ops_saved_by_selective_ac()}
+
+
+def _keep_listed_ops_and_every_second_matmul(saved_ops: set):
+    """A fresh selective-checkpoint context pair per forward: the outputs of `saved_ops` are
     kept, except every second matmul (torchtitan's rule for transformers), counted apart in
     the forward and in the recompute so both make the same choices."""
     matmuls = defaultdict(int)
@@ -76,7 +73,7 @@ def _keep_listed_ops_and_every_second_matmul():
             matmuls[ctx.is_recompute] += 1
             if matmuls[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        return (CheckpointPolicy.MUST_SAVE if func in SELECTIVE_AC_SAVED_OPS
+        return (CheckpointPolicy.MUST_SAVE if func in saved_ops
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
     return create_selective_checkpoint_contexts(policy)
@@ -92,14 +89,16 @@ def _layer_symbols(layer: nn.Module) -> set[str]:
     return {module.symbol for module in layer.modules() if isinstance(module, HybridLayer)}
 
 
-def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSection):
+def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSection,
+                  saved_ops: set):
     """`layer` wrapped for checkpointing, or unchanged where the options leave it out."""
     if config.layer_kinds and not _layer_symbols(layer) & set(config.layer_kinds):
         return layer
     if config.mode == "full":
         return _wrap(layer, config)
     if config.selective_ac_option == "op":
-        return _wrap(layer, config, context_fn=_keep_listed_ops_and_every_second_matmul)
+        return _wrap(layer, config, context_fn=functools.partial(
+            _keep_listed_ops_and_every_second_matmul, saved_ops))
     every = int(config.selective_ac_option)
     return _wrap(layer, config) if every <= 1 or (index + 1) % every == 0 else layer
 
@@ -151,9 +150,10 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoin
         set_activation_memory_budget(config.memory_budget, pareto)
         return f"activation memory budget {config.memory_budget}"
     layers = model.get_submodule("layers")
+    saved_ops = selective_ac_saved_ops()
     wrapped = []
     for name, layer in list(layers.named_children()):
-        checkpointed = _checkpointed(int(name), layer, config)
+        checkpointed = _checkpointed(int(name), layer, config, saved_ops)
         layers.register_module(name, checkpointed)
         if checkpointed is not layer:
             wrapped.append(name)

@@ -1,4 +1,4 @@
-"""Context parallelism: each CP rank holds a zigzag shard of every sequence (parallel/zigzag.py).
+"""Context parallelism: each CP rank holds a zigzag shard of every sequence (data/zigzag.py).
 
 Token-wise layers (norms, projections, MLP, MoE) need nothing, except for the statistics of a
 whole sequence that enter the loss (the MoE balance loss's slot counts): each `WholeSequenceSum`
@@ -9,7 +9,8 @@ sequence get their core wrapped:
   DSA's indexer keys), with their positions / documents, are all-gathered over the CP group;
   local queries attend to them under the exact causal, in-document mask, which compares row
   positions rather than tensor indices, so the zigzag order needs no special case;
-- Mamba2, GDN and KDA, `context_parallel_linear_mode` "head_a2a": an all-to-all trades the
+- the recurrent kinds (model/recurrent.py's cores: the kinds whose rule has head_channels),
+  `context_parallel_linear_mode` "head_a2a": an all-to-all trades the
   sequence shard of every head for the whole sequence of 1/cp of the heads; the conv and the
   scan then run on complete sequences, restored to row order, and a second all-to-all trades
   back. The per-head parameters (conv channels, A_log, D, dt_bias) are sliced to the rank's
@@ -36,10 +37,7 @@ from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_to_all
-from titan_hybrid.parallel.context_parallel_chunkwise import (
-    ChunkwiseConvAndDeltaRule,
-    ChunkwiseConvAndScan,
-)
+from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
 from titan_hybrid.parallel.context_parallel_compressed import ContextParallelCompressedRows
 from titan_hybrid.parallel.context_parallel_window import ContextParallelWindowHalo
 
@@ -166,7 +164,7 @@ class ContextParallelGatherCore(nn.Module):
 
 
 class ContextParallelHeadExchange(nn.Module):
-    """A recurrent core (Mamba2, GDN, KDA) on whole sequences of 1/cp of its heads: its
+    """A recurrent core (model/recurrent.py) on whole sequences of 1/cp of its heads: its
     kind's `ContextParallelRule.head_channels` lays out each argument's channels by head
     (HeadChannels); the per-token arguments are concatenated and sent by one all-to-all, each
     rank's share cut back into the arguments, the per-channel parameters sliced to the rank's
@@ -204,24 +202,15 @@ class ContextParallelHeadExchange(nn.Module):
         return exchange.to_sequence(self.core(*named.values()))
 
 
-# The chunkwise mode's state passing (context_parallel_chunkwise.py), by the algorithm a
-# kind's rule names: Mamba2's scalar decay, GDN's / KDA's transition matrices.
-STATE_PASSING: dict[str, type[nn.Module]] = {
-    "decay": ChunkwiseConvAndScan,
-    "delta_rule": ChunkwiseConvAndDeltaRule,
-}
 LINEAR_MODES = ("head_a2a", "chunkwise")
 
 
-def splits(rule: ContextParallelRule | None, linear_mode: str) -> bool:
-    """Whether context parallelism in `linear_mode` can wrap a core with this rule."""
+def splits(rule: ContextParallelRule | None) -> bool:
+    """Whether context parallelism can wrap a core with this rule (a recurrent core,
+    model/recurrent.py, in either linear mode)."""
     if rule is None:
         return False
-    if rule.gather or rule.window_halo:
-        return True
-    if linear_mode == "chunkwise":
-        return rule.state_passing in STATE_PASSING
-    return rule.head_channels is not None
+    return bool(rule.gather or rule.window_halo or rule.head_channels is not None)
 
 
 def _wrapped(core: nn.Module, rule: ContextParallelRule, cp_group, linear_mode: str):
@@ -230,14 +219,14 @@ def _wrapped(core: nn.Module, rule: ContextParallelRule, cp_group, linear_mode: 
         return ContextParallelGatherCore(core, cp_group, rule.gather)
     if rule.window_halo:  # DeepSeek-V4: a key halo, in both linear modes
         return ContextParallelWindowHalo(core, cp_group)
-    if linear_mode == "chunkwise":
-        return STATE_PASSING[rule.state_passing](core, cp_group)
+    if linear_mode == "chunkwise":  # by the algorithm the core's class declares
+        return STATE_PASSING[core.state_passing](core, cp_group)
     return ContextParallelHeadExchange(core, cp_group, rule.head_channels)
 
 
 def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_a2a") -> None:
     """Wrap the sequence-mixing core of every layer whose kind mixes along the sequence;
-    `linear_mode` picks how the cores without a gather rule (Mamba2, GDN) are split.
+    `linear_mode` picks how the recurrent cores (model/recurrent.py) are split.
     "chunkwise" needs each rank's tokens to be pieces r and 2cp-1-r of the whole row
     (`shard_batch`, what the trainer does); a row zigzagged document by document
     (`packed_zigzag_index`, the multimodal partitioner's THD layout) needs "head_a2a"."""

@@ -1,16 +1,16 @@
-"""Context parallelism for Mamba2 and GDN by chunkwise state passing
-(`--parallelism.context_parallel_linear_mode chunkwise`).
+"""Context parallelism for the recurrent kinds by chunkwise state passing
+(`--parallelism.context_parallel_linear_mode chunkwise`), over model/recurrent.py's contract.
 
 Each CP rank keeps its own tokens and all of its heads. Its tokens are two contiguous pieces of
-every row (zigzag, parallel/zigzag.py: pieces r and 2cp-1-r of 2cp). Both layers are linear
-recurrences in their state S, so a piece's outputs and exit state are affine in the state S_in
+every row (zigzag, data/zigzag.py: pieces r and 2cp-1-r of 2cp). Every recurrent core is a
+linear recurrence in its state S, so a piece's outputs and exit state are affine in the state S_in
 that enters it:
 
     y = y_0 + (what S_in adds),        S_out = M S_in + S_0
 
 where y_0 and S_0 come from running the piece from a zero state, and M is the piece's
-transition: Mamba2's total decay (a number per head), GDN's product of delta-rule steps (a
-K x K matrix per head). A forward runs:
+transition: a ScalarDecayCore's total decay (a number per head, Mamba2), a DeltaRuleCore's
+product of delta-rule steps (a K x K matrix per head, GDN and its kin). A forward runs:
 
 1. the conv's left context: every rank all-gathers the last width-1 conv inputs of every piece,
    and each piece's conv reads those of the piece before it in row order (as its initial
@@ -18,9 +18,10 @@ K x K matrix per head). A forward runs:
 2. the local scan of both pieces (stacked along the batch) from a zero state: y_0, S_0, M;
 3. an all-gather of every piece's (M, S_0, whether it continues the document of the piece
    before it); every rank chains them in row order, S_in[i] = c_i (M_{i-1} S_in[i-1] +
-   S_0[i-1]), and corrects its pieces' outputs. Mamba2: y_t += C_t . (decay_t S_in), with
-   decay_t the decay from the piece's start to t; GDN: o_t += (P_t^T q_t) S_in, with P_t the
-   transition from the piece's start to t (core-specific, in the wrappers below).
+   S_0[i-1]), and corrects its pieces' outputs. Scalar decay: y_t += C_t . (decay_t S_in),
+   with decay_t the decay from the piece's start to t; delta rule: o_t += (P_t^T q_t) S_in,
+   with P_t the transition from the piece's start to t (in the wrappers below, one per
+   `RecurrentCore.state_passing`).
 
 Packed documents: a state does not cross a document start. A piece that starts a document has
 c = 0; a document start inside a piece zeroes its M (the decay, or the delta-rule product,
@@ -32,6 +33,7 @@ the summaries (2 pieces x heads x (M + S)) from each rank, whatever the sequence
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -39,6 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.recurrent import (
+    DECAY,
+    DELTA_RULE,
+    RecurrentCore,
+    call_by_name,
+    is_per_token,
+)
 from titan_hybrid.parallel.collectives import all_gather
 
 
@@ -148,60 +157,71 @@ def first_document(seq_idx_PL: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat((torch.zeros_like(starts[:, :1]), starts), 1).cumsum(1) == 0
 
 
-class ChunkwiseConvAndScan(nn.Module):
-    """Mamba2's conv and SSD scan (model/mamba.py ConvAndScan) by chunkwise state passing."""
+class ChunkwiseStatePassing(nn.Module):
+    """A recurrent core (model/recurrent.py) by chunkwise state passing: its forward's
+    arguments are read by name, the conv input run with each piece's left context, the other
+    per-token arguments stacked piece by piece, and `pass_states` (the core's algorithm) gives
+    the pieces' outputs."""
 
-    def __init__(self, core: nn.Module, group) -> None:
+    def __init__(self, core: RecurrentCore, group) -> None:
         super().__init__()
         self.core, self.group = core, group
+        self.signature = inspect.signature(core.forward)
 
-    def forward(self, xbc, dt, conv_weight, conv_bias, A_log, D, dt_bias,
-                layout: TokenLayout | None):
+    def forward(self, *args):
         core = self.core
-        pieces = ZigzagPieces(self.group, xbc.shape[1], xbc.shape[0])
-        xbc, seq_idx, continues = pieces.conv_with_left_context(
-            xbc, layout, conv_weight.shape[-1],
-            lambda x, seq_idx, halo, seq_halo: core.conv(x, conv_weight, conv_bias, seq_idx,
-                                                         halo, seq_halo))
-        dt = pieces.stack(dt)
-        y, exit_state = core.scan(xbc, dt, A_log, D, dt_bias, seq_idx,
-                                  return_final_states=True)  # y_0, S_0 [2B, H, P, N]
+        named = dict(self.signature.bind(*args).arguments)
+        layout = named.pop("layout")
+        x_BTC = named.pop(core.conv_input)
+        conv = {name: named.pop(name) for name in ("conv_weight_CW", "conv_bias_C")
+                if name in named}
+        pieces = ZigzagPieces(self.group, x_BTC.shape[1], x_BTC.shape[0])
+        x, seq_idx, continues = pieces.conv_with_left_context(
+            x_BTC, layout, conv["conv_weight_CW"].shape[-1],
+            lambda x, seq_idx, halo, seq_halo: call_by_name(
+                core.conv, conv, x, seq_idx=seq_idx, initial_states=halo,
+                initial_seq_idx=seq_halo))
+        inputs = {name: pieces.stack(value) if is_per_token(name) else value
+                  for name, value in named.items()}
+        return pieces.unstack(self.pass_states(x, inputs, seq_idx, continues, pieces))
+
+    def pass_states(self, x_conv, inputs: dict, seq_idx, continues, pieces: ZigzagPieces):
+        """The stacked pieces' outputs [2B, L, H, P], with the state entering each."""
+        raise NotImplementedError
+
+
+class ChunkwiseScalarDecay(ChunkwiseStatePassing):
+    """A ScalarDecayCore (Mamba2's conv and SSD scan): M is the piece's total decay per head."""
+
+    def pass_states(self, x_conv, inputs, seq_idx, continues, pieces):
+        core = self.core
+        y, exit_state = core.scan(x_conv, seq_idx, return_final_states=True,
+                                  **inputs)  # y_0, S_0 [2B, H, P, N]
         # Decay from the piece's start to each token, zero past its first document start.
-        decay = core.log_decay(dt, A_log, dt_bias, exit_state.dtype).cumsum(1).exp()
+        decay = call_by_name(core.log_decay, inputs, exit_state.dtype).cumsum(1).exp()
         in_first = first_document(seq_idx)
         if in_first is not None:
             decay = decay * in_first[..., None]
         state_in = pieces.incoming_states(decay[:, -1], exit_state, continues.to(decay.dtype),
                                           lambda total, state: total[..., None, None] * state)
-        _, _, c = core.split_xbc(xbc, A_log.shape[0])  # [2B, L, G, N]
+        c = call_by_name(core.readout, inputs, x_conv)  # [2B, L, G, N]
         groups = c.shape[2]
         added = torch.einsum("blgn,bgrpn->blgrp", c.to(state_in.dtype),
                              state_in.unflatten(1, (groups, -1))).flatten(2, 3)
-        y = y + (added * decay[..., None]).to(y.dtype)
-        return pieces.unstack(y)
+        return y + (added * decay[..., None]).to(y.dtype)
 
 
-class ChunkwiseConvAndDeltaRule(nn.Module):
-    """GDN's conv and gated delta rule (model/gdn.py ConvAndDeltaRule) by chunkwise state
-    passing. The delta rule updates each column of the state [K, V] on its own (the same k,
-    beta and decay act on every value dimension), so K extra value columns that start as the
-    identity and see zero values carry what the correction needs through the same scan: their
-    exit state is the piece's transition M [K, K], and their outputs are P_t^T q_t, which turn
-    the incoming state into each token's output correction."""
+class ChunkwiseDeltaRule(ChunkwiseStatePassing):
+    """A DeltaRuleCore (GDN, KDA, GDP, GDN2). The delta rule updates each column of the state
+    [K, V] on its own (the same k, beta and decay act on every value dimension), so K extra
+    value columns that start as the identity and see zero values carry what the correction
+    needs through the same scan: their exit state is the piece's transition M [K, K], and
+    their outputs are P_t^T q_t, which turn the incoming state into each token's output
+    correction."""
 
-    def __init__(self, core: nn.Module, group) -> None:
-        super().__init__()
-        self.core, self.group = core, group
-
-    def forward(self, qkv, alpha, beta, conv_weight, A_log, dt_bias, layout: TokenLayout | None):
+    def pass_states(self, x_conv, inputs, seq_idx, continues, pieces):
         core = self.core
-        pieces = ZigzagPieces(self.group, qkv.shape[1], qkv.shape[0])
-        qkv, seq_idx, continues = pieces.conv_with_left_context(
-            qkv, layout, conv_weight.shape[-1],
-            lambda x, seq_idx, halo, seq_halo: core.conv(x, conv_weight, seq_idx, halo,
-                                                         seq_halo))
-        q, k, v, g, beta = core.delta_rule_inputs(qkv, pieces.stack(alpha), pieces.stack(beta),
-                                                  A_log, dt_bias)
+        q, k, v, g, beta = call_by_name(core.delta_rule_inputs, inputs, x_conv)
         rows, _, value_heads, value_dim = v.shape
         key_dim = k.shape[-1]
         state_dtype = torch.promote_types(v.dtype, torch.float32)
@@ -218,4 +238,11 @@ class ChunkwiseConvAndDeltaRule(nn.Module):
         state_in = pieces.incoming_states(transition, exit_state, continues.to(state_dtype),
                                           torch.matmul)
         added = torch.einsum("blhk,bhkv->blhv", reach.to(state_in.dtype), state_in)
-        return pieces.unstack(o + added.to(o.dtype))
+        return o + added.to(o.dtype)
+
+
+# The wrapper of each state-passing algorithm a RecurrentCore declares.
+STATE_PASSING: dict[str, type[ChunkwiseStatePassing]] = {
+    DECAY: ChunkwiseScalarDecay,
+    DELTA_RULE: ChunkwiseDeltaRule,
+}

@@ -135,7 +135,7 @@ def validate_context_parallel(model_args: HybridModelArgs, p: ParallelismSection
         if not kind.mixes_sequence:
             continue
         rule = kind.context_parallel
-        if not splits(rule, mode):
+        if not splits(rule):
             raise ValueError(
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
                 f"context parallelism ({mode}) is not implemented for {kind.title} "
