@@ -94,8 +94,9 @@ def qwen3_5_in_proj(module: str, in_proj: str, args: HybridModelArgs) -> KeyMap:
 
 def text_key_map(args: HybridModelArgs, gdn_in_proj=qwen3_5_in_proj) -> KeyMap:
     """The key map of Qwen3.5's and Qwen3-Next's text models: HF key -> our key (a component
-    of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`), the tuple of our components of a fused HF tensor (or its RowPieces, from
-    `gdn_in_proj(HF module prefix, our in_proj key, args)`), or one expert's slice.
+    of a fused parameter: `<fqn>.<part>` / `<fqn>_<part>`), the tuple of our components of a
+    fused HF tensor (or its RowPieces, from `gdn_in_proj(HF module prefix, our in_proj key,
+    args)`), or one expert's slice.
 
     The MTP depth (vLLM's names; transformers skips mtp.* when it loads): `mtp.fc` reads
     [pre_fc_norm_embedding(embedding) | pre_fc_norm_hidden(hidden state)], `mtp.layers.0` is
