@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_hybrid.hf.adapter import json_float, tagged_float
+from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.hf.vocabulary import swiglu_mlp
@@ -49,10 +50,10 @@ def check_bamba_compatible(args: HybridModelArgs) -> None:
         raise ValueError("model cannot use the HF Bamba format: " + "; ".join(problems))
 
 
-def bamba_key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
+def bamba_key_map(args: HybridModelArgs) -> KeyMap:
     """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
     check_bamba_compatible(args)
-    mapping: dict[str, str | tuple[str, ...]] = {
+    mapping: KeyMap = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.final_layernorm.weight": "norm.weight",
         "lm_head.weight": "output.weight",

@@ -17,6 +17,7 @@ import dataclasses
 
 from titan_hybrid.hf.adapter import softmax_routed
 from titan_hybrid.hf.bamba import mamba_args_from_config, mamba_config
+from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp, moe
@@ -62,10 +63,10 @@ def check_granite_compatible(args: HybridModelArgs) -> None:
         raise ValueError("model cannot use the HF Granite 4.0-H format: " + "; ".join(problems))
 
 
-def granite_key_map(args: HybridModelArgs) -> dict[str, str | tuple[str, ...]]:
+def granite_key_map(args: HybridModelArgs) -> KeyMap:
     """HF key -> our key, or the tuple of our component keys of a fused HF tensor."""
     check_granite_compatible(args)
-    mapping: dict[str, str | tuple[str, ...]] = {
+    mapping: KeyMap = {
         "model.embed_tokens.weight": "tok_embeddings.weight",
         "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     symbols = args.parsed_pattern.physical_layer_symbols()

@@ -164,7 +164,7 @@ def nemotron_h_key_map(args: HybridModelArgs) -> KeyMap:
     in_proj and conv1d: HF fuses the same components in the same order, so the HF tensor is
     the parameter whole), or one expert's slice of our parameter."""
     check_nemotron_h_compatible(args)
-    mapping: dict[str, str | tuple[str, ...]] = {
+    mapping: KeyMap = {
         "backbone.embeddings.weight": "tok_embeddings.weight",
         "backbone.norm_f.weight": "norm.weight",
         "lm_head.weight": "output.weight",
