@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import titan_hybrid.torchtitan_plugin  # noqa: F401  (TrainSpec, dataset; CPU runtime)
+from tests import throwaway_kind
 from titan_hybrid.data.zigzag import packed_zigzag_index, zigzag_index
 from titan_hybrid.model.args import (
     AttentionArgs,
@@ -45,8 +46,12 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
     """Float64 logits and gradients of one pattern under CP against one device. Packed rows:
     head_a2a takes each document zigzagged on its own (the vision-language packer's layout),
     chunkwise the row zigzagged as a whole (the trainer's), with documents crossing pieces."""
+    # The debug flavor's args, with the section of the tests' throwaway kind (`Z`).
+    debug = hybrid_flavors["debug"]
+    with_throwaway = throwaway_kind.register()(
+        **{f.name: getattr(debug, f.name) for f in dataclasses.fields(debug)})
     args = dataclasses.replace(
-        hybrid_flavors["debug"], dim=32, vocab_size=64, max_seq_len=64, pattern=pattern,
+        with_throwaway, dim=32, vocab_size=64, max_seq_len=64, pattern=pattern,
         attention=AttentionArgs(n_heads=4, n_kv_heads=2, head_dim=8),
         mlp=MLPArgs(hidden_dim=24),
         mamba=MambaArgs(d_state=4, head_dim=8, n_groups=mamba_groups, chunk_size=8),

@@ -23,8 +23,9 @@ def _check(results):
 def test_cp2_layers_match_one_device():
     """Mamba (4 heads, 2 groups per rank pair), GDN, attention and MLP; MLA and DSA (6 of up
     to 32 keys per query, with the indexer's loss); KDA; plain and packed rows."""
-    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MK-*K-", nproc=2)
-    assert list(results) == ["M*G-M", "M+-D-", "MK-*K-"]
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MK-*K-,MZ-*Z-", nproc=2)
+    # MZ-*Z-: tests/throwaway_kind.py, a recurrent kind that only the tests register
+    assert list(results) == ["M*G-M", "M+-D-", "MK-*K-", "MZ-*Z-"]
     _check(results)
 
 
@@ -87,11 +88,13 @@ def test_cp2_chunkwise_layers_match_one_device():
     """Mamba, GDN and KDA with state passing between pieces, next to attention, MLA and DSA;
     packed rows zigzagged as a whole, so documents start inside pieces, exactly at a piece's
     start, and span several pieces and both ranks."""
-    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-,MC-MH-W-,MK-*K-",
+    results = run_worker(WORKER, "--pattern", "M*G-M,M+-D-,MW-,MC-MH-W-,MK-*K-,MZ-*Z-",
                          "--linear-mode", "chunkwise", nproc=2)
     # MW-: DeepSeek-V4's window key halo; MC-MH-W-: its compressors' rows gathered (blocks
-    # straddling pieces, C's top-k and trained indexer); MK-*K-: KDA's state passing.
-    assert list(results) == ["M*G-M", "M+-D-", "MW-", "MC-MH-W-", "MK-*K-"]
+    # straddling pieces, C's top-k and trained indexer); MK-*K-: KDA's state passing;
+    # MZ-*Z-: a recurrent kind that only the tests register (tests/throwaway_kind.py), which
+    # the recurrent-core contract alone carries through both CP modes.
+    assert list(results) == ["M*G-M", "M+-D-", "MW-", "MC-MH-W-", "MK-*K-", "MZ-*Z-"]
     _check(results)
 
 
