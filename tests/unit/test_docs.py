@@ -90,6 +90,29 @@ def test_the_files_the_pages_name_exist():
     assert stale == [], stale
 
 
+# Where a path in the package's own text may point outside the tree: the upstream packages
+# whose files its docstrings and comments cite.
+UPSTREAM = ("torch/", "fla/", "megatron/", "mamba_ssm/", "torchtitan/", "transformers/")
+
+
+def test_the_files_the_package_names_exist():
+    """The same check over the package's own text (docstrings and comments): every
+    `path.py` it names is there, relative to the repository, to titan_hybrid/ or to the naming
+    module's package (or a bare file name found in the tree), unless it is an upstream file."""
+    tree = {path.name for folder in ("titan_hybrid", "bench", "tests", "scripts")
+            for path in (REPO_ROOT / folder).rglob("*.py")}
+    stale = []
+    for module in sorted((REPO_ROOT / "titan_hybrid").rglob("*.py")):
+        for name in re.findall(r"(?<![\w.])([\w/]+\.py)\b", text(module)):
+            if name in NOT_OURS or name.startswith(UPSTREAM):
+                continue
+            bases = (REPO_ROOT, REPO_ROOT / "titan_hybrid", module.parent, module.parent.parent)
+            if not (any((base / name).is_file() for base in bases)
+                    or ("/" not in name and name in tree)):
+                stale.append(f"{module.relative_to(REPO_ROOT)}: {name}")
+    assert stale == [], stale
+
+
 def test_the_package_layout_names_only_modules_that_exist():
     """The other direction of test_import_graph's check: every file the layout block of
     docs/architecture.md names is a file of the package (or of the tree it lists)."""

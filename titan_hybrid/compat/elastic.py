@@ -3,7 +3,7 @@ the rest of what it says goes (`agent_logs_to`: a file).
 
 The agent has no public hook for these events; it logs them. These are its log records
 (torch 2.11 and 2.13-2.15, `torch/distributed/elastic/multiprocessing/api.py` and
-`agent/server/api.py`), recognised by their format strings:
+`torch/distributed/elastic/agent/server/api.py`), recognised by their format strings:
 - a worker failed: "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: ..." (forked
   workers) or "... of binary: ..." (worker processes): args start (exitcode, local_rank, pid);
 - the group restarts: "[%s] Worker group %s. %s/%s attempts left; will restart worker group":

@@ -232,8 +232,8 @@ def mla_core_flops(args: MLAArgs, keys_per_query: int) -> int:
 
 
 def _core_flops(args: MLAArgs, dim: int, seq_len: int) -> int:
-    """Megatron's count (models/hybrid/layers/flops.py): causal, so a query sees seq_len / 2
-    keys on average: seq_len * n_heads * (dn + dr + dv) per token forward."""
+    """Megatron's count (megatron/core/models/hybrid/layers/flops.py): causal, so a query sees
+    seq_len / 2 keys on average: seq_len * n_heads * (dn + dr + dv) per token forward."""
     return mla_core_flops(args, seq_len) // 2
 
 

@@ -3,7 +3,7 @@ bracket group (the units that FSDP shards and activation checkpointing wraps), s
 of the same kind reuse compiled code and FSDP's hooks stay between graphs.
 
 Each unit's `forward` is compiled in place (the unit's class is extended, as FSDP2 extends it:
-parallel/module_classes.py): parameter names, checkpoint keys and the module tree stay what
+model/module_classes.py): parameter names, checkpoint keys and the module tree stay what
 they are without compile, and the hooks that parallel code registers on the unit
 itself (FSDP's all-gathers, EP-overlap's hand-over between threads) run eagerly around the
 graph, as with torchtitan's compiled blocks. Hooks on modules inside the unit (tensor

@@ -3,7 +3,7 @@
 A query may see any compressed row of its document before it, and `C`'s top-k must choose
 among all of them, so each rank needs the rows of the whole sequence, which are few (one per
 `compress_ratio` tokens). Each rank's tokens are two zigzag pieces of every row
-(parallel/zigzag.py); per layer and direction:
+(data/zigzag.py); per layer and direction:
 
 1. Token halo. A block that ends in a piece may start before it, and a `C` row also reads the
    block before its own, so each piece reads the `compressor_halo` tokens before it (ratio - 1
@@ -38,7 +38,7 @@ _OWN_DOCUMENT = -1  # seq_idx of the zeros before a row's first piece
 
 
 class ContextParallelCompressedRows:
-    """Mixed into the compressor's class (`install`, parallel/module_classes.py), so its
+    """Mixed into the compressor's class (`install`, model/module_classes.py), so its
     parameters keep their names (checkpoint keys, FSDP units) and the layer calls it as
     before; its own forward compresses the pieces (super().forward)."""
 

@@ -1,7 +1,7 @@
 """Context parallelism for DeepSeek-V4 sliding-window attention (`W`): a halo of keys.
 
 A query sees at most the window - 1 tokens before it. Each rank's tokens are two zigzag pieces
-of every row (parallel/zigzag.py), so all a piece lacks is the last window - 1 keys of the
+of every row (data/zigzag.py), so all a piece lacks is the last window - 1 keys of the
 piece before it in row order: one all-gather of every piece's last window - 1 latent keys
 (already rotated; the latent is also the value) and of their row order (document, position),
 whatever the sequence length. Each piece then runs the layer's own windowed attention over

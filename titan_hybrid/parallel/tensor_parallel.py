@@ -99,7 +99,7 @@ class _ReadsLocalViews:
     placement the parameter needs: Partial for the names in `_partial_grad_names`, its own
     placement otherwise. Only reading changes: the parameter registry that FSDP, the optimizer
     and the state dict use is never written, and outside the region the attribute is the
-    DTensor (parallel/module_classes.py: how the class is extended)."""
+    DTensor (model/module_classes.py: how the class is extended)."""
 
     def __getattr__(self, name: str):
         value = super().__getattr__(name)
