@@ -158,26 +158,6 @@ def merged_chunks(chunks: list[Chunk], dim: int) -> list[Chunk]:
     return merged
 
 
-def concat_components(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """The fused tensor made of `parts` laid end to end along `dim`, in global coordinates (the
-    order a format like Hugging Face's stores, not the TP-interleaved in-memory order). Each
-    part is ComponentChunks (its pieces keep their views, so a load lands in place) or, in a
-    single process, a plain tensor. Pieces that continue each other (no TP) become one."""
-    if not all(isinstance(part, ComponentChunks) for part in parts):
-        return torch.cat(parts, dim)
-    chunks, start = [], 0
-    for part in parts:
-        for offsets, view in part.chunks:
-            shifted = list(offsets)
-            shifted[dim] += start
-            chunks.append((torch.Size(shifted), view))
-        start += part.shape[dim]
-    shape = list(parts[0].shape)
-    shape[dim] = start
-    return ComponentChunks(torch.Size(shape), merged_chunks(chunks, dim), parts[0].source,
-                           parts[0].fused_key, parts[0].tp_layout)
-
-
 class GatheredRows(ComponentChunks):
     """An HF tensor made of runs of one fused parameter's rows (Mamba2's in_proj, Qwen3.5's
     in_proj_qkv, Qwen3-Next's in_proj_qkvz). Reading lands in place through the pieces. DCP's

@@ -176,10 +176,6 @@ def force_kernels() -> Iterator[None]:
         _forget_probe()
 
 
-def kernels_forced() -> bool:
-    return _forced
-
-
 def _why_unusable(package: KernelPackage) -> str | None:
     # A version the metadata shows is checked before anything is imported (another version's
     # modules may not import, or import with other launchers); a version that only the package

@@ -1,7 +1,7 @@
 """The differentiable collectives of expert and context parallelism.
 
 `all_to_all` (an all-to-all whose backward is the reverse all-to-all) serves the MoE dispatch
-and combine (expert_parallel.py) and the heads <-> sequence exchange of Mamba2 / GDN under
+and combine (expert_parallel.py) and the heads <-> sequence exchange of the recurrent kinds under
 context parallelism. `all_gather` (an all-gather whose backward is a reduce-scatter) serves the
 key / value gather of attention under context parallelism (context_parallel.py), the chunkwise
 halos and state summaries, and the compressed rows of `C` / `H`: one all_gather_into_tensor of

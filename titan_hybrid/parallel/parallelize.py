@@ -125,7 +125,7 @@ def parallelize_hybrid(model: nn.Module, parallel_dims: ParallelDims,
             model, run.activation_checkpoint, model_compile_enabled=compile_model,
             base_folder=run.dump_folder))
     if compile_model:
-        # Data parallelism will give Mamba2 / GDN projections bf16 units of their own.
+        # Data parallelism will give the recurrent layers' projections bf16 units of their own.
         split_precision = (parallel_dims.dp_cp_enabled
                            and run.training.mixed_precision_param != "float32")
         # bf16 parameters under data parallelism, bf16 autocast on one device (torchtitan)

@@ -8,7 +8,7 @@ tensor (`partition_sizes`) is sharded so that each rank holds its own slice of e
 component: its global (DTensor) view is the per-rank concatenation [W_0; V_0; W_1; V_1], see
 `interleave_for_tp`.
 
-Compute. Each mixer (attention, MLP, Mamba, GDN, MoE) is one TP region, as in Megatron:
+Compute. Each mixer (of any kind in the table) is one TP region, as in Megatron:
 its input is replicated (or, with sequence parallelism, all-gathered from sequence shards) on
 entry, everything inside runs on local tensors (heads, channels, experts' hidden units), and
 its partial output is all-reduced (or reduce-scattered back to sequence shards) on exit. The
