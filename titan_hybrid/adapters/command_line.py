@@ -5,15 +5,18 @@ The TOML jobs and their flags use torchtitan 0.2's names; 0.3 spells some differ
 no place for others. This table is the one place that knows both: 0.3's TOML reader
 (torchtitan_0_3/toml_job.py) and its flag translation read it, and under 0.2 a flag spelled the
 0.3 way is one line naming the 0.2 spelling. tyro's boxed parse errors (an unknown flag, a value
-of the wrong type) become one line too (`one_line_parse_errors`).
+of the wrong type, a value that is not one of a field's) become one line too
+(`one_line_parse_errors`), in the words of titan_hybrid's own checks.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
 import sys
+import warnings
 
 # 0.2 / TOML name -> 0.3 name.
 RENAMED_UNDER_0_3 = {
@@ -155,13 +158,35 @@ def config_file(args: list[str]) -> tuple[str, list[str]]:
     return "", list(args)
 
 
+def job_name(flag: str) -> str:
+    """`--activation-checkpoint.mode` (tyro's spelling, maybe 0.3's name) -> the job's name,
+    `activation_checkpoint.mode` (a field's name has no dash)."""
+    name = flag.lstrip("-").replace("-", "_")
+    renamed = RENAMED_UNDER_0_2.get(name, name)
+    return name if renamed.endswith(")") else renamed  # a negation keeps 0.3's name
+
+
+def not_one_of(name: str, value, values) -> str:
+    """The one line for a value that is not one of a field's (config/sections.py's words)."""
+    return f"{name}={value!r}: must be one of {', '.join(map(str, values))}"
+
+
+# tyro's warning for a field whose TOML value (the parse's default) is not of its type
+_DEFAULT_NOT_OF_ITS_TYPE = re.compile(r"The field `(?P<field>[^`]+)` is annotated with type "
+                                      r"`typing\.Literal\[")
+
+
 @contextlib.contextmanager
-def one_line_parse_errors():
+def one_line_parse_errors(checked_later: frozenset[str] = frozenset()):
     """tyro's boxed parse error (it prints a panel and exits with status 2) as one ValueError:
-    the panel's first line, and its first suggestion. `--help` and its exit pass through."""
+    the panel's first line, and its first suggestion. `--help` and its exit pass through.
+    `checked_later`: the job's fields whose values the RunConfig checks (their choices): tyro's
+    warning about such a field's TOML value is dropped, as the check says it in one line (tyro
+    warns from the TOML value even when a flag then replaces it)."""
     captured = io.StringIO()
     try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured), \
+                warnings.catch_warnings(record=True) as caught:
             yield
     except SystemExit as leaving:
         if leaving.code in (0, None):
@@ -169,7 +194,17 @@ def one_line_parse_errors():
             raise
         raise ValueError(_first_line_of_panel(captured.getvalue())) from None
     else:
-        sys.stderr.write(captured.getvalue())  # the warnings the parse logged
+        sys.stderr.write(captured.getvalue())  # what the parse logged
+        for caught_warning in caught:
+            found = _DEFAULT_NOT_OF_ITS_TYPE.match(str(caught_warning.message))
+            if found is None or job_name(found["field"]) not in checked_later:
+                warnings.showwarning(caught_warning.message, caught_warning.category,
+                                     caught_warning.filename, caught_warning.lineno)
+
+
+# tyro's message for a flag's value that is not one of a Literal field's
+_INVALID_CHOICE = re.compile(r"invalid choice '(?P<value>.*)' for argument '(?P<flag>[^']+)'\. "
+                             r"Expected one of (?P<values>\(.*\))\.?$")
 
 
 def _first_line_of_panel(text: str) -> str:
@@ -181,6 +216,11 @@ def _first_line_of_panel(text: str) -> str:
         return "the command line cannot be parsed"
     end = rules[1] if len(rules) > 1 else len(lines)
     message = " ".join(line for line in lines[rules[0] + 1:end] if line)
+    choice = _INVALID_CHOICE.match(message)
+    if choice:
+        values = ast.literal_eval(choice["values"])  # an optional field's include 'None'
+        return not_one_of(job_name(choice["flag"]), choice["value"],
+                          [value for value in values if value != "None"])
     if message.startswith("Unrecognized options:"):  # tyro lists the flags' values too
         flags = [word.rstrip(",") for word in message.split()[2:] if word.startswith("--")]
         message = "unknown flag: " + ", ".join(flags)

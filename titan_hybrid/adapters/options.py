@@ -16,13 +16,23 @@ declarations are frozen (the RunConfig's) while tyro needs mutable sections.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
+import types
 import typing
 from collections.abc import Callable, Iterator
 
 import tyro
 
 from titan_hybrid.config.quantize import QUANTIZE_OPTIONS
-from titan_hybrid.config.sections import OVERRIDES_TORCHTITAN, help_text, job_path
+from titan_hybrid.config.sections import (
+    OVERRIDES_TORCHTITAN,
+    check_choices,
+    choices,
+    help_text,
+    job_path,
+    section_choices,
+)
 from titan_hybrid.hf.families import model_args_from_hf
 from titan_hybrid.model.args import resolve_model_args
 from titan_hybrid.training.run_config import RunConfig
@@ -44,16 +54,42 @@ def declared_options() -> Iterator[tuple[str, dataclasses.Field, object]]:
                 yield job_path(name, section_field), section_field, types[section_field.name]
 
 
+def enumerated_paths() -> frozenset[str]:
+    """The job paths of the RunConfig's enumerated fields: the ones whose values it checks."""
+    return frozenset(job_path(name, f) for name, section_cls in RUN_SECTIONS.items()
+                     for f in dataclasses.fields(section_cls)
+                     if f.name in section_choices(section_cls))
+
+
+def _without_choices(field_type):
+    """`field_type` with each Literal as str."""
+    origin, args = typing.get_origin(field_type), typing.get_args(field_type)
+    if origin is typing.Literal:
+        return str
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, map(_without_choices, args))
+    if origin is tuple:
+        return tuple[_without_choices(args[0]), ...]
+    return field_type
+
+
 def _command_line_field(section_field: dataclasses.Field, field_type) -> tuple:
     """(type, dataclasses.field) of an option on a command line: tuples become lists (tyro's
-    and torchtitan's sequences), the help goes where tyro reads it."""
+    and torchtitan's sequences), the help goes where tyro reads it. An enumerated option is a
+    str there, its values shown as its metavar: the RunConfig refuses another value in one line
+    (config/sections.py's check_choices), where tyro would print its boxed panel, which nothing
+    of titan_hybrid's turns into one line under `torchtitan.train`."""
     default = section_field.default
+    values = choices(field_type)
+    arg = tyro.conf.arg(help=help_text(section_field), metavar=None if values is None else
+                        "{" + ",".join(values) + "}")
+    field_type = _without_choices(field_type)
     if typing.get_origin(field_type) is tuple:
         field_type = list[typing.get_args(field_type)[0]]
         spec = dataclasses.field(default_factory=lambda: list(default))
     else:
         spec = dataclasses.field(default=default)
-    return typing.Annotated[field_type, tyro.conf.arg(help=help_text(section_field))], spec
+    return typing.Annotated[field_type, arg], spec
 
 
 def with_options(name: str, base: type | None, section: str,
@@ -106,6 +142,15 @@ def read_section(section_cls: type, section: str, read):
         if value is not MISSING:
             values[section_field.name] = tuple(value) if isinstance(value, list) else value
     return section_cls(**values)
+
+
+def check_quantize_choices(read) -> None:
+    """ValueError for an FP8 option whose value is not one of its type's, whether or not the
+    job's converters use it (a typo is a typo; under torchtitan 0.2 the command line refuses
+    its own Literal fields' typos alike). `model.converters` is float8_section's to check."""
+    for path, section_cls in QUANTIZE_OPTIONS.items():
+        if path != "quantize":
+            check_choices(path, read_section(section_cls, path, read))
 
 
 def read_sections(read) -> dict:

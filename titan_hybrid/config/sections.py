@@ -13,12 +13,22 @@ adapters build their command-line classes from these declarations (adapters/opti
 torchtitan that lacks an option's field gets it, with this default and this help. The other
 fields are torchtitan's own in both generations, read as they are; their defaults here are
 those of a RunConfig built without a job (tests, and a stock torchtitan trainer's model spec).
+
+An enumerated field is typed `Literal[...]`, torchtitan's habit: that type is the one list of
+its values (`choices` reads it; the code's tuples derive from it), the command line shows
+it, and the RunConfig refuses any other value in one line (`check_choices`), from a flag
+or a TOML file alike. The values of torchtitan's own enumerated fields are torchtitan's (the
+same in 0.2.2 and 0.3.0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 HELP = "titan_hybrid.help"
 JOB_PATH = "titan_hybrid.job_path"
@@ -29,7 +39,9 @@ def option(default, help: str, *, job_path: str | None = None,
            overrides_torchtitan: bool = False):
     """A field that titan_hybrid declares, with its one help text. `job_path`: its place in a
     job when that is not `<section>.<field>`. `overrides_torchtitan`: torchtitan has the field
-    with another default, and titan_hybrid's declaration (default and help) replaces it."""
+    with another default, and titan_hybrid's declaration (default and help) replaces it. An
+    enumerated option's values are its `Literal[...]` type, which the help need not repeat:
+    the command line shows them."""
     metadata = {HELP: " ".join(help.split())}
     if job_path:
         metadata[JOB_PATH] = job_path
@@ -53,6 +65,54 @@ def help_text(section_field: dataclasses.Field) -> str | None:
     return section_field.metadata.get(HELP)
 
 
+def choices(field_type) -> tuple | None:
+    """The values of an enumerated type: `Literal[...]`, optionally `| None` (then None is no
+    choice: it means "unset"), or a tuple / list of them (each item is one of the values);
+    None for any other type."""
+    origin = typing.get_origin(field_type)
+    if origin is typing.Literal:
+        return typing.get_args(field_type)
+    if origin in (typing.Union, types.UnionType):
+        found = [choices(arg) for arg in typing.get_args(field_type) if arg is not type(None)]
+        return found[0] if len(found) == 1 else None
+    if origin in (tuple, list):
+        return choices(typing.get_args(field_type)[0])
+    return None
+
+
+@functools.cache
+def section_choices(section_cls) -> dict[str, tuple]:
+    """{field name: its values} of a section's enumerated fields."""
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: found for f in dataclasses.fields(section_cls)
+            if (found := choices(hints[f.name])) is not None}
+
+
+def field_choices(section_cls, name: str) -> tuple:
+    """The values of the enumerated field `name` of `section_cls`."""
+    return section_choices(section_cls)[name]
+
+
+def choice_error(path: str, value, values: tuple) -> ValueError:
+    """The one line for a value that is not one of an option's."""
+    return ValueError(f"{path}={value!r}: must be one of {', '.join(map(str, values))}")
+
+
+def check_choices(section_name: str, section) -> None:
+    """ValueError naming the first enumerated field of `section` (the RunConfig's section
+    `section_name`) whose value is not one of its type's, by its job path. TOML values reach a
+    section unchecked by the command-line parser (tyro only checks the flags it parses)."""
+    section_values = section_choices(type(section))
+    for section_field in dataclasses.fields(section):
+        values = section_values.get(section_field.name)
+        value = getattr(section, section_field.name)
+        if values is None or value is None:
+            continue
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if item not in values:
+                raise choice_error(job_path(section_name, section_field), item, values)
+
+
 @dataclass(frozen=True)
 class TrainingSection:
     steps: int = 10000
@@ -61,8 +121,8 @@ class TrainingSection:
     global_batch_size: int = -1
     max_norm: float = 1.0
     gc_freq: int = 50
-    mixed_precision_param: str = "bfloat16"
-    mixed_precision_reduce: str = "float32"
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    mixed_precision_reduce: Literal["float32"] = "float32"
     enable_cpu_offload: bool = False
     seed: int | None = field(default=None, metadata=torchtitans("debug.seed"))
 
@@ -79,7 +139,9 @@ class DataSection:
 class ParallelismSection:
     data_parallel_replicate_degree: int = 1
     data_parallel_shard_degree: int = -1
-    fsdp_reshard_after_forward: str = "default"
+    # torchtitan's; titan_hybrid refuses all but "default" (pre-flight): resharding follows
+    # data_parallel_sharding_strategy, one knob for it rather than two that can disagree
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     tensor_parallel_degree: int = 1
     disable_loss_parallel: bool = option(False, """
         With tensor parallelism, compute the loss on the gathered logits instead of on the
@@ -92,7 +154,7 @@ class ParallelismSection:
     pipeline_parallel_microbatch_size: int = 1
     pipeline_parallel_layers_per_stage: int | None = None
     context_parallel_degree: int = 1
-    context_parallel_linear_mode: str = option("head_a2a", """
+    context_parallel_linear_mode: Literal["head_a2a", "chunkwise"] = option("head_a2a", """
         How context parallelism splits the Mamba2 (M), GDN (G) and KDA (K) layers. head_a2a:
         two all-to-alls per layer and direction trade sequence shards for head shards (traffic
         grows with the sequence; heads per TP rank divisible by the CP degree). chunkwise:
@@ -106,7 +168,9 @@ class ParallelismSection:
         that their expert-parallel all-to-alls overlap the other's compute (combined 1F1B).
         Needs expert_parallel_degree > 1; at PP = 1 at least 2 microbatches per step (gradient
         accumulation), under PP the 1F1B or Interleaved1F1B schedule.""")
-    data_parallel_sharding_strategy: str = option("optim_grads_params", """
+    data_parallel_sharding_strategy: Literal[
+        "no_shard", "optim", "optim_grads", "optim_grads_params"] = option(
+        "optim_grads_params", """
         Megatron-FSDP names: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2),
         optim_grads_params (ZeRO-3). With HSDP it applies to the shard dimension.""")
 
@@ -117,7 +181,7 @@ class CheckpointSection:
     folder: str = "checkpoint"
     interval: int = 500
     keep_latest_k: int = 10
-    async_mode: str = "disabled"
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     load_step: int = -1
     initial_load_path: str | None = None
     initial_load_in_hf: bool = False
@@ -127,7 +191,7 @@ class CheckpointSection:
         titan_hybrid saves the full state so a finished run can be extended with more steps;
         set it for a smaller final artifact (a Hugging Face export is always model-only).""",
                                         overrides_torchtitan=True)
-    export_dtype: str = "float32"
+    export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
     create_seed_checkpoint: bool = False
     resume_with_fresh_optimizer: bool = option(False, """
         Resume from a model-only checkpoint (weights, no optimizer state): the weights load,
@@ -156,7 +220,10 @@ class CompileSection:
 
 @dataclass(frozen=True)
 class ActivationCheckpointSection:
-    mode: str = option("none", "none, full, selective or memory_budget.")
+    mode: Literal["selective", "full", "memory_budget", "none"] = option("none", """
+        Which layers' activations are recomputed in the backward instead of kept: none, every
+        checkpointed layer's (full), some (selective: selective_ac_option), or what fits
+        memory_budget (the compiler picks).""")
     selective_ac_option: str = option("2", """
         With mode selective: an integer N (every N-th layer) or "op" (per-op selective AC).""")
     layer_kinds: str = option("", """
@@ -176,7 +243,7 @@ class ActivationCheckpointSection:
 
 @dataclass(frozen=True)
 class OptimizerSection:
-    name: str = option("AdamW", "AdamW or Adam.")
+    name: Literal["AdamW", "Adam"] = option("AdamW", "torch.optim's class of that name.")
     lr: float = option(8e-4, "The peak learning rate.")
     beta1: float = option(0.9, "Adam's beta1.")
     beta2: float = option(0.95, "Adam's beta2.")
@@ -184,14 +251,16 @@ class OptimizerSection:
     weight_decay: float = option(0.1, """
         Decoupled weight decay; parameters with fewer than two dimensions (norms, biases, the
         SSM's A_log and D) take none.""")
-    implementation: str = option("fused", "for-loop, foreach or fused.")
+    implementation: Literal["for-loop", "foreach", "fused"] = option("fused", """
+        How torch's optimizer runs its step (the same arithmetic): fused, one kernel; foreach,
+        a few batched ops; for-loop, one parameter at a time.""")
 
 
 @dataclass(frozen=True)
 class LRSchedulerSection:
     warmup_steps: int = 200
     decay_ratio: float | None = None
-    decay_type: str = "linear"
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     min_lr_factor: float = 0.0
 
 
@@ -200,25 +269,45 @@ class MetricsSection:
     log_freq: int = 10
 
 
+# FP8: the `quantize.linear.float8` options, which the run's Float8Section extends (the job's
+# other FP8 options are config/quantize.py's, which lists these with them).
+
+# torchao's recipe names: one scale per tensor (the default), per row, per row with the
+# weight-gradient GEMM in high precision
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+# torchao's MXFP8 recipe names (the ones torchtitan 0.2 passes on): the scales rounded down
+# (floor) or up (rceil) to a power of 2; emulated: MXFP8's rounding around high-precision GEMMs
+MXRecipe = Literal["mxfp8_cublas", "mxfp8_cublas_rceil", "mxfp8_emulated", "mxfp8_emulated_rceil"]
+
+
 @dataclass(frozen=True)
-class Float8Section:
+class Float8LinearOptions:
+    """`quantize.linear.float8`: the Linear modules in float8."""
+    recipe_name: Float8Recipe | None = option(None, """
+        torchao's float8 recipe (unset: tensorwise).""")
+    emulate: bool = option(False, """
+        The float8 GEMMs as casts to float8 and back around a high-precision matmul (CPU).""")
+    filter_fqns: tuple[str, ...] = option((), """
+        Modules whose FQN contains one of these stay in high precision.""")
+    enable_fsdp_float8_all_gather: bool = option(False, """
+        FSDP gathers the weights in float8 (tensorwise scaling).""")
+    precompute_float8_dynamic_scale_for_fsdp: bool = option(False, """
+        Compute the gathered float8 weights' scales once per step, after the optimizer (needs
+        enable_fsdp_float8_all_gather).""")
+
+
+@dataclass(frozen=True)
+class Float8Section(Float8LinearOptions):
     """FP8 training as the run applies it (quantize/float8.py), derived from the job's
-    `model.converters` and `quantize.*` options (config/quantize.py): torchtitan's
-    `quantize.linear.float8`, enabled when `model.converters` names it."""
+    converters and the options above: the `quantize.linear.float8` options, with what the
+    converters switch on (`enable`: the Linear modules, in float8 or, with `mx_recipe_name`,
+    in MXFP8, whose `filter_fqns` are then mx's)."""
     enable: bool = False
-    recipe_name: str | None = None  # None: tensorwise, torchao's default
-    emulate: bool = False
-    filter_fqns: tuple[str, ...] = ()
-    enable_fsdp_float8_all_gather: bool = False
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    # `quantize.grouped_mm.float8` (when `model.converters` names it): the routed experts'
-    # grouped GEMMs in float8 (rowwise), those whose FQN contains one of `grouped_mm_fqns`, or
-    # all of them when it is empty
+    # the routed experts' grouped GEMMs in float8 (rowwise), those whose FQN contains one of
+    # `grouped_mm_fqns` (Float8GroupedMMOptions.fqns), or all of them when it is empty
     grouped_mm: bool = False
     grouped_mm_fqns: tuple[str, ...] = ()
-    # `quantize.linear.mx` (when `model.converters` names it): the Linear modules in MXFP8 by
-    # this torchao recipe name, not in float8 (`enable` is set; `filter_fqns` are mx's)
-    mx_recipe_name: str | None = None
+    mx_recipe_name: MXRecipe | None = None  # None: the Linear modules (if any) in float8
 
 
 @dataclass(frozen=True)
@@ -250,14 +339,16 @@ class HybridSection:
         Hyper-connections (mHC, DeepSeek-V4 / Megatron's HybridModel) for any pattern: the
         residual stream becomes this many parallel streams, mixed around each layer by learned,
         Sinkhorn-projected weights; 0 turns them off. Unset: the flavor's.""")
+    # The values of m_layers / g_layers are the model's (model/layer_kinds.VARIANTS, a layer
+    # above this one): HybridModelArgs.validate refuses any other, in one line.
     m_layers: str | None = option(None, """
-        What the pattern's `M` layers build: "mamba2", or "gdp", gated DeltaProduct (Megatron's
-        gdp_stack_spec; its sizes and Householder steps in the model's `gdp` section). Unset:
-        the flavor's.""")
+        What the pattern's `M` layers build: a variant of `M` (model/layer_kinds.VARIANTS;
+        docs/patterns.md, "What `M` builds", lists them with their sections). Unset: the
+        flavor's.""")
     g_layers: str | None = option(None, """
-        What the pattern's `G` layers build: "gdn", or "gdn2", gated DeltaNet-2 (Megatron's
-        experimental_attention_variant "gdn2"; its sizes in the model's `gdn2` section).
-        Unset: the flavor's.""")
+        What the pattern's `G` layers build: a variant of `G` (model/layer_kinds.VARIANTS;
+        docs/patterns.md, "What `G` builds", lists them with their sections). Unset: the
+        flavor's.""")
     load_layers_by_order: bool = option(False, """
         Read a checkpoint of another pattern: the k-th layer of each kind (attention, MLP, ...)
         loads the checkpoint's k-th layer of that kind; kinds it lacks keep their fresh init.

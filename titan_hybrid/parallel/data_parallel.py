@@ -33,10 +33,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_hybrid.compat.fsdp import replicate
+from titan_hybrid.config.sections import ParallelismSection, field_choices
 from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead
 from titan_hybrid.model.model import HybridLayer, routed_experts
 
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING_STRATEGIES = field_choices(ParallelismSection, "data_parallel_sharding_strategy")
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:

@@ -32,23 +32,22 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import typing
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from titan_hybrid.config.sections import Float8Section
+from titan_hybrid.config.quantize import Converter, MXLinearOptions
+from titan_hybrid.config.sections import Float8Recipe, Float8Section, MXRecipe
 from titan_hybrid.model.model import HybridLayer, routed_experts
 from titan_hybrid.model.module_classes import extend_class
 from titan_hybrid.ops.float8_grouped_mm import float8_grouped_mm
 
-LINEAR_FLOAT8 = "quantize.linear.float8"
-GROUPED_FLOAT8 = "quantize.grouped_mm.float8"
-LINEAR_MX = "quantize.linear.mx"
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-# torchao's MXFP8 recipe names (the ones torchtitan 0.2 passes on): the scales rounded down
-# (floor) or up (rceil) to a power of 2; emulated: MXFP8's rounding around high-precision GEMMs
-MX_RECIPES = ("mxfp8_cublas", "mxfp8_cublas_rceil", "mxfp8_emulated", "mxfp8_emulated_rceil")
+# The values are the options' types' (config/quantize.py), in their order.
+LINEAR_FLOAT8, GROUPED_FLOAT8, LINEAR_MX = typing.get_args(Converter)
+RECIPES = typing.get_args(Float8Recipe)
+MX_RECIPES = typing.get_args(MXRecipe)
 MX_BLOCK = 32  # MXFP8 scales blocks of 32 along each GEMM's contraction
 FLOAT8_ALIGNMENT = 16  # float8 GEMMs need both widths a multiple of 16
 
@@ -59,7 +58,7 @@ def float8_section(converters, float8_fields, grouped_fqns=(), mx_fields=None) -
     torchtitan's comma-separated string) and `quantize.linear.mx` fields (`recipe_name`,
     `filter_fqns`); ValueError naming a field we cannot run."""
     converters = list(converters or [])
-    known = (LINEAR_FLOAT8, GROUPED_FLOAT8, LINEAR_MX)
+    known = typing.get_args(Converter)
     unknown = [name for name in converters if name not in known]
     if unknown:
         raise ValueError(f"model.converters {unknown}: titan_hybrid converts {list(known)}")
@@ -98,7 +97,7 @@ def float8_section(converters, float8_fields, grouped_fqns=(), mx_fields=None) -
 def mx_options(mx_fields) -> dict:
     """The MXFP8 Linear fields of the section from `quantize.linear.mx`'s (torchtitan 0.2's
     recipe names; the non-emulated ones need a Blackwell GPU)."""
-    recipe = getattr(mx_fields, "recipe_name", None) or MX_RECIPES[0]
+    recipe = getattr(mx_fields, "recipe_name", None) or MXLinearOptions().recipe_name
     if recipe not in MX_RECIPES:
         raise ValueError(f"quantize.linear.mx.recipe_name '{recipe}' is not one of {MX_RECIPES}")
     kernel_choice = getattr(mx_fields, "mxfp8_dim1_cast_kernel_choice", "triton")
@@ -301,7 +300,7 @@ def float8_summary(model: nn.Module, section: Float8Section, converted: list[str
 
 
 class Float8GroupedMatmuls:
-    """Mixed into the routed experts' class (parallel/module_classes.py): their grouped GEMMs
+    """Mixed into the routed experts' class (model/module_classes.py): their grouped GEMMs
     in float8, rowwise (ops/float8_grouped_mm.py)."""
 
     def grouped_mm(self, x: torch.Tensor, weights: torch.Tensor,

@@ -23,11 +23,17 @@ from torchtitan.components.optimizer import OptimizersContainer
 
 from titan_hybrid.checkpoint.split import merge_state_dict
 from titan_hybrid.checkpoint.state import physical_keys, split_optimizer_state
-from titan_hybrid.config.sections import OptimizerSection
+from titan_hybrid.config.sections import OptimizerSection, check_choices, field_choices
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.zero1 import shard_optimizer_state
 
-OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+OPTIMIZER_CLASSES = {name: getattr(torch.optim, name)
+                     for name in field_choices(OptimizerSection, "name")}
+# torch's keyword arguments for each of optimizer.implementation's values
+IMPLEMENTATIONS = {"fused": {"fused": True, "foreach": False},
+                   "foreach": {"fused": False, "foreach": True},
+                   "for-loop": {"fused": False, "foreach": False}}
+assert set(IMPLEMENTATIONS) == set(field_choices(OptimizerSection, "implementation"))
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -97,17 +103,13 @@ def build_hybrid_optimizers(model_parts: list[nn.Module], optimizer_config: Opti
                             plan: ParallelPlan) -> OptimizersContainer:
     """`plan`: what parallelize returned for these parts (ParallelPlan.unparallelized for
     a model used as built)."""
-    if optimizer_config.name not in OPTIMIZER_CLASSES:
-        raise ValueError(f"optimizer.name '{optimizer_config.name}' is not one of "
-                         f"{sorted(OPTIMIZER_CLASSES)}")
-    implementation = optimizer_config.implementation
+    check_choices("optimizer", optimizer_config)  # a section built without a RunConfig
     kwargs = {
         "lr": optimizer_config.lr,
         "betas": (optimizer_config.beta1, optimizer_config.beta2),
         "eps": optimizer_config.eps,
         "weight_decay": optimizer_config.weight_decay,
-        "fused": implementation == "fused",
-        "foreach": implementation == "foreach",
+        **IMPLEMENTATIONS[optimizer_config.implementation],
     }
     return HybridOptimizersContainer(model_parts, OPTIMIZER_CLASSES[optimizer_config.name], kwargs,
                                      plan)

@@ -4,7 +4,8 @@ or model.
 `check_run` raises ValueError naming the field, its value and the rule. The launcher
 (titan_hybrid.launch) runs it in the launching process, before torchrun starts workers; the
 worker entry (titan_hybrid.train) runs it again, for jobs started by a plain torchrun. Building
-the RunConfig (the torchtitan adapter) has already checked the model args.
+the RunConfig (the torchtitan adapter) has already checked the model args, and each enumerated
+field's value against its `Literal[...]` (config/sections.py's check_choices).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from titan_hybrid.hf.families import check_hf_compatible
 from titan_hybrid.parallel.activation_checkpoint import check_activation_checkpoint
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.quantize.float8 import MX_BLOCK, check_float8
-from titan_hybrid.training.optimizer import OPTIMIZER_CLASSES
 from titan_hybrid.training.run_config import RunConfig
 from titan_hybrid.training.validation import validate_validation_config
 
@@ -54,9 +54,6 @@ def check_global_batch(training, data_parallel: int) -> None:
 
 
 def check_optimizer(optimizer, lr_scheduler) -> None:
-
-    _require(optimizer.name in OPTIMIZER_CLASSES, "optimizer.name", optimizer.name,
-             f"is not one of {sorted(OPTIMIZER_CLASSES)}")
     _require(math.isfinite(optimizer.lr) and optimizer.lr >= 0, "optimizer.lr", optimizer.lr,
              "must be a finite number >= 0 (0 freezes the weights: evaluation or export runs)")
     for name in ("beta1", "beta2"):
@@ -84,10 +81,7 @@ def check_checkpoint(checkpoint) -> None:
     _require(checkpoint.keep_latest_k == 0 or checkpoint.keep_latest_k >= 2,
              "checkpoint.keep_latest_k", checkpoint.keep_latest_k,
              "must be 0 (keep all) or >= 2 (the newest save may still be in progress)")
-    mode = checkpoint.async_mode.lower()
-    _require(mode in ("disabled", "async", "async_with_pinned_mem"), "checkpoint.async_mode",
-             checkpoint.async_mode, "must be 'disabled', 'async' or 'async_with_pinned_mem'")
-    _require(mode != "async_with_pinned_mem" or torch.cuda.is_available(),
+    _require(checkpoint.async_mode != "async_with_pinned_mem" or torch.cuda.is_available(),
              "checkpoint.async_mode", checkpoint.async_mode,
              "needs CUDA (pinned host memory); use 'async' on this machine")
     _require(checkpoint.load_step == -1 or checkpoint.load_step >= 0, "checkpoint.load_step",
@@ -95,6 +89,16 @@ def check_checkpoint(checkpoint) -> None:
     path = checkpoint.initial_load_path
     _require(not path or os.path.isdir(path), "checkpoint.initial_load_path", path,
              "is not a directory")
+
+
+def check_parallelism(parallelism) -> None:
+    """What validate_layout (the layout against the world size) leaves: torchtitan's fields
+    that titan_hybrid does not honour."""
+    _require(parallelism.fsdp_reshard_after_forward == "default",
+             "parallelism.fsdp_reshard_after_forward", parallelism.fsdp_reshard_after_forward,
+             "is not supported: titan_hybrid reshards as "
+             "parallelism.data_parallel_sharding_strategy says (optim_grads: never, "
+             "optim_grads_params: after each forward); leave it 'default'")
 
 
 def check_metrics(metrics) -> None:
@@ -107,6 +111,7 @@ def check_run(run: RunConfig, world_size: int) -> None:
     check_training(run.training)
     check_optimizer(run.optimizer, run.lr_scheduler)
     check_checkpoint(run.checkpoint)
+    check_parallelism(run.parallelism)
     check_metrics(run.metrics)
     check_float8(run.float8)
     if run.float8.mx_recipe_name:

@@ -7,11 +7,13 @@ checkpoints) reads this object, never a torchtitan config, so that code does not
 torchtitan runs it.
 
 Its sections are titan_hybrid.config.sections' (the bottom layer), which code that reads one
-section imports directly.
+section imports directly. Building one refuses a value of an enumerated field that is not one of
+its type's (each section's `Literal[...]` fields), whichever torchtitan parsed the job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from titan_hybrid.config.sections import (
@@ -27,6 +29,7 @@ from titan_hybrid.config.sections import (
     ParallelismSection,
     TrainingSection,
     ValidationSection,
+    check_choices,
 )
 from titan_hybrid.model.args import HybridModelArgs
 
@@ -50,6 +53,13 @@ class RunConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     hybrid: HybridSection = field(default_factory=HybridSection)
     float8: Float8Section = field(default_factory=Float8Section)
+
+    def __post_init__(self) -> None:
+        # (float8 is derived from the quantize options, whose values float8_section checks
+        # under their own names)
+        for section in dataclasses.fields(self):
+            if section.name not in ("model", "dump_folder", "float8"):
+                check_choices(section.name, getattr(self, section.name))
 
     @property
     def flavor(self) -> str:

@@ -4,6 +4,7 @@ the four steps every front end has, with the same names as torchtitan_0_3/front_
 from __future__ import annotations
 
 from titan_hybrid.adapters.command_line import one_line_parse_errors, refuse_0_3_names
+from titan_hybrid.adapters.options import enumerated_paths
 from titan_hybrid.adapters.torchtitan_0_2 import job_config
 from titan_hybrid.adapters.torchtitan_0_2.train_spec import register_hybrid_train_spec
 from titan_hybrid.adapters.torchtitan_0_2.trainer import HybridTrainer
@@ -29,7 +30,7 @@ def activate() -> None:
 def parse_job(args: list[str]) -> job_config.JobConfig:
     """The job of `--job.config_file F --section.field value ...`; ValueError: one line."""
     refuse_0_3_names(args)
-    with one_line_parse_errors():
+    with one_line_parse_errors(enumerated_paths()):
         return job_config.parse_job(args)
 
 

@@ -26,6 +26,7 @@ from torchtitan.config import JobConfig as TitanJobConfig
 
 from titan_hybrid.adapters.options import (
     attribute_reader,
+    check_quantize_choices,
     declared_options,
     read_sections,
     run_config_from,
@@ -75,8 +76,10 @@ def run_config(job: TitanJobConfig) -> RunConfig:
              "synchronously by every rank)")
     _require(not job.optimizer.early_step_in_backward, "optimizer.early_step_in_backward", True,
              "is not supported by titan_hybrid's trainer")
+    read = attribute_reader(job)
+    check_quantize_choices(read)
     return run_config_from(
-        read_sections(attribute_reader(job)), dump_folder=job.job.dump_folder,
+        read_sections(read), dump_folder=job.job.dump_folder,
         float8=float8_section(job.model.converters, job.quantize.linear.float8,
                               job.quantize.grouped_mm.float8.fqns, job.quantize.linear.mx))
 

@@ -29,6 +29,7 @@ from titan_hybrid.adapters.command_line import (
 from titan_hybrid.adapters.options import (
     MISSING,
     attribute_reader,
+    check_quantize_choices,
     read_sections,
     run_config_from,
     with_options,
@@ -122,12 +123,15 @@ _VALIDATION_WINDOWS = {"validation.local_batch_size": "training.local_batch_size
 
 
 def _run_from(config, model: HybridModelArgs | None = None, flavor: str | None = None):
-    sections = read_sections(_reader(config))
+    read = _reader(config)
+    sections = read_sections(read)
     sections["activation_checkpoint"] = activation_checkpoint_section(
         config.activation_checkpoint)
     if flavor is not None:
         sections["hybrid"] = dataclasses.replace(sections["hybrid"], flavor=flavor)
     quantize = config.quantize
+    if quantize is not None:
+        check_quantize_choices(read)
     float8 = (Float8Section() if quantize is None else float8_section(
         quantize.converters, quantize.linear.float8, quantize.grouped_mm.float8.fqns,
         quantize.linear.mx))

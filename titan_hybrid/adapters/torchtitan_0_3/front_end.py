@@ -12,6 +12,7 @@ import tyro
 from torchtitan.config.manager import ConfigManager, custom_registry
 
 from titan_hybrid.adapters.command_line import config_file, flags_for_0_3, one_line_parse_errors
+from titan_hybrid.adapters.options import enumerated_paths
 from titan_hybrid.adapters.torchtitan_0_3 import config as job_config
 from titan_hybrid.adapters.torchtitan_0_3.toml_job import apply_toml
 from titan_hybrid.adapters.torchtitan_0_3.trainer import HybridTrainer
@@ -41,7 +42,7 @@ def parse_job(args: list[str]) -> HybridTrainer.Config:
         base = HybridTrainer.Config()
         if path:
             base = apply_toml(base, Path(path))
-        with user_errors_raised(), one_line_parse_errors():
+        with user_errors_raised(), one_line_parse_errors(enumerated_paths()):
             return tyro.cli(type(base), args=args, default=base, registry=custom_registry)
     finally:
         logging.disable(logging.NOTSET)
