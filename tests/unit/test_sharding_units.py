@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -137,7 +138,12 @@ def test_hyper_connections_are_fp32_units_and_the_hyper_head_is_a_unit(one_rank_
     """With hyper-connections under bf16 parameters: each layer's hyper-connection (and each
     hyper head) computes from fp32 weights, the projections from bf16 ones; the root holds no
     parameter (the hyper head is a unit: EP overlap runs one microbatch's forward with the
-    other's backward, and a root parameter would be gathered by both)."""
+    other's backward, and a root parameter would be gathered by both).
+
+    No unit returns a view: FSDP2 hands a unit its inputs as views, and the MoE flavor's aux
+    loss passes the layers without experts; returned as it came, an in-place op on it would
+    skip the unit's pre-backward hook (FSDP2 warns, here an error; pyproject.toml makes it one
+    in every in-process test)."""
     from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead
 
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_moe"]), hc_mult=4, dim=64)
@@ -155,7 +161,10 @@ def test_hyper_connections_are_fp32_units_and_the_hyper_head_is_a_unit(one_rank_
         if isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(
                 lambda m, args: seen["projections"].add(m.weight.dtype))
-    out = model(torch.randint(0, args.vocab_size, (2, 32)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="FSDP2-wrapped module")
+        out = model(torch.randint(0, args.vocab_size, (2, 32)))
+    assert args.moe is not None and out[1].requires_grad  # an aux loss that FSDP2 hooks
     out[0].float().square().mean().backward()
     assert seen == {"hyper": {torch.float32}, "projections": {torch.bfloat16}}
     if strategy == "optim_grads_params":

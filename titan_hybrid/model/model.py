@@ -90,6 +90,12 @@ class HybridLayer(nn.Module):
         if self.kind.has_aux_loss:
             out, layer_aux_loss = out
             aux_loss = aux_loss + layer_aux_loss
+        elif aux_loss.requires_grad:
+            # Not the input itself: FSDP2 hands a unit its inputs as views (of its hook
+            # function's outputs), and a unit that returned one as it came would return a view,
+            # whose in-place update downstream would skip the unit's pre-backward hook (torch
+            # warns). The aux loss is one number: the copy costs nothing measurable.
+            aux_loss = aux_loss.clone()
         if self.post_norm:
             out = self.norm(out)
         if self.residual_multiplier != 1.0:
