@@ -43,12 +43,12 @@ from titan_hybrid.compat.checkpointing import (
     keep_compiled_frames_of_every_layer,
     set_activation_memory_budget,
 )
-from titan_hybrid.config.sections import ActivationCheckpointSection
+from titan_hybrid.config.sections import ActivationCheckpointSection, section_choices
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.symbols import SYMBOLS
 from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
 
-MODES = ("none", "full", "selective", "memory_budget")
+MODES = section_choices(ActivationCheckpointSection)["mode"]
 
 
 def selective_ac_saved_ops() -> set:

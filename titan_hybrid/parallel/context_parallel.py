@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_hybrid.compat.collectives import traceable_all_reduce
+from titan_hybrid.config.sections import ParallelismSection, section_choices
 from titan_hybrid.data.zigzag import zigzag_index
 from titan_hybrid.model.common import WholeSequenceSum
 from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
@@ -202,7 +203,7 @@ class ContextParallelHeadExchange(nn.Module):
         return exchange.to_sequence(self.core(*named.values()))
 
 
-LINEAR_MODES = ("head_a2a", "chunkwise")
+LINEAR_MODES = section_choices(ParallelismSection)["context_parallel_linear_mode"]
 
 
 def splits(rule: ContextParallelRule | None) -> bool:
