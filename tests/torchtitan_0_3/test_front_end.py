@@ -13,7 +13,13 @@ import pytest
 
 from tests.launch import REPO_ROOT
 from tests.torchtitan_0_3.test_adapter import SMALL, curve
-from tests.unit.test_bad_inputs import BAD_INPUTS, CONFIG
+from tests.unit.test_bad_inputs import (  # noqa: F401 (its tests, run here under 0.3 too)
+    BAD_INPUTS,
+    CONFIG,
+    test_a_flag_that_replaces_a_toml_typo_is_taken_without_a_word,
+    test_a_typo_in_the_toml_is_one_line_naming_the_values,
+    test_unreadable_config_file,
+)
 from titan_hybrid import launch
 
 # The launcher's bad inputs under 0.2 whose message is another one under 0.3 (None: the flag

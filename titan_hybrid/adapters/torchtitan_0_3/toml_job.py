@@ -48,8 +48,11 @@ def _set(config, path: list[str], value, where: str) -> None:
 def apply_toml(config, path: Path):
     """`config` (a HybridTrainer.Config) with the TOML job at `path` applied; ValueError names
     a field that 0.3 cannot take."""
-    with open(path, "rb") as f:
-        job = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            job = tomllib.load(f)
+    except tomllib.TOMLDecodeError as error:  # its message has no file name
+        raise ValueError(f"job.config_file '{path}' is not valid TOML: {error}") from None
     for name, value in _fields(job):
         where = f"{path.name}: {name}"
         if name == "model.name" and value != "hybrid":
