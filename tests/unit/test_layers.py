@@ -24,13 +24,14 @@ from titan_hybrid.model.args import (
     MoEArgs,
     hybrid_flavors,
 )
-from titan_hybrid.model.attention import Attention, rotary_tables
+from titan_hybrid.model.attention import Attention
 from titan_hybrid.model.common import TPLayout, tensor_parallel_layouts
 from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mlp import SwiGLU
 from titan_hybrid.model.moe import MoE
+from titan_hybrid.model.rotary import rotary_tables
 
 F64 = dict(atol=1e-10, rtol=1e-10)
 DIM = 32

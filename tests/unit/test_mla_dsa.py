@@ -29,10 +29,10 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 
 from titan_hybrid.model import dsa, mla
-from titan_hybrid.model.attention import rotary_tables
 from titan_hybrid.model.dsa import DeepSeekSparseAttention, DSAArgs, index_scores, top_keys
 from titan_hybrid.model.layout import TokenLayout, packed_layout
 from titan_hybrid.model.mla import MLAArgs, MultiLatentAttention
+from titan_hybrid.model.rotary import rotary_tables
 
 F64_TOL, F32_TOL = 1e-10, 1e-5  # relative: max |got - expected| / max |expected|
 DIM, SEQ = 32, 20

@@ -24,13 +24,13 @@ from titan_hybrid.model.args import (
     MoEArgs,
     hybrid_flavors,
 )
-from titan_hybrid.model.attention import rotary_tables
 from titan_hybrid.model.flops import nparams_and_flops_per_token
 from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.layout import documents_from_bos, packed_layout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.model import HybridModel
 from titan_hybrid.model.norms import GatedGroupRMSNorm, HeadGatedRMSNorm, RMSNorm
+from titan_hybrid.model.rotary import rotary_tables
 from titan_hybrid.training.loss import hybrid_loss, shift_labels
 
 DIM, VOCAB, BATCH, SEQ = 32, 64, 2, 12

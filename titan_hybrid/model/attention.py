@@ -18,11 +18,11 @@ from titan_hybrid.model.common import (
     TPLayout,
     init_linear,
     sharded,
-    upcast,
 )
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
-from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.layout import TokenLayout, causal_document_mask
 from titan_hybrid.model.norms import AcrossHeadsRMSNorm, RMSNorm
+from titan_hybrid.model.rotary import apply_rotary_pairs
 
 
 @dataclass
@@ -55,38 +55,6 @@ class AttentionArgs:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rotary_fraction)
-
-
-def rotary_tables(*, head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """[max_seq_len, head_dim // 2, 2] cos/sin table (fp32: angles of long positions need it)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
-
-
-def apply_rotary_pairs(x_BTHR: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                       interleaved: bool) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) in place (interleaved) or (i, i + R/2) by angle i."""
-    x = upcast(x_BTHR)
-    if interleaved:
-        real, imag = x[..., 0::2], x[..., 1::2]
-    else:
-        real, imag = x.chunk(2, dim=-1)
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    rotated = (real * cos - imag * sin, real * sin + imag * cos)
-    if interleaved:
-        return torch.stack(rotated, dim=-1).flatten(-2).type_as(x_BTHR)
-    return torch.cat(rotated, dim=-1).type_as(x_BTHR)
-
-
-def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int, k_len: int,
-                         device: torch.device) -> torch.Tensor:
-    """[B, 1, Tq, Tk] True where the key is at or before the query in the same document."""
-    mask = (key.row_order(k_len, device)[:, None, :]
-            <= query.row_order(q_len, device)[:, :, None])
-    if query.seq_idx is not None:
-        mask &= key.seq_idx[:, None, :] == query.seq_idx[:, :, None]
-    return mask.unsqueeze(1)
 
 
 class CausalAttentionCore(nn.Module):

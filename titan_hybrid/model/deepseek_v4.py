@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.attention import apply_rotary_pairs
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.rotary import apply_rotary_pairs
 
 
 @dataclass

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
 from titan_hybrid.model.common import TensorParallelHeadSum, init_linear, upcast
 from titan_hybrid.model.layer_kind import (
     CONTEXT,
@@ -47,7 +46,7 @@ from titan_hybrid.model.layer_kind import (
     KindStatistics,
     LayerKind,
 )
-from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.layout import TokenLayout, causal_document_mask
 from titan_hybrid.model.mla import (
     MLAArgs,
     MultiLatentAttention,
@@ -59,6 +58,7 @@ from titan_hybrid.model.mla import (
     tensor_parallel_sizes,
     validate_mla,
 )
+from titan_hybrid.model.rotary import apply_rotary_pairs
 
 INDEX_NORM_EPS = 1e-6  # DeepSeek's LayerNorm epsilon for the indexer key
 MODES = ("sparse", "dense")

@@ -66,3 +66,13 @@ def packed_layout(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
     positions = torch.arange(int(cu_seqlens[-1]), device=lengths.device) - starts
     return seq_idx[None].to(torch.int32), positions[None].to(torch.int32)
+
+
+def causal_document_mask(query: TokenLayout, key: TokenLayout, q_len: int, k_len: int,
+                         device: torch.device) -> torch.Tensor:
+    """[B, 1, Tq, Tk] True where the key is at or before the query in the same document."""
+    mask = (key.row_order(k_len, device)[:, None, :]
+            <= query.row_order(q_len, device)[:, :, None])
+    if query.seq_idx is not None:
+        mask &= key.seq_idx[:, None, :] == query.seq_idx[:, :, None]
+    return mask.unsqueeze(1)

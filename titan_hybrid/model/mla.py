@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.attention import apply_rotary_pairs, causal_document_mask
 from titan_hybrid.model.common import TPLayout, init_linear, sharded, upcast
 from titan_hybrid.model.layer_kind import ContextParallelRule, LayerKind
-from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.layout import TokenLayout, causal_document_mask
 from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.rotary import apply_rotary_pairs
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's (transformers hard-codes it for both latent norms)
 

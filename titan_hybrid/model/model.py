@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.args import HybridModelArgs
-from titan_hybrid.model.attention import rotary_tables
 from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead, expand_streams
 from titan_hybrid.model.layer_kinds import kind_of
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.model.pattern import Item
+from titan_hybrid.model.rotary import rotary_tables
 
 
 def model_norm(args: HybridModelArgs) -> RMSNorm:
