@@ -284,7 +284,7 @@ MXRecipe = Literal["mxfp8_cublas", "mxfp8_cublas_rceil", "mxfp8_emulated", "mxfp
 class Float8LinearOptions:
     """`quantize.linear.float8`: the Linear modules in float8."""
     recipe_name: Float8Recipe | None = option(None, """
-        torchao's float8 recipe (unset: tensorwise).""")
+        torchao's float8 recipe (unset: torchao's default, one scale per tensor).""")
     emulate: bool = option(False, """
         The float8 GEMMs as casts to float8 and back around a high-precision matmul (CPU).""")
     filter_fqns: tuple[str, ...] = option((), """
