@@ -54,26 +54,45 @@ def test_fifty_float8_steps_follow_the_float32_curve(reference_run, tmp_path, fl
     assert abs(statistics.mean(result.losses) - mean_loss) / mean_loss <= 0.003
 
 
-@pytest.mark.parametrize("float8, layout, same_first_steps", [
-    (FLOAT8, (), 2),  # FSDP2 over both processes
+# FSDP2's second step after its sharded update: see the test's docstring.
+SHARDED_UPDATE_REL = 1e-5
+
+
+@pytest.mark.parametrize("float8, layout, sharded_update", [
+    (FLOAT8, (), True),  # FSDP2 over both processes
     # ... gathering the weights in float8, their scales computed after each optimizer step
     # (tests/unit/test_float8.py checks the gather's float8 bytes and scales in the default run)
     pytest.param(FLOAT8, ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
                           "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
-                 2, marks=pytest.mark.extended),
-    (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), 0),
+                 True, marks=pytest.mark.extended),
+    (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), False),
     # measured 1.4e-6 at step 2, 5.1e-5 at most (tests/unit/test_mxfp8.py checks the GEMMs)
-    pytest.param(MXFP8, (), 1, marks=pytest.mark.extended),
-    pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), 0,
+    pytest.param(MXFP8, (), True, marks=pytest.mark.extended),
+    pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), False,
                  marks=pytest.mark.extended),
 ])
 def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tmp_path, float8,
-                                                               layout, same_first_steps):
+                                                               layout, sharded_update):
     """FSDP2 gathers the whole weights and each rank quantizes the activations of the same
-    microbatch the one process accumulates: the first two steps are bitwise equal, also when
-    it gathers them as float8 (scaled by the whole weight's largest magnitude, as one process
-    casts them). Float8's
-    rounding then turns the float32 reduction order's differences in the updated weights into
+    microbatch (2 rows) that the one process accumulates: the same GEMMs, the same float8
+    casts, so the first step's loss is bitwise equal on every CPU, also when it gathers them
+    as float8 (scaled by the whole weight's largest magnitude, as one process casts them).
+
+    The second step is not asserted bitwise: FSDP2 updates the weights shard by shard, which is
+    other float32 arithmetic than one process's. The clipping factor max_norm / |g| comes from
+    a norm summed shard by shard (step 1's |g|: 2.77278 in one process, 2.77282 under FSDP2 on
+    torch 2.13, AVX2); Adam's first update is nearly invariant to it (steps 1-2 bitwise here,
+    step 3 1.7e-6 apart; all three bitwise with --training.max_norm 1e6). And torch's fused
+    AdamW steps a tensor as whole vectors in float32, then a scalar tail in float64 (a tail
+    element rounds otherwise: 1 of 160 after two steps, measured here): Mamba's A_log, D and
+    dt_bias (16 heads) are one AVX-512 vector in one process but an 8-element tail on each
+    rank, so an AVX-512 CPU may round them otherwise (AVX2's vectors are 8 wide: no tail).
+    Measured on an Intel Xeon with AVX-512 (issue 57, torch 2.13): step 2 8.0051727 under FSDP2
+    against 8.0051603, 1.5e-6 relative, where this CPU (AVX2) gives it bitwise. Float8 turns
+    such last-bit weight differences into a few flipped roundings: SHARDED_UPDATE_REL bounds
+    step 2 at 1e-5.
+
+    Later steps: float8's rounding turns the float32 differences in the updated weights into
     more: measured 1.6e-4 at most over 8 steps. TP's ranks scale their own shards of the
     weights (the tensorwise scale of a shard, not of the whole tensor): 9e-6 apart from the
     first step, 2.9e-4 at most. MXFP8's 32-wide blocks are the same on a TP shard as in the
@@ -82,7 +101,9 @@ def test_two_process_layouts_give_the_float8_one_process_curve(reference_run, tm
     single = reference_run(*job).losses
     result = run_training(tmp_path, *job, *layout, nproc=2).check()
     assert len(result.losses) == len(single) == 8
-    assert result.losses[:same_first_steps] == single[:same_first_steps]
+    if sharded_update:
+        assert result.losses[0] == single[0]
+        assert result.losses[1] == pytest.approx(single[1], rel=SHARDED_UPDATE_REL)
     for ours, reference in zip(result.losses, single):
         assert ours == pytest.approx(reference, rel=1e-3)
 
