@@ -130,13 +130,17 @@ KIND = LayerKind(
 )
 
 
-def register() -> type:
-    """Register the kind (its symbol and its table line) in this process, and return the
-    model args class with its section (`throwaway`)."""
+# The model args with the kind's section, `throwaway` (what its line in HybridModelArgs
+# would be).
+ArgsWithThrowaway = dataclasses.make_dataclass(
+    "ArgsWithThrowaway",
+    [("throwaway", ThrowawayArgs, dataclasses.field(default_factory=ThrowawayArgs))],
+    bases=(HybridModelArgs,))
+
+
+def register() -> None:
+    """Register the kind in this process: its symbol and its table line (a worker process's
+    call; a test in a shared process patches the tables for its own duration instead)."""
     SYMBOLS.setdefault(SYMBOL, LayerSymbol(symbol=SYMBOL, name="throwaway",
                                            title="throwaway recurrent", namespace=MIXER))
     LAYER_KINDS.setdefault(SYMBOL, KIND)
-    return dataclasses.make_dataclass(
-        "ArgsWithThrowaway", [("throwaway", ThrowawayArgs,
-                               dataclasses.field(default_factory=ThrowawayArgs))],
-        bases=(HybridModelArgs,))

@@ -47,8 +47,9 @@ def compare(pattern: str, mamba_groups: int, cp: int, rank: int, linear_mode: st
     head_a2a takes each document zigzagged on its own (the vision-language packer's layout),
     chunkwise the row zigzagged as a whole (the trainer's), with documents crossing pieces."""
     # The debug flavor's args, with the section of the tests' throwaway kind (`Z`).
+    throwaway_kind.register()
     debug = hybrid_flavors["debug"]
-    with_throwaway = throwaway_kind.register()(
+    with_throwaway = throwaway_kind.ArgsWithThrowaway(
         **{f.name: getattr(debug, f.name) for f in dataclasses.fields(debug)})
     args = dataclasses.replace(
         with_throwaway, dim=32, vocab_size=64, max_seq_len=64, pattern=pattern,

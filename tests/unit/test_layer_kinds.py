@@ -129,3 +129,33 @@ def test_context_parallel_wraps_every_recurrent_kind_without_naming_one():
     recurrent = [kind for kind in LAYER_KINDS.values()
                  if kind.context_parallel and kind.context_parallel.head_channels]
     assert sorted(kind.symbol for kind in recurrent) == ["G", "K", "M"]
+
+
+def test_a_variant_is_one_table_entry(monkeypatch):
+    """A new variant of `M` (here the tests' throwaway recurrent kind, tests/throwaway_kind.py)
+    is its module, its args section and one VARIANTS entry: `m_layers` then takes its name,
+    the model builds it under its own name, and its checkpoint keys say so."""
+    from tests import throwaway_kind
+    from titan_hybrid.model.model import HybridModel
+    from titan_hybrid.model.symbols import MIXER, LayerSymbol
+
+    variant = dataclasses.replace(throwaway_kind.KIND, symbol="M", variant=LayerSymbol(
+        symbol="M", name="throwaway", title="throwaway recurrent", namespace=MIXER))
+    flag, kinds = VARIANTS["M"]
+    monkeypatch.setitem(VARIANTS, "M", (flag, {**kinds, "throwaway": variant}))
+    debug = hybrid_flavors["debug"]
+    args = throwaway_kind.ArgsWithThrowaway(
+        **{f.name: getattr(debug, f.name) for f in dataclasses.fields(debug)})
+    args = dataclasses.replace(args, pattern="M-*M-", m_layers="throwaway", dim=32,
+                               vocab_size=64, max_seq_len=16)
+    args.validate()
+    assert [kind.name for kind in args.kinds()] == ["throwaway", "attention", "mlp"]
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    logits = model(torch.randint(0, 64, (2, 16)))
+    assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
+    assert "layers.0.throwaway.in_proj.weight" in model.state_dict()
+    with pytest.raises(ValueError, match=r"^m_layers='gdn' is not one of \['mamba2', 'gdp', "
+                                         r"'throwaway'\]"):
+        dataclasses.replace(args, m_layers="gdn").validate()
