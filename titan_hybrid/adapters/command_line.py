@@ -18,6 +18,8 @@ import re
 import sys
 import warnings
 
+from titan_hybrid.config.sections import choice_error
+
 # 0.2 / TOML name -> 0.3 name.
 RENAMED_UNDER_0_3 = {
     "job.dump_folder": "dump_folder",
@@ -166,11 +168,6 @@ def job_name(flag: str) -> str:
     return name if renamed.endswith(")") else renamed  # a negation keeps 0.3's name
 
 
-def not_one_of(name: str, value, values) -> str:
-    """The one line for a value that is not one of a field's (config/sections.py's words)."""
-    return f"{name}={value!r}: must be one of {', '.join(map(str, values))}"
-
-
 # tyro's warning for a field whose TOML value (the parse's default) is not of its type
 _DEFAULT_NOT_OF_ITS_TYPE = re.compile(r"The field `(?P<field>[^`]+)` is annotated with type "
                                       r"`typing\.Literal\[")
@@ -219,8 +216,8 @@ def _first_line_of_panel(text: str) -> str:
     choice = _INVALID_CHOICE.match(message)
     if choice:
         values = ast.literal_eval(choice["values"])  # an optional field's include 'None'
-        return not_one_of(job_name(choice["flag"]), choice["value"],
-                          [value for value in values if value != "None"])
+        return str(choice_error(job_name(choice["flag"]), choice["value"],
+                                [value for value in values if value != "None"]))
     if message.startswith("Unrecognized options:"):  # tyro lists the flags' values too
         flags = [word.rstrip(",") for word in message.split()[2:] if word.startswith("--")]
         message = "unknown flag: " + ", ".join(flags)
