@@ -34,6 +34,7 @@ from titan_hybrid.parallel.pipeline import pipeline_hybrid
 from titan_hybrid.parallel.plan import ParallelPlan
 from titan_hybrid.parallel.validate import validate_layout
 from titan_hybrid.runtime.errors import report_and_exit
+from titan_hybrid.training.preflight import check_parallelism
 from titan_hybrid.training.run_config import RunConfig
 
 
@@ -145,13 +146,15 @@ class HybridBuild:
 
     def checked_run(self, *, parallel_dims, training, parallelism, compile_config, ac_config,
                     dump_folder) -> RunConfig:
-        """The run, its layout checked once against the world (a stock trainer's job is not
-        checked before it reaches the model spec)."""
+        """The run, its layout (and the parallelism fields titan_hybrid refuses) checked once
+        against the world (a stock trainer's job is not checked before it reaches the model
+        spec)."""
         run = self.run_for(training=training, parallelism=parallelism,
                            compile_config=compile_config, ac_config=ac_config,
                            dump_folder=dump_folder)
         if not self.layout_checked:
             validate_layout(run, parallel_dims.world_size)
+            check_parallelism(run.parallelism)  # what the layout leaves: fields not honoured
             self.layout_checked = True
         return run
 
