@@ -648,7 +648,7 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
 def test_a_copy_is_compared_bit_for_bit():
     """A copy is the same bits as its original: NaNs copied (uninitialized memory holds them)
     are equal, and a -0.0 for a 0.0 or another dtype is a difference."""
-    from titan_hybrid.hf.adapter import SharedCopy, check_copy
+    from titan_hybrid.hf.key_map_parts import SharedCopy, check_copy
 
     copy = SharedCopy(key="tok_embeddings.weight", original="a")
     original = torch.tensor([[float("nan"), 0.0], [1.0, 2.0]])

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import json_float, tagged_float
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import json_float, tagged_float
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.hf.vocabulary import swiglu_mlp
 from titan_hybrid.model import attention, mamba, mlp

@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from titan_hybrid.hf.adapter import ExpertSlice, SharedCopy
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import ExpertSlice, SharedCopy
 from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.dsa import KIND as DSA

@@ -35,7 +35,7 @@ from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from titan_hybrid.checkpoint.split import ComponentChunks, GatheredRows, merged_chunks
 from titan_hybrid.checkpoint.state import logical_keys, physical_keys
-from titan_hybrid.hf.adapter import (
+from titan_hybrid.hf.key_map_parts import (
     ExpertSlice,
     Reshaped,
     SharedCopy,

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import softmax_routed
 from titan_hybrid.hf.bamba import mamba_args_from_config, mamba_config
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import softmax_routed
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MLPArgs, MoEArgs

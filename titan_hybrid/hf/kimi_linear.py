@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import Reshaped
 from titan_hybrid.hf.deepseek import feed_forward_problems, mixer_parameter_names
 from titan_hybrid.hf.engine import KeyMap, Shapes
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import Reshaped
 from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model.args import HybridModelArgs, MoEArgs
 from titan_hybrid.model.kda import KIND as KDA

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_hybrid.hf.adapter import ExpertSlice
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import ExpertSlice
 from titan_hybrid.model import attention, mamba, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MambaArgs, MLPArgs, MoEArgs
 from titan_hybrid.model.layer_kind import LayerKind

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from titan_hybrid.hf.adapter import softmax_routed
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import softmax_routed
 from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (

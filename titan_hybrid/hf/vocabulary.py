@@ -4,7 +4,7 @@ Each takes the HF module prefix and ours."""
 
 from __future__ import annotations
 
-from titan_hybrid.hf.adapter import ExpertSlice
+from titan_hybrid.hf.key_map_parts import ExpertSlice
 
 
 def swiglu_mlp(hf: str, ours: str) -> dict[str, str]:
