@@ -45,8 +45,8 @@ BAD_INPUTS = [
     (("--quantize.linear.float8.recipe_name", "rowwize"),
      "quantize.linear.float8.recipe_name='rowwize': must be one of "),
     # the model's variants (model/layer_kinds.VARIANTS), which HybridModelArgs checks
-    (("--hybrid.m_layers", "mamba9"), "m_layers='mamba9' is not one of ['mamba2', 'gdp']"),
-    (("--hybrid.g_layers", "gdn3"), "g_layers='gdn3' is not one of ['gdn', 'gdn2']"),
+    (("--hybrid.m_layers", "mamba9"), "m_layers='mamba9' is not one of ['mamba2', 'gdp'"),
+    (("--hybrid.g_layers", "gdn3"), "g_layers='gdn3' is not one of ['gdn', 'gdn2'"),
     (("--optimizer.beta2", "1.5"), "optimizer.beta2=1.5 must be in [0, 1)"),
     (("--lr_scheduler.warmup_steps", "-2"), "lr_scheduler.warmup_steps=-2 must be >= 0"),
     (("--lr_scheduler.decay_ratio", "1.5"), "lr_scheduler.decay_ratio=1.5 must be in [0, 1]"),
