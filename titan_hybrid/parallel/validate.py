@@ -10,11 +10,15 @@ from typing import Protocol
 
 import torch
 
-from titan_hybrid.config.sections import CompileSection, ParallelismSection, TrainingSection
+from titan_hybrid.config.sections import (
+    CompileSection,
+    ParallelismSection,
+    TrainingSection,
+    check_choices,
+)
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
-from titan_hybrid.parallel.context_parallel import LINEAR_MODES, check_head_split, splits
-from titan_hybrid.parallel.data_parallel import SHARDING_STRATEGIES
+from titan_hybrid.parallel.context_parallel import check_head_split, splits
 from titan_hybrid.parallel.ep_overlap_pipeline import OVERLAP_SCHEDULES
 from titan_hybrid.parallel.pipeline_split import module_names_per_stage, stages_per_rank
 
@@ -200,6 +204,7 @@ def validate_overlap(model_args: HybridModelArgs, p: ParallelismSection,
 def validate_layout(run: LayoutJob, world_size: int) -> int:
     """Raise ValueError for a layout that cannot run; return the data-parallel degree."""
     p, model_args = run.parallelism, run.model
+    check_choices("parallelism", p)  # the RunConfig's own check, for a direct caller
     degrees = {
         "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
         "context_parallel_degree": p.context_parallel_degree,
@@ -231,9 +236,6 @@ def validate_layout(run: LayoutJob, world_size: int) -> int:
             f"tensor({p.tensor_parallel_degree}) * pipeline({p.pipeline_parallel_degree})")
 
     strategy = p.data_parallel_sharding_strategy
-    if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(f"parallelism.data_parallel_sharding_strategy '{strategy}' is not one "
-                         f"of {SHARDING_STRATEGIES}")
     if p.data_parallel_replicate_degree > 1 and shard > 1 and strategy in ("no_shard", "optim"):
         raise ValueError(
             f"parallelism.data_parallel_sharding_strategy '{strategy}' with "
@@ -252,10 +254,6 @@ def validate_layout(run: LayoutJob, world_size: int) -> int:
                          data_parallel=p.data_parallel_replicate_degree * shard)
     if p.pipeline_parallel_degree > 1:
         validate_pipeline(model_args, p, run.training)
-    if p.context_parallel_linear_mode not in LINEAR_MODES:  # checked at any CP degree
-        raise ValueError(f"parallelism.context_parallel_linear_mode="
-                         f"'{p.context_parallel_linear_mode}': must be one of "
-                         f"{', '.join(LINEAR_MODES)}")
     if p.context_parallel_degree > 1:
         validate_context_parallel(model_args, p, run.training)
     if run.compile.enable:
