@@ -155,7 +155,8 @@ class ParallelismSection:
     pipeline_parallel_layers_per_stage: int | None = None
     context_parallel_degree: int = 1
     context_parallel_linear_mode: Literal["head_a2a", "chunkwise"] = option("head_a2a", """
-        How context parallelism splits the Mamba2 (M), GDN (G) and KDA (K) layers. head_a2a:
+        How context parallelism splits the recurrent layers (Mamba2, GDN, ...: every kind whose
+        core is model/recurrent.py's RecurrentCore). head_a2a:
         two all-to-alls per layer and direction trade sequence shards for head shards (traffic
         grows with the sequence; heads per TP rank divisible by the CP degree). chunkwise:
         each rank keeps its tokens and heads and passes per-head state summaries (traffic
@@ -229,7 +230,7 @@ class ActivationCheckpointSection:
     layer_kinds: str = option("", """
         With mode full or selective: checkpoint only the layers (or bracket groups) that hold
         one of these pattern symbols, e.g. "*-E" recomputes attention, MLP and MoE layers and
-        keeps the Mamba / GDN / KDA layers' activations; empty: every layer.""")
+        keeps the recurrent layers' activations; empty: every layer.""")
     early_stop: bool = option(False, """
         Stop a checkpointed region's recompute as soon as the saved tensors are rebuilt.""")
     memory_budget: float = option(0.5, """
