@@ -346,6 +346,11 @@ class HybridModel(nn.Module):
         for mtp_depth, future in zip(self.mtp, futures, strict=True):
             normed, previous, aux_loss = mtp_depth(previous, future, aux_loss, layout)
             mtp_logits.append(self._logits(normed))
+        if aux_loss.requires_grad:
+            # Not the last unit's as it came: hooks around a unit may hand its outputs on as
+            # views (EP overlap's backward markers, parallel/ep_overlap.py), and a root that
+            # returned one would return a view (FSDP2 warns, as for HybridLayer's).
+            aux_loss = aux_loss.clone()
         return (logits, aux_loss, *mtp_logits)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
