@@ -14,7 +14,8 @@ Both rules are checked on the syntax trees of every module of the package.
    - a key or a value of a dict display;
    - the index of a subscript (`LAYER_KINDS["E"]`);
    - a positional argument or keyword value of a call, except the `symbol=` keyword of a
-     `LayerKind(...)` call and the argument of the string / path methods in NOT_SYMBOL_METHODS
+     `LayerKind(...)` or `LayerSymbol(...)` call (a kind's or a variant's declaration) and the
+     argument of the string / path methods in NOT_SYMBOL_METHODS
      (separators and globs: `version.split("+")`, `folder.rglob("*")`);
    - the value of an assignment, a return or a parameter default;
    - an element of a set display;
@@ -107,7 +108,8 @@ def _symbol_use(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
         if not isinstance(call, ast.Call):
             return False  # a class statement's keyword
         callee = getattr(call.func, "id", getattr(call.func, "attr", None))
-        return not (parent.arg == "symbol" and callee == "LayerKind")
+        # a kind's, or a variant's, declaration of its symbol
+        return not (parent.arg == "symbol" and callee in ("LayerKind", "LayerSymbol"))
     if isinstance(parent, ast.Call) and child in parent.args:
         method = parent.func.attr if isinstance(parent.func, ast.Attribute) else None
         return method not in NOT_SYMBOL_METHODS

@@ -24,7 +24,7 @@ from titan_hybrid.model.gdn import GDNArgs
 from titan_hybrid.model.gdp import GDPArgs
 from titan_hybrid.model.kda import KDAArgs
 from titan_hybrid.model.layer_kind import LayerKind
-from titan_hybrid.model.layer_kinds import LAYER_KINDS, VARIANTS, kind_of
+from titan_hybrid.model.layer_kinds import LAYER_KINDS, VARIANTS, default_variant, kind_of
 from titan_hybrid.model.mamba import MambaArgs
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
@@ -73,8 +73,8 @@ class HybridModelArgs:
     # What `M` and `G` build: one of the symbol's variants in layer_kinds.VARIANTS (whose
     # first value, the symbol's own kind, is the default); a variant's sizes are in the
     # section of its name.
-    m_layers: str = next(iter(VARIANTS["M"][1]))
-    g_layers: str = next(iter(VARIANTS["G"][1]))
+    m_layers: str = default_variant("m_layers")
+    g_layers: str = default_variant("g_layers")
     # The Hugging Face format of this model's HF checkpoints ("nemotron_h", "deepseek",
     # "bamba": hf/families.py), set by a conversion from one; empty: chosen by the
     # layer kinds.

@@ -46,6 +46,14 @@ VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
     mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND}),
     gdn.KIND.symbol: ("g_layers", {"gdn": gdn.KIND, "gdn2": gdn2.KIND}),
 }
+
+
+def default_variant(flag: str) -> str:
+    """The value of the variant option `flag` (a HybridModelArgs field) that builds its
+    symbol's own kind: the first of VARIANTS' values."""
+    return next(next(iter(kinds)) for field, kinds in VARIANTS.values() if field == flag)
+
+
 # Every kind a model may hold: the table's and the variants'.
 ALL_KINDS: list[LayerKind] = [*LAYER_KINDS.values(), *(
     kind for _, kinds in VARIANTS.values() for kind in kinds.values()
