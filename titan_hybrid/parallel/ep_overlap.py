@@ -141,7 +141,12 @@ class OverlapCoordinator:
 
 # --------------------------------------------------------------------------- layer tracking
 class _OnBackward(torch.autograd.Function):
-    """Identity whose backward calls `callback` when the gradient reaches this point."""
+    """Identity whose backward calls `callback` when the gradient reaches this point. Its
+    output is a view (no copy of the activation): a marked layer output is only read after it
+    (by the next layer, the norm and head, or a pipeline stage's send), never updated in
+    place, so FSDP2's pre-backward hook on the unit's own output, registered before this
+    marker, is never dropped. The root's aux loss, which a caller may accumulate into, is a
+    fresh tensor (model/model.py)."""
 
     @staticmethod
     def forward(ctx, x, callback):
