@@ -137,6 +137,19 @@ def test_the_kinds_table_is_the_layer_kinds_registry():
         assert ticked(module) == [f"{built_by}.py"], (symbol, module)
 
 
+def test_the_pattern_page_names_every_variant():
+    """docs/patterns.md names each variant option (`hybrid.m_layers`, ...) and each of its
+    values, as layer_kinds.VARIANTS has them, with the module that builds it."""
+    from titan_hybrid.model.layer_kinds import VARIANTS
+
+    page = text(DOCS / "patterns.md")
+    for flag, kinds in VARIANTS.values():
+        assert f"--hybrid.{flag}" in page, flag
+        for value, kind in kinds.items():
+            module = kind.build.__module__.removeprefix("titan_hybrid.").replace(".", "/")
+            assert f"`{value}`" in page and f"`{module}.py`" in page, (flag, value, module)
+
+
 def test_the_flavor_table_is_the_flavor_registry():
     """docs/patterns.md's table of flavors names every flavor once, each with its pattern
     (whole, or its start and end around `...`)."""
