@@ -17,9 +17,12 @@ def test_default_job_learns_and_reports_throughput(tmp_path):
     assert losses[0] > math.log(2048) - 0.5  # starts near uniform over the vocabulary
     assert min(losses[-3:]) < losses[0] - 1.0
     assert "tps:" in result.output and "Peak FLOPS used for computing MFU" in result.output
-    # MFU against the matmul rate measured in the same run: a real fraction of the machine.
+    # MFU against this machine's measured matmul rate (runtime/cpu.py), not an A100's (which
+    # would give well under 1%). That rate is the best of a few measurements, which a machine
+    # loaded by other processes underestimates (MFU 100.5% seen once so): the upper bound
+    # catches a FLOP count or a denominator off by an order of magnitude, not the load.
     mfus = [float(m) for m in re.findall(r"mfu: ([0-9.]+)%", result.output)]
-    assert len(mfus) == 8 and 1.0 < max(mfus[1:]) < 100.0
+    assert len(mfus) == 8 and 1.0 < max(mfus[1:]) < 300.0
 
 
 def test_seed_and_deterministic_mode_reproduce_bitwise(tmp_path):
