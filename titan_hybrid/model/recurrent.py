@@ -31,6 +31,7 @@ C channels, H heads, K key / V value head dims.
 
 from __future__ import annotations
 
+import abc
 import inspect
 from typing import Callable, ClassVar
 
@@ -56,8 +57,9 @@ def call_by_name(method: Callable, named: dict, *args, **kwargs):
                                       if name in accepted and name not in kwargs})
 
 
-class RecurrentCore(nn.Module):
-    """The contract's common part: the kind's args and its causal conv."""
+class RecurrentCore(nn.Module, metaclass=abc.ABCMeta):
+    """The contract's common part: the kind's args and its causal conv. A core lacking a
+    method of its state passing cannot be built (abstract methods)."""
 
     state_passing: ClassVar[str]  # DECAY or DELTA_RULE
     conv_input: ClassVar[str]  # the forward argument the conv runs over
@@ -81,18 +83,18 @@ class ScalarDecayCore(RecurrentCore):
 
     state_passing = DECAY
 
+    @abc.abstractmethod
     def scan(self, x_conv_BTC, seq_idx, return_final_states=False, **inputs):
         """y [B, T, H, P]; with `return_final_states`, also the state at the end of each row
         [B, H, P, N] (fp32, fp64 for fp64 inputs)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def log_decay(self, dtype, **inputs) -> torch.Tensor:
         """[B, T, H]: each step's log state decay, as the scan computes it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def readout(self, x_conv_BTC, **inputs) -> torch.Tensor:
         """[B, T, G, N]: what each token's output reads of the state (Mamba2's C)."""
-        raise NotImplementedError
 
 
 class DeltaRuleCore(RecurrentCore):
@@ -112,16 +114,16 @@ class DeltaRuleCore(RecurrentCore):
                                                             dt_bias), seq_idx)
         return o_BTHV
 
+    @abc.abstractmethod
     def delta_rule_inputs(self, qkv_BTC, alpha_BTH, beta_BTH, A_log, dt_bias):
         """(q, k, v, log decay g, gates): what `delta_rule` takes, before `seq_idx`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def delta_rule(self, q, k, v, g, beta, seq_idx, initial_state=None,
                    output_final_state=False):
         """(o [B, T, H, V], the state at the end of each row or None); `initial_state`
         [B, H, K, V] enters each row's first document. Chunkwise CP appends K value columns
         (zero values, identity initial state) to read the transition out of the same scan."""
-        raise NotImplementedError
 
 
 def delta_rule_flops(key_dim: int, value_dim: int, chunk: int) -> int:

@@ -33,6 +33,7 @@ the summaries (2 pieces x heads x (M + S)) from each rank, whatever the sequence
 
 from __future__ import annotations
 
+import abc
 import inspect
 from collections.abc import Callable
 
@@ -157,7 +158,7 @@ def first_document(seq_idx_PL: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat((torch.zeros_like(starts[:, :1]), starts), 1).cumsum(1) == 0
 
 
-class ChunkwiseStatePassing(nn.Module):
+class ChunkwiseStatePassing(nn.Module, metaclass=abc.ABCMeta):
     """A recurrent core (model/recurrent.py) by chunkwise state passing: its forward's
     arguments are read by name, the conv input run with each piece's left context, the other
     per-token arguments stacked piece by piece, and `pass_states` (the core's algorithm) gives
@@ -185,9 +186,9 @@ class ChunkwiseStatePassing(nn.Module):
                   for name, value in named.items()}
         return pieces.unstack(self.pass_states(x, inputs, seq_idx, continues, pieces))
 
+    @abc.abstractmethod
     def pass_states(self, x_conv, inputs: dict, seq_idx, continues, pieces: ZigzagPieces):
         """The stacked pieces' outputs [2B, L, H, P], with the state entering each."""
-        raise NotImplementedError
 
 
 class ChunkwiseScalarDecay(ChunkwiseStatePassing):
