@@ -32,6 +32,7 @@ C channels, H heads, K key / V value head dims.
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 from typing import Callable, ClassVar
 
@@ -50,9 +51,15 @@ def is_per_token(argument: str) -> bool:
     return "_BT" in argument
 
 
+@functools.cache
+def _parameter_names(function: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
+
+
 def call_by_name(method: Callable, named: dict, *args, **kwargs):
-    """`method(*args, **kwargs)` given, as well, those of `named` whose names it declares."""
-    accepted = inspect.signature(method).parameters
+    """`method(*args, **kwargs)` given, as well, those of `named` whose names it declares (read
+    once per function: this runs in every chunkwise layer's forward)."""
+    accepted = _parameter_names(getattr(method, "__func__", method))
     return method(*args, **kwargs, **{name: value for name, value in named.items()
                                       if name in accepted and name not in kwargs})
 
