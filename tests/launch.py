@@ -66,8 +66,18 @@ class TrainResult:
     records: list[dict] = field(default_factory=list)  # the loss-curve file's lines
 
     def check(self) -> "TrainResult":
-        assert self.returncode == 0, self.output[-6000:]
+        assert self.returncode == 0, self.failure_excerpt()
         return self
+
+    def failure_excerpt(self, size: int = 6000) -> str:
+        """The output's tail, after the start of a crash's faulthandler dump (the crashed
+        rank's Python stack, "Fatal Python error: ..."), which the other ranks' later
+        tracebacks would push out of the tail."""
+        crash = self.output.find("Fatal Python error")
+        if crash < 0 or crash >= len(self.output) - size:
+            return self.output[-size:]
+        return (self.output[crash:crash + size // 2] + "\n[...]\n"
+                + self.output[-size // 2:])
 
 
 def _descendants(pid: int) -> list[int]:

@@ -68,16 +68,23 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
             assert core.conv_input in names and is_per_token(core.conv_input)
             assert "conv_weight_CW" in names
             # Every argument but the layout is laid out by head. The layout reads the heads
-            # from A_log and the groups from the conv's width ([B, T, conv channels] inputs).
+            # from A_log (a decay core) or the conv's weight (a conv core), the groups from the
+            # conv's width ([B, T, conv channels] inputs).
             conv = sum(p.shape[0] for n, p in layer.mixer.named_parameters()
                        if "conv" in n and n.endswith("weight"))
             tensors = {name: torch.zeros(1, 8, conv, device="meta") for name in names}
-            tensors["A_log"] = layer.mixer.A_log
+            tensors["conv_weight_CW"] = torch.zeros(conv, 4, device="meta")
+            if "A_log" in names:
+                tensors["A_log"] = layer.mixer.A_log
             plan = rule.head_channels(core.args, tensors)
             assert set(plan.exchanged) | set(plan.sliced) == set(names) - {"layout"}
-            # A_log is one per head (or, GDN2's, one per key group) of those the plan counts
-            (_, per), = plan.sliced["A_log"]
-            assert {HEADS: plan.heads, GROUPS: plan.groups}[per] == layer.mixer.A_log.shape[0]
+            if "A_log" in names:
+                # one per head (or, GDN2's, one per key group) of those the plan counts
+                (_, per), = plan.sliced["A_log"]
+                assert ({HEADS: plan.heads, GROUPS: plan.groups}[per]
+                        == layer.mixer.A_log.shape[0])
+            else:  # a conv alone: each channel a head
+                assert plan.heads == conv
             assert plan.heads >= plan.groups >= 1
     if kind.context_parallel is not None:
         assert kind.mixes_sequence  # a token-wise kind has nothing for CP to do
@@ -128,7 +135,7 @@ def test_context_parallel_wraps_every_recurrent_kind_without_naming_one():
     assert named == set(), named
     recurrent = [kind for kind in LAYER_KINDS.values()
                  if kind.context_parallel and kind.context_parallel.head_channels]
-    assert sorted(kind.symbol for kind in recurrent) == ["G", "K", "M"]
+    assert sorted(kind.symbol for kind in recurrent) == ["G", "K", "M", "S"]
 
 
 def test_a_variant_is_one_table_entry(monkeypatch):

@@ -23,7 +23,7 @@ def _raises(pattern, *fragments):
 
 def test_symbol_names():
     assert {symbol: spec.name for symbol, spec in SYMBOLS.items()} == {
-        "M": "mamba", "G": "gdn", "K": "kda", "*": "attention", "+": "mla", "D": "dsa",
+        "M": "mamba", "G": "gdn", "K": "kda", "S": "short_conv", "*": "attention", "+": "mla", "D": "dsa",
         "W": "window_attention", "C": "compressed_sparse_attention",
         "H": "heavily_compressed_attention", "-": "mlp", "E": "moe"}
 

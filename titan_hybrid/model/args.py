@@ -30,10 +30,12 @@ from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
 from titan_hybrid.model.pattern import HybridPattern, parse_hybrid_pattern
+from titan_hybrid.model.short_conv import ShortConvArgs
 
 __all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
            "DeepseekV4CompressedAttentionArgs", "GDNArgs", "HybridModelArgs", "KDAArgs", "MLAArgs", "MLPArgs",
-           "MambaArgs", "MoEArgs", "hybrid_flavors", "resolve_model_args"]
+           "MambaArgs", "MoEArgs", "ShortConvArgs", "hybrid_flavors",
+           "resolve_model_args"]
 
 
 @dataclass
@@ -94,6 +96,7 @@ class HybridModelArgs:
     gdn2: GDNArgs = field(default_factory=GDNArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
     kda: KDAArgs = field(default_factory=KDAArgs)
+    short_conv: ShortConvArgs = field(default_factory=ShortConvArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
 
     @property
@@ -298,6 +301,8 @@ hybrid_flavors = FlavorRegistry({
     "debug_gdp": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="gdp",
         gdp=GDPArgs(num_householder=2, d_state=32, head_dim=32, n_groups=2)),
+    # LFM2's layers: gated short convolutions (width 3) and attention, each with an MLP.
+    "debug_short_conv": dataclasses.replace(_debug(), pattern="S-*-S-"),
     # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").
     "debug_gdn2": dataclasses.replace(
         _debug(), pattern="G-*-G-", g_layers="gdn2",

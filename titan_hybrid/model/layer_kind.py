@@ -32,6 +32,10 @@ def _nothing_to_split(section: Any, dim: int) -> list[tuple[str, int]]:
     return []
 
 
+def _splits_anything(section: Any) -> None:
+    return None
+
+
 def _all_active(section: Any, dim: int) -> int:
     return 0
 
@@ -128,6 +132,8 @@ class LayerKind:
     core_flops: Callable[[Any, int, int], int] = _no_core  # (section, dim, seq_len)
     # (field, size) pairs that the tensor-parallel degree must divide.
     tensor_parallel_sizes: Callable[[Any, int], list[tuple[str, int]]] = _nothing_to_split
+    # ValueError naming an option of the section that tensor parallelism cannot split.
+    validate_tensor_parallel: Callable[[Any], None] = _splits_anything
     context_parallel: ContextParallelRule | None = None  # None: token-wise, nothing to do
     # Under torch.compile a layer is one graph, unless its kind names the mixer's submodules
     # to compile on their own instead (the rest then runs eagerly): for layers whose shapes

@@ -29,11 +29,13 @@ from titan_hybrid.model import (
     mla,
     mlp,
     moe,
+    short_conv,
 )
 from titan_hybrid.model.layer_kind import LayerKind
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, kda.KIND, attention.KIND, mla.KIND, dsa.KIND,
+    kind.symbol: kind for kind in (mamba.KIND, gdn.KIND, kda.KIND, short_conv.KIND, attention.KIND,
+                                   mla.KIND, dsa.KIND,
                                    deepseek_v4.KIND, deepseek_v4_csa.KIND, deepseek_v4_hca.KIND, mlp.KIND,
                                    moe.KIND)
 }

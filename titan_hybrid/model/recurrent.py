@@ -11,8 +11,9 @@ core's arguments by NAME, never by position:
 - `forward(...)`: the per-token inputs, named with a shape suffix that starts with `_BT`
   (`qkv_BTC`, `dt_BTH`: [B, T, ...]); the conv's `conv_weight_CW` (and `conv_bias_C`, where the
   conv has a bias); the per-head parameters; `layout` (TokenLayout or None) last. It returns
-  [B, T, heads, head dim].
-- `conv_input`: which per-token argument the causal depthwise conv (then SiLU) runs over;
+  [B, T, heads, head dim] (a ConvolutionCore: [B, T, channels]).
+- `conv_input`: which per-token argument the causal depthwise conv (then `conv_activation`,
+  SiLU unless the core says None) runs over;
   `conv(x, conv_weight_CW, conv_bias_C, seq_idx, initial_states, initial_seq_idx)` runs it,
   reading `initial_states` (the width-1 inputs before the first position) in place.
 - `state_passing`: how chunkwise CP passes the state between sequence pieces, one of the
@@ -20,7 +21,9 @@ core's arguments by NAME, never by position:
   - `ScalarDecayCore` ("decay": a scalar decay per head and step, Mamba2): `scan`,
     `log_decay`, `readout`;
   - `DeltaRuleCore` ("delta_rule": the delta rule's K x K transition matrices, GDN, KDA, GDP,
-    GDN2): `delta_rule_inputs` and `delta_rule`; its `forward` is written here once.
+    GDN2): `delta_rule_inputs` and `delta_rule`; its `forward` is written here once;
+  - `ConvolutionCore` ("convolution": no state beyond the conv's window, LFM2's short conv):
+    the conv alone, its output [B, T, C] (channels as heads of width 1).
 The head exchange (mode head_a2a) calls only `forward`, with the arguments cut by the kind's
 `HeadChannels` (layer_kind.py).
 
@@ -42,7 +45,7 @@ from torch import nn
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 
-DECAY, DELTA_RULE = "decay", "delta_rule"
+DECAY, DELTA_RULE, CONVOLUTION = "decay", "delta_rule", "convolution"
 
 
 def is_per_token(argument: str) -> bool:
@@ -68,8 +71,9 @@ class RecurrentCore(nn.Module, metaclass=abc.ABCMeta):
     """The contract's common part: the kind's args and its causal conv. A core lacking a
     method of its state passing cannot be built (abstract methods)."""
 
-    state_passing: ClassVar[str]  # DECAY or DELTA_RULE
+    state_passing: ClassVar[str]  # DECAY, DELTA_RULE or CONVOLUTION
     conv_input: ClassVar[str]  # the forward argument the conv runs over
+    conv_activation: ClassVar[str | None] = "silu"  # after the conv
 
     def __init__(self, args) -> None:
         super().__init__()
@@ -80,7 +84,8 @@ class RecurrentCore(nn.Module, metaclass=abc.ABCMeta):
         """SiLU(causal depthwise conv) of x; `initial_states`: the inputs before the first
         position (context parallelism's)."""
         return causal_depthwise_conv1d(x_BTC, conv_weight_CW, conv_bias_C, seq_idx=seq_idx,
-                                       activation="silu", initial_states=initial_states,
+                                       activation=self.conv_activation,
+                                       initial_states=initial_states,
                                        initial_seq_idx=initial_seq_idx)
 
 
@@ -131,6 +136,20 @@ class DeltaRuleCore(RecurrentCore):
         """(o [B, T, H, V], the state at the end of each row or None); `initial_state`
         [B, H, K, V] enters each row's first document. Chunkwise CP appends K value columns
         (zero values, identity initial state) to read the transition out of the same scan."""
+
+
+class ConvolutionCore(RecurrentCore):
+    """A causal depthwise conv and nothing after it along time: its output [B, T, C] is the
+    core's. Chunkwise CP needs only each piece's width-1 rows before it (no state)."""
+
+    state_passing = CONVOLUTION
+    conv_input = "x_BTC"
+    conv_activation = None
+
+    def forward(self, x_BTC: torch.Tensor, conv_weight_CW: torch.Tensor,
+                conv_bias_C: torch.Tensor | None, layout: TokenLayout | None) -> torch.Tensor:
+        return self.conv(x_BTC, conv_weight_CW, conv_bias_C,
+                         None if layout is None else layout.seq_idx)
 
 
 def delta_rule_flops(key_dim: int, value_dim: int, chunk: int) -> int:

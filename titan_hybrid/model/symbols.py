@@ -29,6 +29,8 @@ SYMBOLS: dict[str, LayerSymbol] = {spec.symbol: spec for spec in (
     # Megatron builds `K` like `G`, a TransformerLayer whose self_attention is the mixer
     # (hybrid_layer_allocation.py, hybrid_block.py of its dev branch), outside the MLA family.
     LayerSymbol(symbol="K", name="kda", title="Kimi delta attention", namespace=SELF_ATTENTION),
+    # LFM2's gated short convolution (no Megatron symbol; `S` is free in its grammar).
+    LayerSymbol(symbol="S", name="short_conv", title="short convolution", namespace=MIXER),
     LayerSymbol(symbol="*", name="attention", title="self-attention", namespace=SELF_ATTENTION),
     LayerSymbol(symbol="+", name="mla", title="multi-latent attention",
                 namespace=SELF_ATTENTION),

@@ -136,10 +136,11 @@ class _SequenceToHeads:
         received = all_to_all(sent, group=self.group)  # [source rank, B, T_local, C]
         return _reorder(received.transpose(0, 1).flatten(1, 2), self.order)
 
-    def to_sequence(self, y_BTHP: torch.Tensor) -> torch.Tensor:
-        by_source = _reorder(y_BTHP, self.inverse).unflatten(1, (self.cp, -1)).transpose(0, 1)
-        received = all_to_all(by_source, group=self.group)  # [head owner, B, T_local, H, P]
-        return received.permute(1, 2, 0, 3, 4).flatten(2, 3)
+    def to_sequence(self, y_BTH: torch.Tensor) -> torch.Tensor:
+        """[B, T, rank's heads, ...] -> [B, T_local, heads, ...]."""
+        by_source = _reorder(y_BTH, self.inverse).unflatten(1, (self.cp, -1)).transpose(0, 1)
+        received = all_to_all(by_source, group=self.group)  # [head owner, B, T_local, H, ...]
+        return received.movedim(0, 2).flatten(2, 3)
 
 
 # --------------------------------------------------------------------------- wrapped cores

@@ -43,6 +43,7 @@ from torch import nn
 
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.recurrent import (
+    CONVOLUTION,
     DECAY,
     DELTA_RULE,
     RecurrentCore,
@@ -188,7 +189,8 @@ class ChunkwiseStatePassing(nn.Module, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def pass_states(self, x_conv, inputs: dict, seq_idx, continues, pieces: ZigzagPieces):
-        """The stacked pieces' outputs [2B, L, H, P], with the state entering each."""
+        """The stacked pieces' outputs [2B, L, ...] (the core's), with the state entering
+        each."""
 
 
 class ChunkwiseScalarDecay(ChunkwiseStatePassing):
@@ -242,8 +244,17 @@ class ChunkwiseDeltaRule(ChunkwiseStatePassing):
         return o + added.to(o.dtype)
 
 
+class ChunkwiseConvolution(ChunkwiseStatePassing):
+    """A ConvolutionCore (LFM2's short conv): the conv with each piece's left context is all
+    of it; no state passes between pieces."""
+
+    def pass_states(self, x_conv, inputs, seq_idx, continues, pieces):
+        return x_conv
+
+
 # The wrapper of each state-passing algorithm a RecurrentCore declares.
 STATE_PASSING: dict[str, type[ChunkwiseStatePassing]] = {
     DECAY: ChunkwiseScalarDecay,
     DELTA_RULE: ChunkwiseDeltaRule,
+    CONVOLUTION: ChunkwiseConvolution,
 }

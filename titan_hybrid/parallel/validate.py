@@ -44,6 +44,8 @@ def validate_tensor_parallel(model_args: HybridModelArgs, tp: int, *, seq_len: i
     checks = [("model.vocab_size", model_args.vocab_size)]
     for kind in model_args.kinds():
         checks += kind.tensor_parallel_sizes(model_args.section(kind), model_args.dim)
+        if tp > 1:
+            kind.validate_tensor_parallel(model_args.section(kind))
     if sequence_parallel:
         checks += [("training.seq_len (sequence parallel)", seq_len)]
     for field, value in checks:
