@@ -165,6 +165,19 @@ FAMILIES = {
                                                 short_conv_kernel_size=4,
                                                 kda_layers=[1, 2, 4], full_attn_layers=[3]),
         attn_implementation="eager")),
+    # LFM2: gated short convolutions and attention (q / k norms), an MLP width derived from
+    # intermediate_size (block_auto_adjust_ff_dim), the LM head tied by default; and with
+    # LFM2's biases (conv_bias: the conv and its two projections), untied.
+    "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=60, block_multiple_of=8,
+        block_ffn_dim_multiplier=1.5, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"],
+        max_position_embeddings=64, attn_implementation="eager")),
+    "lfm2_biased": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, block_auto_adjust_ff_dim=False,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"], conv_bias=True, conv_L_cache=4,
+        tie_word_embeddings=False, max_position_embeddings=64, attn_implementation="eager")),
     "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, dict(
         vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
         attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
@@ -273,7 +286,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "deepseek_v4, granitemoehybrid, kimi_linear, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
+               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, nemotron_h, olmo_hybrid, qwen3_5, "
+               "qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
@@ -656,3 +670,28 @@ def test_a_copy_is_compared_bit_for_bit():
     for differing in (torch.tensor([[float("nan"), -0.0], [1.0, 2.0]]), original.double()):
         with pytest.raises(ValueError, match="HF tensor 'b' differs from 'a'"):
             check_copy({"a": original, "b": differing}, "b", copy)
+
+
+def test_a_released_lfm2_config_is_read_in_its_own_field_names():
+    """LFM2-1.2B's config.json names fields as Liquid AI's code did (tie_embedding,
+    block_ff_dim, full_attn_idxs, a top-level rope_theta); transformers' Lfm2Config reads
+    them so, and so do we: its MLP is 8192 wide (2/3 of block_ff_dim, rounded to 256), six of
+    its 16 layers are attention, and its head is tied to the embedding."""
+    from titan_hybrid.hf.families import FAMILIES as HF_FAMILIES
+
+    config = {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 65536,
+              "hidden_size": 2048, "block_ff_dim": 12288, "block_auto_adjust_ff_dim": True,
+              "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+              "num_hidden_layers": 16, "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+              "num_attention_heads": 32, "num_key_value_heads": 8, "norm_eps": 1e-5,
+              "rope_theta": 1000000.0, "conv_L_cache": 3, "conv_bias": False,
+              "tie_embedding": True, "max_position_embeddings": 128000}
+    theirs = transformers.Lfm2Config(**{k: v for k, v in config.items() if k != "model_type"})
+    args = HF_FAMILIES["lfm2"].model_args(config)
+    assert args.mlp.hidden_dim == 8192 == transformers.models.lfm2.modeling_lfm2.Lfm2MLP(
+        theirs).w1.out_features
+    mixers = args.parsed_pattern.physical_layer_symbols()[0::2]
+    assert ["full_attention" if s == "*" else "conv" for s in mixers] == theirs.layer_types
+    assert args.enable_weight_tying and theirs.tie_word_embeddings
+    assert (args.attention.rope_theta, args.attention.n_kv_heads, args.short_conv.conv_width,
+            args.dim // args.attention.n_heads) == (1e6, 8, 3, 64)

@@ -38,6 +38,7 @@ from titan_hybrid.hf import (
     deepseek_v4,
     granite,
     kimi_linear,
+    lfm2,
     nemotron_h,
     olmo_hybrid,
     qwen3_5,
@@ -61,6 +62,7 @@ FAMILIES = {family.name: family for family in (
     qwen3_next.FAMILY,
     olmo_hybrid.FAMILY,
     kimi_linear.FAMILY,
+    lfm2.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "

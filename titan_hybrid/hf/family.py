@@ -30,6 +30,9 @@ class Family:
     config: Callable[[HybridModelArgs], dict]  # the config.json of an export
     to_args: Callable[[dict], HybridModelArgs]  # ValueError naming a setting it cannot hold
     ties_embeddings: bool = True  # whether its models may share the embedding with the head
+    # Whether a config.json ties the LM head to the embedding, where the family reads it other
+    # than from `tie_word_embeddings` (default False, or a multimodal config's text_config's)
+    ties: Callable[[dict], bool] | None = None
     # The HF tensor that a folder holds when it has the MTP layers its config declares, and
     # the config's field of their count. transformers models no MTP layer: its save_pretrained
     # keeps the config's MTP fields but writes no MTP tensor.
@@ -53,7 +56,8 @@ class Family:
         to the embedding where the config says so (a multimodal config may say it in its
         `text_config`)."""
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-        tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        tied = (self.ties(config) if self.ties is not None else
+                bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
         if tied and not self.ties_embeddings:
             raise ValueError("tie_word_embeddings=True is not supported: titan_hybrid's "
                              f"{'/'.join(self.model_types)} models have an LM head of its own")

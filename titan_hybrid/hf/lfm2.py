@@ -1,0 +1,179 @@
+"""Hugging Face LFM2 interop (`transformers`' `lfm2`, Liquid AI's LFM2 / LFM2.5): gated short
+convolution and GQA attention decoder layers, each followed by a SwiGLU MLP. Patterns of
+`S-` / `*-` pairs.
+
+HF decoder layer j is our layers 2j (`operator_norm`, then `conv.*` or `self_attn.*`) and
+2j + 1 (`ffn_norm`, `feed_forward.*`); the final norm is `embedding_norm`. The short conv's
+in_proj [B | C | x] is our in_proj's three components, its `conv.conv` our conv1d;
+`conv_bias` puts biases on all three of its projections. The attention has per-head q / k
+norms (`q_layernorm`, `k_layernorm`), rotate-half RoPE over whole heads, and its output
+projection is `out_proj`. The MLP is w1 (gate), w3 (up), w2 (down); with
+`block_auto_adjust_ff_dim` its width is derived from `intermediate_size` (2/3 of it, times
+`block_ffn_dim_multiplier`, rounded up to `block_multiple_of`), and an export writes the width
+itself. Configs of the released models name some fields as LFM2's own code did
+(`tie_embedding`, `block_ff_dim`); both spellings are read. The LM head is tied to the
+embedding unless the config says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_hybrid.hf.engine import KeyMap
+from titan_hybrid.hf.family import Family
+from titan_hybrid.model import attention, mlp, short_conv
+from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MLPArgs, ShortConvArgs
+
+FORMAT = "lfm2"
+NAME = "LFM2"
+MIXERS = {short_conv.KIND.symbol: "conv", attention.KIND.symbol: "full_attention"}
+ATTENTION = dict(use_rope=True, rope_interleave=False, rotary_fraction=1.0, qk_norm=True,
+                 qk_norm_scope="head", qk_norm_zero_centered=False, output_gate=False,
+                 softmax_scale=None)
+DEFAULT_ROPE_THETA = 1_000_000.0  # Lfm2Config.default_theta
+# Names of released LFM2 configs -> transformers' names.
+ALIASES = {"tie_embedding": "tie_word_embeddings", "block_ff_dim": "intermediate_size"}
+
+
+def check_lfm2_compatible(args: HybridModelArgs) -> None:
+    """ValueError naming the first field the HF LFM2 format cannot represent."""
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
+    problems = []
+    if (not symbols or len(symbols) % 2 or any(s not in MIXERS for s in symbols[0::2])
+            or any(s != mlp.KIND.symbol for s in symbols[1::2])):
+        problems.append(f"hybrid.pattern '{args.pattern}' must be 'S' / '*' layers each "
+                        "followed by an MLP ('-')")
+    if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
+        problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
+    if args.norm_zero_centered or args.post_norm_mixers or args.mlp.activation != "swiglu":
+        problems.append("norms must be pre-norms scaling by their weight and the MLP must be "
+                        "SwiGLU")
+    if attention.KIND.symbol in symbols:
+        wrong = {k: getattr(args.attention, k) for k, v in ATTENTION.items()
+                 if getattr(args.attention, k) != v}
+        if args.attention.head_dim * args.attention.n_heads != args.dim:
+            wrong["head_dim"] = args.attention.head_dim
+        if wrong:
+            problems.append(f"attention: {wrong}; {NAME}'s attention has {ATTENTION} and "
+                            "head_dim = dim / n_heads")
+    if problems:
+        raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
+
+
+def lfm2_key_map(args: HybridModelArgs) -> KeyMap:
+    """HF key -> ours (a fused HF tensor: the tuple of our components)."""
+    check_lfm2_compatible(args)
+    mapping: KeyMap = {"model.embed_tokens.weight": "tok_embeddings.weight",
+                       "model.embedding_norm.weight": "norm.weight",
+                       "lm_head.weight": "output.weight"}
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    for j in range(len(symbols) // 2):
+        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
+        mapping[f"{hf}ffn_norm.weight"] = f"{ffn}mlp_norm.weight"
+        for theirs, name in (("w1", "fc1.weight_w"), ("w3", "fc1.weight_v"), ("w2", "fc2.weight")):
+            mapping[f"{hf}feed_forward.{theirs}.weight"] = f"{ffn}mlp.{name}"
+        if symbols[2 * j] == attention.KIND.symbol:
+            mapping[f"{hf}operator_norm.weight"] = f"{mixer}attention_norm.weight"
+            for theirs, name in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"),
+                                 ("out_proj", "wo"), ("q_layernorm", "q_norm"),
+                                 ("k_layernorm", "k_norm")):
+                mapping[f"{hf}self_attn.{theirs}.weight"] = f"{mixer}attention.{name}.weight"
+            continue
+        mapping[f"{hf}operator_norm.weight"] = f"{mixer}short_conv_norm.weight"
+        module, ours = f"{hf}conv.", f"{mixer}short_conv."
+        tensors = ("weight", "bias") if args.short_conv.bias else ("weight",)
+        for tensor in tensors:
+            mapping[f"{module}in_proj.{tensor}"] = tuple(
+                f"{ours}in_proj.{tensor}{part}" for part in short_conv.IN_PROJ_PARTS)
+            mapping[f"{module}conv.{tensor}"] = f"{ours}conv1d.{tensor}"
+            mapping[f"{module}out_proj.{tensor}"] = f"{ours}out_proj.{tensor}"
+    return mapping
+
+
+def lfm2_config(args: HybridModelArgs) -> dict:
+    """The config.json a `transformers` Lfm2ForCausalLM needs."""
+    check_lfm2_compatible(args)
+    symbols = args.parsed_pattern.physical_layer_symbols()
+    heads = args.attention
+    return {
+        "architectures": ["Lfm2ForCausalLM"], "model_type": FORMAT,
+        "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "intermediate_size": args.mlp.hidden_dim, "block_auto_adjust_ff_dim": False,
+        "num_hidden_layers": len(symbols) // 2,
+        "layer_types": [MIXERS[s] for s in symbols[0::2]],
+        "num_attention_heads": heads.n_heads, "num_key_value_heads": heads.n_kv_heads,
+        "norm_eps": args.norm_eps, "max_position_embeddings": args.max_seq_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": heads.rope_theta},
+        "conv_bias": args.short_conv.bias, "conv_L_cache": args.short_conv.conv_width,
+    }
+
+
+def canonical_config(config: dict) -> dict:
+    """The config with released LFM2 configs' field names (ALIASES) as transformers'."""
+    return {**{ALIASES[k]: v for k, v in config.items() if k in ALIASES},
+            **{k: v for k, v in config.items() if k not in ALIASES}}
+
+
+def mlp_width(config: dict) -> int:
+    """The MLP's hidden width, as Lfm2MLP derives it."""
+    width = config.get("intermediate_size", 12288)
+    if not config.get("block_auto_adjust_ff_dim", True):
+        return width
+    width = int(2 * width / 3)
+    multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        multiple = config.get("block_multiple_of", 256)
+        width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return width
+
+
+def layer_types(config: dict) -> list[str]:
+    layers = config["num_hidden_layers"]
+    attention_layers = config.get("full_attn_idxs")
+    if attention_layers is None:
+        attention_layers = range(layers)
+    types = config.get("layer_types") or [
+        "full_attention" if i in attention_layers else "conv" for i in range(layers)]
+    unknown = sorted(set(types) - set(MIXERS.values()))
+    if unknown:
+        raise ValueError(f"layer_types has {unknown}: the supported layer types are "
+                         f"{', '.join(MIXERS.values())}")
+    return types
+
+
+def model_args_from_lfm2_config(config: dict) -> HybridModelArgs:
+    """HybridModelArgs for an HF LFM2 config.json; ValueError naming the first setting the
+    format cannot hold."""
+    config = canonical_config(config)
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported "
+                         "(default)")
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
+    symbol_of = {kind: symbol for symbol, kind in MIXERS.items()}
+    base = HybridModelArgs()
+    return dataclasses.replace(
+        base, hf_format=FORMAT,
+        pattern="".join(symbol_of[kind] + mlp.KIND.symbol for kind in layer_types(config)),
+        dim=dim, vocab_size=config["vocab_size"], norm_eps=config.get("norm_eps", 1e-5),
+        max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
+        attention=AttentionArgs(
+            n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=dim // heads,
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA)),
+            **ATTENTION),
+        short_conv=ShortConvArgs(conv_width=config.get("conv_L_cache", 3),
+                                 bias=bool(config.get("conv_bias", False))),
+        mlp=MLPArgs(hidden_dim=mlp_width(config), activation="swiglu"))
+
+
+# The family, as titan_hybrid/hf/families.py lists it.
+FAMILY = Family(
+    name=FORMAT, model_types=(FORMAT,),
+    format_name=NAME,
+    key_map=lfm2_key_map,
+    check=check_lfm2_compatible,
+    config=lfm2_config,
+    to_args=model_args_from_lfm2_config,
+    ties=lambda config: bool(canonical_config(config).get("tie_word_embeddings", True)))
