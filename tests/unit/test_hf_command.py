@@ -178,6 +178,11 @@ FAMILIES = {
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv"], conv_bias=True, conv_L_cache=4,
         tie_word_embeddings=False, max_position_embeddings=64, attn_implementation="eager")),
+    # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
+    "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
+        expand=2, state_size=8, n_groups=2, chunk_size=8, time_step_limit=(0.01, 2.0),
+        tie_word_embeddings=True)),
     "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM, dict(
         vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
         attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
@@ -286,8 +291,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, nemotron_h, olmo_hybrid, qwen3_5, "
-               "qwen3_5_moe, "
+               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, mamba2, nemotron_h, olmo_hybrid, "
+               "qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
@@ -298,6 +303,22 @@ def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_
     assert len(message.splitlines()) == 1
     assert f"model_type '{model_type}'" in message and reason in message
     assert not (tmp_path / "ours").exists() and not (tmp_path / "ours.partial").exists()
+
+
+def test_mamba_ssms_own_config_is_refused_by_name(tmp_path, capsys):
+    """state-spaces/mamba2-130m's config.json (mamba_ssm's format): one line naming it and
+    the format that is read."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({
+        "d_model": 768, "d_intermediate": 0, "n_layer": 24, "vocab_size": 50277,
+        "ssm_cfg": {"layer": "Mamba2"}, "attn_layer_idx": [], "attn_cfg": {},
+        "rms_norm": True, "residual_in_fp32": True, "fused_add_norm": True,
+        "pad_vocab_size_multiple": 16, "tie_embeddings": True}))
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 2
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1
+    assert "mamba_ssm's own config.json" in message and "model_type 'mamba2'" in message
+    assert not (tmp_path / "ours").exists()
 
 
 def test_a_tensor_without_a_place_is_named_before_anything_is_written(tmp_path, capsys):

@@ -39,6 +39,7 @@ from titan_hybrid.hf import (
     granite,
     kimi_linear,
     lfm2,
+    mamba2,
     nemotron_h,
     olmo_hybrid,
     qwen3_5,
@@ -63,6 +64,7 @@ FAMILIES = {family.name: family for family in (
     olmo_hybrid.FAMILY,
     kimi_linear.FAMILY,
     lfm2.FAMILY,
+    mamba2.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -93,6 +95,11 @@ def supported_model_types() -> list[str]:
 def family_of(config: dict, where: str = CONFIG_FILE) -> Family:
     """The family of an HF config.json; ValueError naming `model_type` and the rule."""
     model_type = config.get("model_type")
+    if model_type is None and all(field in config for field in mamba2.MAMBA_SSM_FIELDS):
+        raise ValueError(f"{where} is mamba_ssm's own config.json (d_model, ssm_cfg; no "
+                         "model_type), which titan_hybrid does not read: it reads "
+                         "transformers' (model_type 'mamba2', as transformers' "
+                         "Mamba2ForCausalLM saves it)")
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family

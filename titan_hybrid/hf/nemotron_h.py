@@ -142,7 +142,7 @@ def _prefixes(items, base: str) -> list[tuple[str, LayerKind]]:
     return layers
 
 
-def _layer_entries(args: HybridModelArgs, hf: str, prefix: str, kind: LayerKind) -> dict:
+def layer_entries(args: HybridModelArgs, hf: str, prefix: str, kind: LayerKind) -> dict:
     """HF key -> our key of one layer: HF prefix `hf`, ours `prefix`."""
     names, section = MIXER_NAMES[kind.name], args.section(kind)
     entries: dict = {hf + "norm.weight": f"{prefix}{kind.name}_norm.weight"}
@@ -170,7 +170,7 @@ def nemotron_h_key_map(args: HybridModelArgs) -> KeyMap:
         "lm_head.weight": "output.weight",
     }
     for number, (prefix, kind) in enumerate(physical_layer_prefixes(args)):
-        mapping.update(_layer_entries(args, f"backbone.layers.{number}.", prefix, kind))
+        mapping.update(layer_entries(args, f"backbone.layers.{number}.", prefix, kind))
     # MTP (Megatron-Bridge's and vLLM's names; transformers does not model it): depth d's
     # layer j is mtp.layers.{d * P + j}, P layers a depth, named as backbone layers; the
     # depth's first layer holds its input norms and projection, its last the final norm.
@@ -178,7 +178,7 @@ def nemotron_h_key_map(args: HybridModelArgs) -> KeyMap:
         layers = mtp_layer_prefixes(args, depth)
         first, last = depth * len(layers), (depth + 1) * len(layers) - 1
         for j, (prefix, kind) in enumerate(layers):
-            mapping.update(_layer_entries(args, f"mtp.layers.{first + j}.", prefix, kind))
+            mapping.update(layer_entries(args, f"mtp.layers.{first + j}.", prefix, kind))
         for theirs, ours in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
                              ("eh_proj", "eh_proj")):
             mapping[f"mtp.layers.{first}.{theirs}.weight"] = f"mtp.{depth}.{ours}.weight"
