@@ -178,6 +178,14 @@ FAMILIES = {
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv"], conv_bias=True, conv_L_cache=4,
         tie_word_embeddings=False, max_position_embeddings=64, attn_implementation="eager")),
+    # LFM2-MoE: a dense MLP layer, then MoE layers (sigmoid router with an expert bias that
+    # only chooses, top-k renormalised with 1e-6, scaled; no shared expert).
+    "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+        num_hidden_layers=4, num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=2.5, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "conv", "full_attention", "conv"], max_position_embeddings=64,
+        attn_implementation="eager")),
     # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
     "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
@@ -219,7 +227,7 @@ def perturbed(family: str, seed: int, **changes) -> torch.nn.Module:
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
         for name, buffer in model.named_buffers():  # the routers' choice biases (init: 0)
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
             if name.endswith("tid2eid"):  # hash routing's table (init: 0): distinct experts
                 experts = model.config.n_routed_experts
@@ -291,8 +299,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, mamba2, nemotron_h, olmo_hybrid, "
-               "qwen3_5, qwen3_5_moe, "
+               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, lfm2_moe, mamba2, nemotron_h, "
+               "olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
@@ -716,3 +724,35 @@ def test_a_released_lfm2_config_is_read_in_its_own_field_names():
     assert args.enable_weight_tying and theirs.tie_word_embeddings
     assert (args.attention.rope_theta, args.attention.n_kv_heads, args.short_conv.conv_width,
             args.dim // args.attention.n_heads) == (1e6, 8, 3, 64)
+
+
+def test_lfm2_moe_routing_renormalises_with_its_epsilon():
+    """lfm2_moe's router adds 1e-6 to the chosen scores' sum (moe.norm_topk_eps): on tokens
+    whose sigmoid scores are about 1e-6, where the epsilon is half the weight, our weights
+    equal Lfm2MoeTopKRouter's in float64, and DeepSeek's 1e-20 would not."""
+    import dataclasses
+
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+
+    from titan_hybrid.hf.families import FAMILIES as HF_FAMILIES
+    from titan_hybrid.model.moe import expert_weights, router_scores
+
+    config = transformers.Lfm2MoeConfig(hidden_size=8, num_experts=8, num_experts_per_tok=2,
+                                        routed_scaling_factor=2.5)
+    router = Lfm2MoeTopKRouter(config).double()
+    torch.manual_seed(0)
+    with torch.no_grad():  # logits -14 + N(0, 1): sigmoid scores about 1e-6
+        router.weight.normal_()
+        router.weight[:, 0] = -14.0
+    bias = 0.1 * torch.randn(8, dtype=torch.float64)
+    x = torch.cat((torch.ones(16, 1), torch.randn(16, 7)), 1).double()
+    _, theirs, chosen = router(x, bias)
+    args = HF_FAMILIES["lfm2"].model_args({
+        "model_type": "lfm2_moe", "vocab_size": 96, "hidden_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_dense_layers": 0, "num_experts": 8,
+        "num_experts_per_tok": 2, "routed_scaling_factor": 2.5}).moe
+    scores = router_scores(x @ router.weight.T, args.score_func)
+    ours = expert_weights(scores, chosen, args)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
+    deepseek = expert_weights(scores, chosen, dataclasses.replace(args, norm_topk_eps=1e-20))
+    assert not torch.allclose(deepseek, theirs, rtol=1e-3)

@@ -47,6 +47,8 @@ class MoEArgs:
     # Divide the chosen experts' weights by their sum (transformers' norm_topk_prob); None:
     # the score function's default (softmax: no, sigmoid and sqrtsoftplus: yes).
     norm_topk_prob: bool | None = None
+    # ... plus this in that sum (DeepSeek's 1e-20; lfm2_moe's router 1e-6).
+    norm_topk_eps: float = 1e-20
     # Multiply the chosen experts' weights (DeepSeek-V3 / Nemotron 3's routed_scaling_factor).
     routed_scaling_factor: float = 1.0
     # A per-expert bias added to the scores to choose the experts, not to weigh them
@@ -93,7 +95,7 @@ def expert_weights(scores_XE: torch.Tensor, experts_XA: torch.Tensor,
     (routed_scaling_factor): each token's weight of each of its experts."""
     weights = scores_XE.gather(1, experts_XA)
     if args.normalizes_top_k:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + args.norm_topk_eps)
     if args.routed_scaling_factor != 1.0:
         weights = weights * args.routed_scaling_factor
     return weights
