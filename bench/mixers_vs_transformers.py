@@ -18,6 +18,9 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
   * Kimi delta attention (issue 37, `K`): `titan_hybrid.ops.kda.chunk_kda` vs transformers'
     Kimi Linear `chunk_kimi_delta_attention` (its fla fallback), the gated delta rule's shapes
     with a log-decay per key channel.
+  * LFM2's gated short convolution layer (issue 58, `S`): `titan_hybrid.model.short_conv.ShortConv`
+    vs transformers' `Lfm2ShortConv` (training, no cache: its torch conv1d), same weights
+    (its `conv.*` is our `conv1d.*`), hidden 512, conv width 3.
   Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
   * MLA / DSA layers (issue 17): `titan_hybrid.model.mla.MultiLatentAttention` vs
     transformers' `DeepseekV3Attention` (SDPA), and `model.dsa.DeepSeekSparseAttention` (indexer
@@ -57,7 +60,8 @@ activations, autograd buffers and gradients, not weights or inputs (torch has no
 statistics). The probe runs with glibc's mmap threshold fixed at 64 KiB, so freed tensors leave
 RSS at once rather than staying cached in the heap. Ratio ours / theirs (< 1: ours uses less).
 Targets (issue 7, for the SSD scan, the Mamba2 mixer and the gated delta rule): at T = 2048,
-ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, C, H) have no target: measured only.
+ours >= 2x their tokens/s and lower peak memory. MLA / DSA / V4 (W, C, H) and the short conv have
+no target: measured only.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from transformers.models.deepseek_v32 import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+from transformers.models.lfm2 import Lfm2Config
+from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.nemotron_h.modeling_nemotron_h import (
     NemotronHMamba2Mixer,
     mamba2_chunk_scan,
@@ -115,6 +121,7 @@ from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mla import MultiLatentAttention
+from titan_hybrid.model.short_conv import ShortConv, ShortConvArgs
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
 from titan_hybrid.ops.kda import chunk_kda
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined
@@ -138,6 +145,8 @@ OPS = {  # op -> (label, baseline)
                "transformers DeepseekV4Attention HCA (eager, dense mask)"),
     "v4_csa": ("DeepSeek-V4 compressed sparse attention layer",
                "transformers DeepseekV4Attention CSA (eager, dense mask)"),
+    "short_conv": ("LFM2 gated short convolution layer",
+                   "transformers Lfm2ShortConv torch path (conv1d)"),
 }
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
@@ -300,6 +309,20 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
             return lambda: rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
         return {"ours": (kda_fn(chunk_kda), leaves),
                 "theirs": (kda_fn(chunk_kimi_delta_attention), leaves)}
+    if op == "short_conv":
+        torch.manual_seed(seed)
+        ours = ShortConv(dim=DIM, args=ShortConvArgs(conv_width=3))
+        with torch.no_grad():
+            ours.init_weights(init_std=0.02, out_std=0.02)
+        theirs = Lfm2ShortConv(Lfm2Config(hidden_size=DIM, conv_L_cache=3, num_hidden_layers=1),
+                               layer_idx=0)
+        theirs.load_state_dict({name.replace("conv1d.", "conv."): value
+                                for name, value in ours.state_dict().items()})
+        x = rnd(batch, T, DIM).requires_grad_()
+        return {"ours": (lambda: ours(x), [x, ours.in_proj.weight, ours.conv1d.weight,
+                                           ours.out_proj.weight]),
+                "theirs": (lambda: theirs(x), [x, theirs.in_proj.weight, theirs.conv.weight,
+                                               theirs.out_proj.weight])}
     if op in ("mla", "dsa"):
         return _deepseek_case(op, T, batch, rnd(batch, T, DIM).requires_grad_(), seed)
     if op in ("v4", "v4_csa", "v4_hca"):
@@ -362,6 +385,8 @@ def main() -> None:
                         help="sequence lengths for the gated delta rule and KDA")
     parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the MLA, DSA and V4 layers")
+    parser.add_argument("--conv-seq-lens", type=int, nargs="+", default=[512, 2048],
+                        help="sequence lengths for the short convolution layer")
     parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS),
                         help="which comparisons to run (default: all)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -383,7 +408,8 @@ def main() -> None:
                          ("gdn", args.gdn_seq_lens), ("kda", args.gdn_seq_lens),
                          ("mla", args.mla_seq_lens),
                          ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
-                         ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens)):
+                         ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens),
+                         ("short_conv", args.conv_seq_lens)):
         if op not in args.ops:
             continue
         for T in seq_lens:

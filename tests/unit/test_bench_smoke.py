@@ -18,7 +18,8 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.pattern import parse_hybrid_pattern
 
 
-@pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "kda", "mla", "dsa", "v4"])
+@pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "kda", "mla", "dsa", "v4",
+                                "short_conv"])
 def test_compare_small(op):
     pytest.importorskip("transformers")
     from bench.mixers_vs_transformers import compare
