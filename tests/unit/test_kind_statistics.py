@@ -73,9 +73,9 @@ def test_the_collector_finds_every_layer_with_statistics():
     model = model_with_moe_and_dsa()
     layers = statistics_layers([model])
     # 3 MoE (group, main, MTP) and 2 DSA layers, in module order, each once.
-    assert [layer.kind.name for layer in layers] == ["moe", "dsa", "moe", "dsa", "moe"]
+    assert [kind.name for kind, _ in layers] == ["moe", "dsa", "moe", "dsa", "moe"]
     assert statistics_layers([model, model]) == layers
-    assert {id(layer.mixer) for layer in layers} == {
+    assert {id(mixer) for _, mixer in layers} == {
         id(m) for m in modules(model, MoE) + modules(model, DeepSeekSparseAttention)}
 
 

@@ -40,7 +40,7 @@ ALLOWED = {
         "what the extended class reads parameters by: the region depth, the Partial names",
     ("parallel/tensor_parallel.py", "owner.__dict__"):
         "the region depth of each owner, counted by the region's hooks",
-    ("parallel/context_parallel.py", "setattr(layer.mixer, rule.core, wrapped)"):
+    ("parallel/context_parallel.py", "setattr(mixer, rule.core, wrapped)"):
         "a submodule replaced by its CP wrapper, as torch's parallelize_module does",
     ("parallel/context_parallel_compressed.py", "compressor.context_parallel_group"):
         "the group the extended compressor class exchanges pieces over",

@@ -29,7 +29,12 @@ from titan_hybrid.model.mamba import MambaArgs
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
-from titan_hybrid.model.pattern import HybridPattern, parse_hybrid_pattern
+from titan_hybrid.model.pattern import (
+    HybridPattern,
+    members,
+    parse_hybrid_pattern,
+    physical_symbols,
+)
 from titan_hybrid.model.short_conv import ShortConvArgs
 
 __all__ = ["AttentionArgs", "DSAArgs", "DeepseekV4AttentionArgs",
@@ -109,7 +114,8 @@ class HybridModelArgs:
         return cached
 
     def symbols(self) -> set[str]:
-        return set(self.parsed_pattern.physical_layer_symbols(include_mtp=True))
+        """Every layer kind's symbol the pattern holds (parallel groups' members too)."""
+        return self.parsed_pattern.member_symbols(include_mtp=True)
 
     def kinds(self) -> list[LayerKind]:
         """The layer kinds the pattern uses, in the table's order."""
@@ -146,8 +152,9 @@ class HybridModelArgs:
                                  f"{list(kinds)}")
         for kind in self.kinds():  # parsing the pattern also validates it
             kind.validate(self.section(kind), self.dim)
-        moe_layers = sum(LAYER_KINDS[s].name == "moe"
-                         for s in self.parsed_pattern.physical_layer_symbols())
+        moe_layers = sum(LAYER_KINDS[member].name == "moe"
+                         for s in self.parsed_pattern.physical_layer_symbols()
+                         for member in members(s))
         if not 0 <= self.moe.hash_layers <= moe_layers:
             raise ValueError(f"moe.hash_layers={self.moe.hash_layers} must be in [0, the "
                              f"pattern's {moe_layers} MoE layers]")
@@ -165,8 +172,8 @@ class HybridModelArgs:
         """Whether each physical layer of `items` (the main pattern's, in order, groups
         flattened) routes by hash: the first `moe.hash_layers` MoE layers."""
         flags, left = [], self.moe.hash_layers
-        for symbol in (symbol for item in items for symbol in item):
-            flags.append(left > 0 and LAYER_KINDS[symbol].name == "moe")
+        for symbol in (symbol for item in items for symbol in physical_symbols(item)):
+            flags.append(left > 0 and LAYER_KINDS[symbol[0]].name == "moe")  # never a member
             left -= flags[-1]
         return flags
 
@@ -175,9 +182,10 @@ class HybridModelArgs:
         a mixer named in post_norm_mixers, and the layers that follow it up to the next
         mixer."""
         flags, post = [], False
-        for symbol in (symbol for item in items for symbol in item):
-            if LAYER_KINDS[symbol].mixes_sequence:
-                post = symbol in self.post_norm_mixers
+        for symbol in (symbol for item in items for symbol in physical_symbols(item)):
+            mixers = [member for member in members(symbol) if LAYER_KINDS[member].mixes_sequence]
+            if mixers:
+                post = any(member in self.post_norm_mixers for member in mixers)
             flags.append(post)
         return flags
 
@@ -301,6 +309,9 @@ hybrid_flavors = FlavorRegistry({
     "debug_gdp": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="gdp",
         gdp=GDPArgs(num_householder=2, d_state=32, head_dim=32, n_groups=2)),
+    # Falcon-H1's layers: Mamba2 and attention in parallel on one normed input (a parallel
+    # group), each followed by an MLP.
+    "debug_parallel": dataclasses.replace(_debug(), pattern="(M*)-(M*)-"),
     # LFM2's layers: gated short convolutions (width 3) and attention, each with an MLP.
     "debug_short_conv": dataclasses.replace(_debug(), pattern="S-*-S-"),
     # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").

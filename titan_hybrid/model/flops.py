@@ -20,6 +20,7 @@ from torch import nn
 
 from titan_hybrid.model.hyper_connections import mixing_flops
 from titan_hybrid.model.layer_kinds import kind_of
+from titan_hybrid.model.pattern import members
 
 
 def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -34,9 +35,9 @@ def nparams_and_flops_per_token(args, model: nn.Module, seq_len: int) -> tuple[i
                             + head_runs * model.output.weight.numel())
     core = 0
     for symbol in pattern.physical_layer_symbols(include_mtp=True):
-        kind = kind_of(symbol, args)
-        active_matmul_params -= kind.inactive_params(args.section(kind), args.dim)
-        core += kind.core_flops(args.section(kind), args.dim, seq_len)
+        for kind in (kind_of(member, args) for member in members(symbol)):
+            active_matmul_params -= kind.inactive_params(args.section(kind), args.dim)
+            core += kind.core_flops(args.section(kind), args.dim, seq_len)
         if args.hc_mult:
             core += mixing_flops(args.dim, args.hc_mult)
     if args.hc_mult:  # the hyper heads' collapses (main, and each MTP depth's)

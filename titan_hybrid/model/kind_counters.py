@@ -15,23 +15,26 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.model import HybridLayer
 
 
-def statistics_layers(model_parts: Iterable[nn.Module]) -> list[HybridLayer]:
-    """The layers whose kind declares statistics, in module order, each once."""
+def statistics_layers(model_parts: Iterable[nn.Module]) -> list[tuple[LayerKind, nn.Module]]:
+    """(kind, mixer) of every layer's kind that declares statistics, in module order, each
+    once (a parallel group's layer: each of its kinds)."""
     seen, layers = set(), []
     for part in model_parts:
         for module in part.modules():
-            if (isinstance(module, HybridLayer) and module.kind.statistics is not None
-                    and id(module) not in seen):
+            if isinstance(module, HybridLayer) and id(module) not in seen:
                 seen.add(id(module))
-                layers.append(module)
+                layers += [(kind, mixer) for kind, mixer in module.mixers()
+                           if kind.statistics is not None]
     return layers
 
 
-def counters(layer: HybridLayer) -> list[torch.Tensor]:
-    return [getattr(layer.mixer, name) for name in layer.kind.statistics.counters]
+def counters(layer: tuple[LayerKind, nn.Module]) -> list[torch.Tensor]:
+    kind, mixer = layer
+    return [getattr(mixer, name) for name in kind.statistics.counters]
 
 
 def reset_statistics(model_parts: Iterable[nn.Module]) -> None:

@@ -30,10 +30,11 @@ from torch import nn
 
 from titan_hybrid.model.args import HybridModelArgs
 from titan_hybrid.model.hyper_connections import HyperConnection, HyperHead, expand_streams
+from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import kind_of
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
-from titan_hybrid.model.pattern import Item
+from titan_hybrid.model.pattern import Item, members, physical_symbols, written
 from titan_hybrid.model.rotary import rotary_tables
 
 
@@ -43,27 +44,43 @@ def model_norm(args: HybridModelArgs) -> RMSNorm:
 
 
 class HybridLayer(nn.Module):
-    """One physical layer of a kind from the table (model/layer_kinds.py). Submodules are named
-    by kind (`attention_norm`, `attention`, ...) so that checkpoint keys say what a layer is,
-    as Megatron's do."""
+    """One physical layer: a layer kind of the table (model/layer_kinds.py), or a parallel
+    group's kinds (pattern `(M*)`), which read the same normed input and whose outputs add up.
+    Submodules are named by kind (`attention_norm`, `attention`, ...; a parallel group's one
+    norm after all its kinds, `mamba_attention_norm`) so that checkpoint keys say what a layer
+    is, as Megatron's do."""
 
     def __init__(self, symbol: str, args: HybridModelArgs, *, post_norm: bool = False,
                  hash_routed: bool = False) -> None:
         """`hash_routed`: an MoE layer that chooses its experts by the token ids."""
         super().__init__()
         self.symbol = symbol
-        self.kind = kind_of(symbol, args)
+        self.kinds = tuple(kind_of(member, args) for member in members(symbol))
         self.post_norm = post_norm  # h + norm(mixer(h)) instead of h + mixer(norm(h))
-        self.add_module(f"{self.kind.name}_norm", model_norm(args))
-        section = args.section(self.kind)
-        if hash_routed:
-            section = dataclasses.replace(section, hash_vocab_size=args.vocab_size)
-        self.add_module(self.kind.name, self.kind.build(section, args.dim, args.norm_eps))
+        self.norm_name = "_".join(kind.name for kind in self.kinds) + "_norm"
+        self.add_module(self.norm_name, model_norm(args))
+        for kind in self.kinds:
+            section = args.section(kind)
+            if hash_routed:
+                section = dataclasses.replace(section, hash_vocab_size=args.vocab_size)
+            self.add_module(kind.name, kind.build(section, args.dim, args.norm_eps))
         self.residual_multiplier = args.residual_multiplier
         self.hyper_connection = (HyperConnection(args.dim, args.hc_mult,
                                                  sinkhorn_iters=args.hc_sinkhorn_iters,
                                                  eps=args.hc_eps, norm_eps=args.norm_eps)
                                  if args.hc_mult else None)
+
+    def mixers(self) -> list[tuple[LayerKind, nn.Module]]:
+        """(kind, mixer) of each of the layer's kinds, in the pattern's order."""
+        return [(kind, getattr(self, kind.name)) for kind in self.kinds]
+
+    @property
+    def kind(self) -> LayerKind:
+        """The kind of a layer of one kind (a parallel group has several: `kinds`)."""
+        if len(self.kinds) != 1:
+            raise AttributeError(f"a parallel group's layer ({written(self.symbol)}) has "
+                                 "several kinds: read `kinds` or `mixers()`")
+        return self.kinds[0]
 
     @property
     def mixer(self) -> nn.Module:
@@ -71,7 +88,7 @@ class HybridLayer(nn.Module):
 
     @property
     def norm(self) -> nn.Module:
-        return getattr(self, f"{self.kind.name}_norm")
+        return getattr(self, self.norm_name)
 
     def forward(self, h: torch.Tensor, aux_loss: torch.Tensor, layout: TokenLayout):
         """`h`: the residual stream [B, T, D], or the streams [B, T, N, D] with
@@ -81,16 +98,19 @@ class HybridLayer(nn.Module):
         else:
             x = h
         x = x if self.post_norm else self.norm(x)
-        if self.kind.mixes_sequence:
-            out = self.mixer(x, layout)
-        elif getattr(self.mixer, "routes_by_token", False):
-            out = self.mixer(x, layout.token_ids)
-        else:
-            out = self.mixer(x)
-        if self.kind.has_aux_loss:
-            out, layer_aux_loss = out
-            aux_loss = aux_loss + layer_aux_loss
-        elif aux_loss.requires_grad:
+        out, with_aux_loss = None, False
+        for kind, mixer in self.mixers():
+            if kind.mixes_sequence:
+                mixed = mixer(x, layout)
+            elif getattr(mixer, "routes_by_token", False):
+                mixed = mixer(x, layout.token_ids)
+            else:
+                mixed = mixer(x)
+            if kind.has_aux_loss:
+                mixed, layer_aux_loss = mixed
+                aux_loss, with_aux_loss = aux_loss + layer_aux_loss, True
+            out = mixed if out is None else out + mixed
+        if not with_aux_loss and aux_loss.requires_grad:
             # Not the input itself: FSDP2 hands a unit its inputs as views (of its hook
             # function's outputs), and a unit that returned one as it came would return a view,
             # whose in-place update downstream would skip the unit's pre-backward hook (torch
@@ -106,7 +126,8 @@ class HybridLayer(nn.Module):
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         self.norm.init_weights()
-        self.mixer.init_weights(init_std=init_std, out_std=out_std)
+        for _, mixer in self.mixers():
+            mixer.init_weights(init_std=init_std, out_std=out_std)
         if self.hyper_connection is not None:
             self.hyper_connection.init_weights(init_std=init_std)
 
@@ -122,7 +143,7 @@ class HybridStack(nn.Module):
         (default: none, as in MTP depths; the main stack's: args.hash_routed(items))."""
         super().__init__()
         flags = iter(args.post_norms(items) if post_norms is None else post_norms)
-        hashed = iter(hash_routed or [False] * sum(len(item) for item in items))
+        hashed = iter(hash_routed or [False] * sum(len(physical_symbols(item)) for item in items))
         self.layers = nn.ModuleDict()
         for offset, item in enumerate(items):
             layer = (HybridStack(list(item), args, post_norms=[next(flags) for _ in item],
@@ -385,8 +406,10 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     their modules' FQNs."""
     found = {}
     for name, layer in model.named_modules():
-        if isinstance(layer, HybridLayer) and layer.kind.routed_experts is not None:
-            prefix = f"{name}.{layer.kind.name}" if name else layer.kind.name
-            found[f"{prefix}.{layer.kind.routed_experts}"] = getattr(layer.mixer,
-                                                                     layer.kind.routed_experts)
+        if not isinstance(layer, HybridLayer):
+            continue
+        for kind, mixer in layer.mixers():
+            if kind.routed_experts is not None:
+                prefix = f"{name}.{kind.name}" if name else kind.name
+                found[f"{prefix}.{kind.routed_experts}"] = getattr(mixer, kind.routed_experts)
     return found

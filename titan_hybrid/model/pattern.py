@@ -4,6 +4,7 @@ A pattern has one character per layer, one symbol per layer kind of the table
 (titan_hybrid.model.symbols, which imports no layer code):
 
     M  Mamba2          G  gated DeltaNet      *  self-attention
+    K  Kimi delta attention (KDA)              S  gated short convolution (LFM2)
     +  MLA             D  DeepSeek sparse attention (DSA)
     W  DeepSeek-V4 sliding-window attention     H  DeepSeek-V4 heavily compressed attention
     C  DeepSeek-V4 compressed sparse attention
@@ -24,6 +25,15 @@ main part and the MTP depths as one string):
   mixer ``M``; self_attention ``G * + D C H W``; mlp ``- E``), so ``[MM]``, ``[*G]`` and ``[-E]``
   are refused.
 
+``(...)`` is a parallel group (not in Megatron's grammar; Falcon-H1's layers, Megatron-Bridge's
+ParallelHybridLayer): ONE physical layer whose members read the same normed input, their
+outputs summed into the residual stream, ``"(M*)-"`` for Falcon-H1. Its members hold distinct
+checkpoint namespaces, so at most one mixer, one attention-like layer and one MLP (``(*-)`` is
+PaLM's parallel block); ``E`` may not be a member; a group needs two members; it may stand in
+a bracket group (``"[(M*)-]"``), whose namespace rule then counts its members, but not in an
+MTP depth. Such a physical layer's symbol is the string of its members (``"M*"``:
+``members``).
+
 Every malformed pattern raises ``ValueError`` naming the offending character and its 0-based
 position in the full pattern.
 Pipeline stages are cut from a parsed pattern in titan_hybrid.parallel.pipeline_split.
@@ -35,14 +45,27 @@ from dataclasses import dataclass
 
 from titan_hybrid.model.symbols import MLA_FAMILY, SELF_ATTENTION_SYMBOL, SYMBOLS
 
+# A logical layer: a physical layer's symbol (one character, or a parallel group's members,
+# "M*"), or a bracket group's tuple of them.
 Item = str | tuple[str, ...]
 
-_STRUCTURE = "[ ] | /"
+_STRUCTURE = "[ ] ( ) | /"
 
 
 def physical_symbols(item: Item) -> tuple[str, ...]:
     """The physical layer symbols of one logical item: 'M' -> ('M',)."""
     return (item,) if isinstance(item, str) else tuple(item)
+
+
+def members(symbol: str) -> tuple[str, ...]:
+    """The layer kinds' symbols of one physical layer: 'M' -> ('M',), a parallel group's 'M*'
+    -> ('M', '*')."""
+    return tuple(symbol)
+
+
+def written(symbol: str) -> str:
+    """A physical layer as the pattern writes it: 'M', or '(M*)'."""
+    return symbol if len(symbol) == 1 else f"({symbol})"
 
 
 def pattern_error(pattern: str, rule: str) -> ValueError:
@@ -76,9 +99,16 @@ class HybridPattern:
         return sum(len(physical_symbols(item)) for item in self.main)
 
     def physical_layer_symbols(self, *, include_mtp: bool = False) -> list[str]:
-        """Every physical layer's symbol in order; MTP layers once per depth if asked."""
+        """Every physical layer's symbol in order (a parallel group's: its members, "M*");
+        MTP layers once per depth if asked."""
         items = self.main + (self.mtp * self.mtp_depths if include_mtp else [])
         return [symbol for item in items for symbol in physical_symbols(item)]
+
+    def member_symbols(self, *, include_mtp: bool = False) -> set[str]:
+        """The symbols of every layer kind the pattern holds, parallel groups' members
+        included."""
+        return {member for symbol in self.physical_layer_symbols(include_mtp=include_mtp)
+                for member in members(symbol)}
 
 
 def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]:
@@ -88,16 +118,44 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
     target = segments[0]
     group_start: int | None = None
     group: list[str] = []
+    parallel_start: int | None = None
     for pos, ch in enumerate(pattern):
         in_mtp = bool(mtp_parts)
-        if ch in SYMBOLS:
+        if ch in SYMBOLS and parallel_start is not None:
+            if SYMBOLS[ch].closes_group:
+                raise char_error(pattern, pos, "may not be a member of a parallel group")
+            _check_namespace(pattern, parallel_start if group_start is None else group_start,
+                             pos)
+        elif ch in SYMBOLS:
             if group_start is None:
                 target.append(ch)
                 continue
-            if group and SYMBOLS[group[-1]].closes_group:  # in a group only symbols precede
+            if group and SYMBOLS[group[-1][-1]].closes_group:  # in a group only symbols precede
                 raise char_error(pattern, pos - 1, "must be the last symbol of a group")
             _check_namespace(pattern, group_start, pos)
             group.append(ch)
+        elif ch == "(":
+            if in_mtp:
+                raise char_error(pattern, pos, "opens a parallel group in an MTP depth; "
+                                  "parallel groups are not allowed in MTP")
+            if parallel_start is not None:
+                raise char_error(pattern, pos, "opens a parallel group inside the parallel "
+                                  f"group at position {parallel_start}; they cannot be nested")
+            if group and SYMBOLS[group[-1][-1]].closes_group:
+                raise char_error(pattern, pos - 1, "must be the last symbol of a group")
+            parallel_start = pos
+        elif ch == ")":
+            if parallel_start is None:
+                raise char_error(pattern, pos, "is a stray ')' with no open parallel group")
+            members_ = pattern[parallel_start + 1:pos]
+            if len(members_) < 2:
+                raise char_error(pattern, parallel_start, "opens a parallel group of "
+                                  f"{len(members_)} layer(s); a parallel group needs at least two")
+            (target if group_start is None else group).append(members_)
+            parallel_start = None
+        elif parallel_start is not None:
+            raise char_error(pattern, pos, "is not allowed inside a parallel group (opened at "
+                              f"position {parallel_start}), which holds layer symbols only")
         elif ch == "[":
             if in_mtp:
                 raise char_error(pattern, pos, "opens a group in an MTP depth; groups "
@@ -134,6 +192,9 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
         else:
             raise char_error(pattern, pos, "is not a known symbol; expected one of "
                               f"{' '.join(SYMBOLS)} {_STRUCTURE}")
+    if parallel_start is not None:
+        raise char_error(pattern, parallel_start, "opens an unmatched parallel group: it is "
+                         "never closed")
     if group_start is not None:
         raise char_error(pattern, group_start, "opens an unmatched group: it is never closed")
     return segments, mtp_parts
@@ -157,18 +218,21 @@ def _mtp_depth(pattern: str, parts: list[tuple[int, list[Item]]]) -> tuple[list[
 
 
 def _check_namespace(pattern: str, group_start: int, pos: int) -> None:
-    """The symbol at `pos` may not join its group (opened at `group_start`) if a layer of its
-    checkpoint namespace is in it already."""
+    """The symbol at `pos` may not join its group (a bracket or parallel group, opened at
+    `group_start`) if a layer of its checkpoint namespace is in it already."""
     namespace = SYMBOLS[pattern[pos]].namespace
+    close_char = "]" if pattern[group_start] == "[" else ")"
     for before in range(group_start + 1, pos):
-        if SYMBOLS[pattern[before]].namespace == namespace:
-            close = pattern.find("]", pos)
+        if pattern[before] in SYMBOLS and SYMBOLS[pattern[before]].namespace == namespace:
+            close = pattern.find(close_char, pos)
             group = pattern[group_start:len(pattern) if close < 0 else close + 1]
+            rule = ("a parallel group's members hold distinct namespaces" if close_char == ")"
+                    else "a layer group holds at most one layer of each namespace (Megatron: "
+                    f"\"Layer group '{group}' contains multiple layers in checkpoint "
+                    f"namespace '{namespace}'\")")
             raise char_error(
                 pattern, pos, f"joins {pattern[before]!r} at position {before} in checkpoint "
-                f"namespace '{namespace}': a layer group holds at most one layer of each "
-                f"namespace (Megatron: \"Layer group '{group}' contains multiple layers in "
-                f"checkpoint namespace '{namespace}'\")")
+                f"namespace '{namespace}': {rule}")
 
 
 def _check_attention_families(pattern: str) -> None:

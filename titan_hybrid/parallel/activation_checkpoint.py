@@ -45,6 +45,7 @@ from titan_hybrid.compat.checkpointing import (
 )
 from titan_hybrid.config.sections import ActivationCheckpointSection, section_choices
 from titan_hybrid.model.model import HybridLayer
+from titan_hybrid.model.pattern import members
 from titan_hybrid.model.symbols import SYMBOLS
 from titan_hybrid.ops.custom_ops import ops_saved_by_selective_ac
 
@@ -86,7 +87,8 @@ def _wrap(layer: nn.Module, config: ActivationCheckpointSection, **options) -> n
 
 def _layer_symbols(layer: nn.Module) -> set[str]:
     """The pattern symbols of a top-level layer, or of every layer of a bracket group."""
-    return {module.symbol for module in layer.modules() if isinstance(module, HybridLayer)}
+    return {member for module in layer.modules() if isinstance(module, HybridLayer)
+            for member in members(module.symbol)}
 
 
 def _checkpointed(index: int, layer: nn.Module, config: ActivationCheckpointSection,

@@ -55,30 +55,36 @@ def _compile(module: nn.Module, config: CompileSection) -> None:
     extend_class(module, _CompiledForward)
 
 
-def _compiled_parts(layer: HybridLayer, split_precision: bool,
-                    whole_in_bf16: bool) -> tuple[str, ...] | None:
-    """The mixer's submodules that the layer compiles instead of itself (None: itself)."""
-    if layer.kind.compiled_parts is not None and not (whole_in_bf16
-                                                      and layer.kind.one_graph_in_bf16):
-        return layer.kind.compiled_parts
-    if split_precision and layer.kind.full_precision_params:
+def _mixer_parts(kind, mixer: nn.Module, split_precision: bool,
+                 whole_in_bf16: bool) -> list[nn.Module] | None:
+    """The mixer's submodules that are compiled instead of it (None: itself)."""
+    if kind.compiled_parts is not None and not (whole_in_bf16 and kind.one_graph_in_bf16):
+        return [part for part in (getattr(mixer, name) for name in kind.compiled_parts)
+                if part is not None]  # e.g. no shared expert
+    if split_precision and kind.full_precision_params:
         # titan_hybrid's own modules; torch's Linear / Conv1d are one op each, or not called
-        return tuple(name for name, child in layer.mixer.named_children()
-                     if type(child).__module__.startswith("titan_hybrid."))
+        return [child for child in mixer.children()
+                if type(child).__module__.startswith("titan_hybrid.")]
     return None
+
+
+def _compiled_parts(layer: HybridLayer, split_precision: bool,
+                    whole_in_bf16: bool) -> list[nn.Module] | None:
+    """The modules that the layer compiles instead of itself (None: itself): its norm, and
+    each mixer's parts (or the mixer, where it has none)."""
+    parts = [(mixer, _mixer_parts(kind, mixer, split_precision, whole_in_bf16))
+             for kind, mixer in layer.mixers()]
+    if all(mixer_parts is None for _, mixer_parts in parts):
+        return None
+    return [layer.norm] + [module for mixer, mixer_parts in parts
+                           for module in ([mixer] if mixer_parts is None else mixer_parts)]
 
 
 def _compile_layer(layer: HybridLayer, config: CompileSection, split_precision: bool,
                    whole_in_bf16: bool) -> None:
     parts = _compiled_parts(layer, split_precision, whole_in_bf16)
-    if parts is None:
-        _compile(layer, config)
-        return
-    _compile(layer.norm, config)
-    for name in parts:
-        part = getattr(layer.mixer, name)
-        if part is not None:  # e.g. no shared expert
-            _compile(part, config)
+    for module in [layer] if parts is None else parts:
+        _compile(module, config)
 
 
 def _compile_unit(unit: nn.Module, config: CompileSection, split_precision: bool,

@@ -240,15 +240,14 @@ def apply_context_parallel(model: nn.Module, cp_group, linear_mode: str = "head_
             module.register_forward_hook(
                 lambda _module, _args, local_sum: traceable_all_reduce(local_sum,
                                                                        group=cp_group))
-    for layer in model.modules():
-        if not isinstance(layer, HybridLayer) or layer.kind.context_parallel is None:
-            continue
-        rule = layer.kind.context_parallel
-        wrapped = _wrapped(getattr(layer.mixer, rule.core), rule, cp_group, linear_mode)
-        setattr(layer.mixer, rule.core, wrapped)
+    mixers = [(kind, mixer) for layer in model.modules() if isinstance(layer, HybridLayer)
+              for kind, mixer in layer.mixers() if kind.context_parallel is not None]
+    for kind, mixer in mixers:
+        rule = kind.context_parallel
+        wrapped = _wrapped(getattr(mixer, rule.core), rule, cp_group, linear_mode)
+        setattr(mixer, rule.core, wrapped)
         if rule.compressor is not None:
-            ContextParallelCompressedRows.install(getattr(layer.mixer, rule.compressor),
-                                                  cp_group)
+            ContextParallelCompressedRows.install(getattr(mixer, rule.compressor), cp_group)
 
 
 def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, cp_group):

@@ -69,10 +69,11 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def full_precision_layers(unit: nn.Module | list[nn.Module]) -> list[HybridLayer]:
-    """The layers in a unit whose kind keeps some mixer parameters in fp32."""
+    """The layers in a unit with a kind that keeps some mixer parameters in fp32."""
     modules = unit if isinstance(unit, list) else [unit]
     return [layer for module in modules for layer in module.modules()
-            if isinstance(layer, HybridLayer) and layer.kind.full_precision_params]
+            if isinstance(layer, HybridLayer)
+            and any(kind.full_precision_params for kind in layer.kinds)]
 
 
 def hyper_connections(unit: nn.Module | list[nn.Module]) -> list[nn.Module]:

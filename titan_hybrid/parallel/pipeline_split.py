@@ -109,16 +109,17 @@ def _even_chunks(pattern: HybridPattern, num_stages: int) -> list[list[Item]]:
 
 
 def _main_item_positions(text: str) -> list[int]:
-    """Pattern position of each main item (a group counts at its '['); `text` is valid."""
-    positions, in_group = [], False
+    """Pattern position of each main item (a group counts at its '[', a parallel group at
+    its '('); `text` is valid."""
+    positions, inside = [], None  # the closing character of the group being read
     for pos, ch in enumerate(text):
         if ch == "/":
             break
-        if ch == "]":
-            in_group = False
-        elif ch != "|" and not in_group:
+        if ch == inside:
+            inside = None
+        elif ch != "|" and inside is None:
             positions.append(pos)
-            in_group = ch == "["
+            inside = {"[": "]", "(": ")"}.get(ch)
     return positions
 
 

@@ -233,7 +233,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[s
         partial_over_tp.update({prefix + name: "tp" for name in partial or ()})
         return partial
 
-    mixers = [layer.mixer for layer in model.modules() if isinstance(layer, HybridLayer)]
+    mixers = [mixer for layer in model.modules() if isinstance(layer, HybridLayer)
+              for _, mixer in layer.mixers()]
     inside = {id(m) for mixer in mixers for m in mixer.modules()}
     boundary = {id(model.tok_embeddings), id(model.output)}
     for module in model.modules():

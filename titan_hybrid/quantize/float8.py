@@ -204,12 +204,14 @@ def kind_exceptions(model: nn.Module) -> dict[str, str]:
     HybridModel (or a pipeline stage of one)."""
     found = {}
     for name, layer in model.named_modules():
-        if isinstance(layer, HybridLayer):
-            mixer = f"{name}.{layer.kind.name}" if name else layer.kind.name
-            section = model.model_args.section(layer.kind)
-            for module in (*layer.kind.high_precision_modules,
-                           *layer.kind.optional_high_precision_modules(section)):
-                found[f"{mixer}.{module}"] = layer.kind.title
+        if not isinstance(layer, HybridLayer):
+            continue
+        for kind in layer.kinds:
+            mixer = f"{name}.{kind.name}" if name else kind.name
+            section = model.model_args.section(kind)
+            for module in (*kind.high_precision_modules,
+                           *kind.optional_high_precision_modules(section)):
+                found[f"{mixer}.{module}"] = kind.title
     return found
 
 

@@ -83,26 +83,26 @@ class StatisticsCollector:
         if model_args is not None:
             kinds = [kind for kind in model_args.kinds() if kind.statistics is not None]
         else:  # a bare model: one stage, the kinds of its own layers
-            kinds = list({id(layer.kind): layer.kind for layer in layers}.values())
+            kinds = list({id(kind): kind for kind, _ in layers}.values())
         device = next(parts[0].parameters()).device
         metrics: dict[str, float] = {}
         for kind in kinds:
             spec = kind.statistics
-            own = [layer for layer in layers if layer.kind is kind]
+            own = [mixer for layer_kind, mixer in layers if layer_kind is kind]
             if spec.per_layer:
                 if not own:
                     continue
-                sums = {name: torch.stack([getattr(layer.mixer, name) for layer in own]).double()
+                sums = {name: torch.stack([getattr(mixer, name) for mixer in own]).double()
                         for name in spec.counters}
             else:
-                shapes = ({name: getattr(own[0].mixer, name).shape for name in spec.counters}
+                shapes = ({name: getattr(own[0], name).shape for name in spec.counters}
                           if own else self._counter_shapes(kind, model_args))
-                sums = {name: sum((getattr(layer.mixer, name).double() for layer in own),
+                sums = {name: sum((getattr(mixer, name).double() for mixer in own),
                                   torch.zeros(shape, dtype=torch.float64, device=device))
                         for name, shape in shapes.items()}
             sums = self._reduce(sums, spec)
-            for layer in own:
-                for counter in counters(layer):
+            for mixer in own:
+                for counter in counters((kind, mixer)):
                     counter.zero_()
             metrics |= spec.log(sums)
         return metrics
