@@ -8,6 +8,7 @@ The imported job's training under FSDP2 and TP2 is in tests/distributed/test_hf_
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +187,23 @@ FAMILIES = {
         routed_scaling_factor=2.5, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "conv", "full_attention", "conv"], max_position_embeddings=64,
         attn_implementation="eager")),
+    # Falcon-H1: Mamba2 and attention in parallel, every µP multiplier away from 1, a Mamba2
+    # width (mamba_d_ssm) that is not expand * hidden_size, dt clamped; its Mamba2 without
+    # the gated norm (the released models'), and with it.
+    "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=48,
+        mamba_n_heads=6, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
+        time_step_limit=(0.01, 3.0), embedding_multiplier=1.7, lm_head_multiplier=0.35,
+        key_multiplier=0.6, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+        ssm_in_multiplier=1.2, ssm_out_multiplier=0.7, ssm_multipliers=[1.1, 0.9, 1.4, 0.6, 2.0],
+        mlp_multipliers=[1.5, 0.75], max_position_embeddings=64, attn_implementation="eager")),
+    "falcon_h1_gated_norm": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=8,
+        mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, mamba_rms_norm=True,
+        mamba_norm_before_gate=False, max_position_embeddings=64,
+        attn_implementation="eager")),
     # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
     "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
@@ -296,11 +314,10 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("model_type, reason", [
     ("jamba", "Mamba1"),
-    ("falcon_h1", "attention and Mamba2 in parallel"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
-               "deepseek_v4, granitemoehybrid, kimi_linear, lfm2, lfm2_moe, mamba2, nemotron_h, "
-               "olmo_hybrid, qwen3_5, qwen3_5_moe, "
+               "deepseek_v4, falcon_h1, granitemoehybrid, kimi_linear, lfm2, lfm2_moe, mamba2, "
+               "nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):
@@ -756,3 +773,27 @@ def test_lfm2_moe_routing_renormalises_with_its_epsilon():
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=0)
     deepseek = expert_weights(scores, chosen, dataclasses.replace(args, norm_topk_eps=1e-20))
     assert not torch.allclose(deepseek, theirs, rtol=1e-3)
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("attention", "key_multiplier", 0.5), ("mamba", "gated_norm", False),
+    ("mamba", "in_proj_multipliers", (1.0, 2.0, 1.0, 1.0, 1.0)), ("mlp", "down_multiplier", 2.0),
+    (None, "lm_head_multiplier", 0.25)])
+def test_falcon_h1s_options_are_never_dropped_by_another_format(section, field, value):
+    """A model with one of Falcon-H1's options (its µP multipliers, Mamba2 without the gated
+    norm) in another HF format (the debug flavor's, Nemotron-H's) is refused, naming it."""
+    import dataclasses
+
+    from titan_hybrid.hf.families import check_hf_compatible
+    from titan_hybrid.model.args import resolve_model_args
+
+    args = resolve_model_args("debug_nemotron_h", seq_len=64)
+    if section is None:
+        args = dataclasses.replace(args, **{field: value})
+    else:
+        setattr(args, section, dataclasses.replace(getattr(args, section), **{field: value}))
+    name = field if section is None else f"{section}.{field}"
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}=.* is held only by the "
+                                         "Falcon-H1 format, and this model's HF format is "
+                                         "nemotron_h"):
+        check_hf_compatible(args)

@@ -36,6 +36,7 @@ from titan_hybrid.hf import (
     bamba,
     deepseek,
     deepseek_v4,
+    falcon_h1,
     granite,
     kimi_linear,
     lfm2,
@@ -49,6 +50,7 @@ from titan_hybrid.hf import (
 from titan_hybrid.hf.deepseek import ARCHITECTURES, ATTENTION_KINDS
 from titan_hybrid.hf.engine import KeyMapAdapter
 from titan_hybrid.hf.family import Family
+from titan_hybrid.model import attention, mamba, mlp
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
@@ -65,6 +67,7 @@ FAMILIES = {family.name: family for family in (
     kimi_linear.FAMILY,
     lfm2.FAMILY,
     mamba2.FAMILY,
+    falcon_h1.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -78,8 +81,6 @@ REFUSED = {
              "titan_hybrid's SSM layer is Mamba2 (M)",
     "mamba": "its layers are Mamba1 (selective scan with a per-channel state), and "
              "titan_hybrid's SSM layer is Mamba2 (M)",
-    "falcon_h1": "each layer runs attention and Mamba2 in parallel on the same input and adds "
-                 "them; titan_hybrid's layers run one mixer each, in sequence",
     "zamba": "its transformer blocks are shared between positions (one set of weights "
              "applied at several depths); titan_hybrid's layers each own their weights",
     "zamba2": "its transformer blocks are shared between positions (one set of weights "
@@ -169,6 +170,28 @@ def hf_format_of(args: HybridModelArgs) -> Family:
     return FAMILIES["nemotron_h"]
 
 
+def _held_by_falcon_h1_only(args: HybridModelArgs) -> str | None:
+    """An option of the model's that only the Falcon-H1 format holds (its µP multipliers,
+    Mamba2 without the gated norm): another format's export would drop it silently."""
+    kinds = {kind.name for kind in args.kinds()}
+    options = [("lm_head_multiplier", args.lm_head_multiplier, 1.0)]
+    if attention.KIND.name in kinds:
+        options += [(f"attention.{name}", getattr(args.attention, name), 1.0)
+                    for name in ("key_multiplier", "input_multiplier", "output_multiplier")]
+    if mamba.KIND.name in kinds:
+        options += [(f"mamba.{name}", getattr(args.mamba, name), default)
+                    for name, default in (("input_multiplier", 1.0), ("output_multiplier", 1.0),
+                                          ("in_proj_multipliers", (1.0,) * 5),
+                                          ("gated_norm", True))]
+    if mlp.KIND.name in kinds:
+        options += [(f"mlp.{name}", getattr(args.mlp, name), 1.0)
+                    for name in ("gate_multiplier", "down_multiplier")]
+    for name, value, default in options:
+        if (tuple(value) if isinstance(value, list) else value) != default:
+            return f"{name}={value}"
+    return None
+
+
 def _held_by_deepseek_v4_only(args: HybridModelArgs) -> str | None:
     """An option of the model's that only the DeepSeek-V4 format holds: another format's
     export would drop it silently."""
@@ -192,10 +215,12 @@ def check_hf_compatible(args: HybridModelArgs) -> Family:
         raise ValueError(f"{variants[0].title} layers (m_layers='{args.m_layers}', g_layers="
                          f"'{args.g_layers}') are held by none of the Hugging Face families "
                          "titan_hybrid writes")
-    unheld = None if hf_format is FAMILIES["deepseek_v4"] else _held_by_deepseek_v4_only(args)
-    if unheld:
-        raise ValueError(f"{unheld} is held only by the DeepSeek-V4 format, and this model's "
-                         f"HF format is {hf_format.name} ({RULE})")
+    for only, held_by_only in ((FAMILIES["deepseek_v4"], _held_by_deepseek_v4_only),
+                               (FAMILIES["falcon_h1"], _held_by_falcon_h1_only)):
+        unheld = None if hf_format is only else held_by_only(args)
+        if unheld:
+            raise ValueError(f"{unheld} is held only by the {only.format_name} format, and "
+                             f"this model's HF format is {hf_format.name} ({RULE})")
     try:
         hf_format.check(args)
         if args.enable_weight_tying and not hf_format.ties_embeddings:

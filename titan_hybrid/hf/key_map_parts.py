@@ -148,3 +148,9 @@ def softmax_routed(experts, *, shared_expert_gate: bool) -> bool:
              experts.shared_expert_gate)
             == ("swiglu", "softmax", True, False, 1, 1.0, shared_expert_gate)
             and experts.shared_expert_hidden_dim > 0)
+
+
+def time_step_limit(config: dict) -> tuple[float, float]:
+    """A Mamba2 config's `time_step_limit` (transformers' default: no limit)."""
+    low, high = config.get("time_step_limit") or (0.0, float("inf"))
+    return json_float(low), json_float(high)

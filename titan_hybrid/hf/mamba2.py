@@ -18,6 +18,7 @@ import dataclasses
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import tagged_float, time_step_limit
 from titan_hybrid.hf.nemotron_h import layer_entries, physical_layer_prefixes
 from titan_hybrid.model import mamba
 from titan_hybrid.model.args import HybridModelArgs, MambaArgs
@@ -72,8 +73,7 @@ def mamba2_config(args: HybridModelArgs) -> dict:
         "n_groups": ssm.n_groups, "conv_kernel": ssm.conv_width, "chunk_size": ssm.chunk_size,
         "time_step_min": ssm.dt_min, "time_step_max": ssm.dt_max,
         "time_step_floor": ssm.dt_init_floor,
-        # JSON has no infinity: an unbounded limit is transformers' default, left out.
-        **({} if (low, high) == (0.0, float("inf")) else {"time_step_limit": [low, high]}),
+        "time_step_limit": [tagged_float(low), tagged_float(high)],
         **dict(FIXED), "residual_in_fp32": True,
     }
 
@@ -90,7 +90,7 @@ def model_args_from_mamba2_config(config: dict) -> HybridModelArgs:
     if heads * head_dim != expand * dim:
         raise ValueError(f"num_heads * head_dim = {heads * head_dim} must be hidden_size * "
                          f"expand = {expand * dim}")
-    low, high = config.get("time_step_limit") or (0.0, float("inf"))
+    low, high = time_step_limit(config)
     base = HybridModelArgs()
     return dataclasses.replace(
         base, hf_format=FORMAT, pattern=mamba.KIND.symbol * config["num_hidden_layers"],
@@ -103,7 +103,7 @@ def model_args_from_mamba2_config(config: dict) -> HybridModelArgs:
                         dt_min=config.get("time_step_min", 1e-3),
                         dt_max=config.get("time_step_max", 0.1),
                         dt_init_floor=config.get("time_step_floor", 1e-4),
-                        dt_limit=(float(low), float(high))))
+                        dt_limit=(low, high)))
 
 
 # The family, as titan_hybrid/hf/families.py lists it.

@@ -58,6 +58,8 @@ class HybridModelArgs:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Falcon-H1's: the logits times lm_head_multiplier (µP, kept as a scalar).
+    lm_head_multiplier: float = 1.0
     # Symbols of sequence mixers whose decoder layer (the mixer, and the MLP / MoE layers up to
     # the next mixer) normalizes its outputs instead of its inputs: h + norm(f(h)) (OLMo
     # Hybrid's attention layers, "*"); every other layer is pre-norm, h + f(norm(h)).

@@ -51,6 +51,12 @@ class AttentionArgs:
     # The softmax's scale of q . k; None: 1 / sqrt(head_dim) (Granite 4.0 sets its own,
     # attention_multiplier).
     softmax_scale: float | None = None
+    # Falcon-H1's µP multipliers, kept as scalars: the keys times key_multiplier (before
+    # their norm and rotation), the layer's input times input_multiplier and its output times
+    # output_multiplier (attention_in_multiplier / attention_out_multiplier).
+    key_multiplier: float = 1.0
+    input_multiplier: float = 1.0
+    output_multiplier: float = 1.0
 
     @property
     def rotary_dim(self) -> int:
@@ -82,6 +88,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.use_rope, self.rope_interleave = args.use_rope, args.rope_interleave
         self.rotary_dim, self.output_gate = args.rotary_dim, args.output_gate
+        self.multipliers = (args.input_multiplier, args.key_multiplier, args.output_multiplier)
         self.wq = nn.Linear(dim, self.n_heads * self.head_dim * (2 if self.output_gate else 1),
                             bias=False)
         self.wk = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -112,11 +119,16 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         batch, seq_len, _ = x_BTD.shape
+        input_multiplier, key_multiplier, output_multiplier = self.multipliers
+        if input_multiplier != 1.0:
+            x_BTD = x_BTD * input_multiplier
         # -1 instead of the head count: under tensor parallelism each rank holds fewer heads.
         q = self.wq(x_BTD).view(batch, seq_len, -1, self.head_dim * (1 + self.output_gate))
         if self.output_gate:
             q, gate = q.chunk(2, dim=-1)
         k = self.wk(x_BTD).view(batch, seq_len, -1, self.head_dim)
+        if key_multiplier != 1.0:
+            k = k * key_multiplier
         v = self.wv(x_BTD).view(batch, seq_len, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -125,7 +137,8 @@ class Attention(nn.Module):
         out = self.core(q, k, v, layout, layout)
         if self.output_gate:
             out = out * torch.sigmoid(gate)
-        return self.wo(out.reshape(batch, seq_len, -1))
+        out = self.wo(out.reshape(batch, seq_len, -1))
+        return out if output_multiplier == 1.0 else out * output_multiplier
 
     def _rotate(self, x_BTHD: torch.Tensor, table_BTR2: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of the first `rotary_dim` channels of each head (the table's)."""

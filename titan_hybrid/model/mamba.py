@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_hybrid.model.common import (
@@ -51,6 +52,15 @@ class MambaArgs:
     # The SSM heads, when the inner width is not expand * dim (Nemotron 3 Nano: 64 heads of
     # 64 on a 2688-wide model); 0: expand * dim / head_dim.
     num_heads: int = 0
+    # False: the output is y * silu(z), without the grouped RMS norm (Falcon-H1's released
+    # models, mamba_rms_norm = false); the layer then has no norm weight.
+    gated_norm: bool = True
+    # Falcon-H1's µP multipliers, kept as scalars: the layer's input times input_multiplier
+    # (ssm_in_multiplier), in_proj's [z | x | B | C | dt] each times its own (its mup_vector's
+    # ssm_multipliers), the output times output_multiplier (ssm_out_multiplier).
+    input_multiplier: float = 1.0
+    in_proj_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    output_multiplier: float = 1.0
 
     def d_inner(self, dim: int) -> int:
         return self.num_heads * self.head_dim if self.num_heads else self.expand * dim
@@ -130,8 +140,11 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
-        self.norm = GatedGroupRMSNorm(self.d_inner, group_size=self.d_inner // args.n_groups,
-                                      eps=norm_eps)
+        self.norm = (GatedGroupRMSNorm(self.d_inner, group_size=self.d_inner // args.n_groups,
+                                       eps=norm_eps) if args.gated_norm else None)
+        # Whether the layer is Mamba2's as mamba_ssm computes it (one fused op on CUDA).
+        self.plain = args.gated_norm and (args.input_multiplier, args.output_multiplier,
+                                          *args.in_proj_multipliers) == (1.0,) * 7
         self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
 
         self.conv_and_scan = ConvAndScan(args)
@@ -139,19 +152,25 @@ class Mamba2Mixer(nn.Module):
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Every per-channel / per-head tensor is split with the heads, including the norm
         # weight (a norm by name, but sharded).
+        per_head = ("A_log", "D", "dt_bias") + (("norm.weight",) if self.norm is not None
+                                                 else ())
         return {**{name: sharded(0, parts) for name, parts in self.fused_parts.items()},
-                "out_proj.weight": sharded(1),
-                **{name: sharded(0) for name in ("A_log", "D", "dt_bias", "norm.weight")}}
+                "out_proj.weight": sharded(1), **{name: sharded(0) for name in per_head}}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         # Local sizes derive from the local tensors, so the same code runs on a TP shard.
         n_heads = self.A_log.shape[0]
         d_inner = n_heads * self.args.head_dim
+        args = self.args
+        if args.input_multiplier != 1.0:
+            x_BTD = x_BTD * args.input_multiplier
         zxbcdt = self.in_proj(x_BTD)
-        if type(self.conv_and_scan) is ConvAndScan and mamba2_core_runs(zxbcdt):
+        if any(multiplier != 1.0 for multiplier in args.in_proj_multipliers):
+            zxbcdt = zxbcdt * self._in_proj_scale(zxbcdt, d_inner, n_heads)
+        if (self.plain and type(self.conv_and_scan) is ConvAndScan
+                and mamba2_core_runs(zxbcdt)):
             # One op from in_proj's output to out_proj's input, whose backward writes in_proj's
             # gradient in place (titan_hybrid.ops.mamba_core); the same kernels as below.
-            args = self.args
             return self.out_proj(mamba2_core(
                 zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                 ConvAndScan.decay_rate(self.A_log), self.D, self.dt_bias, self.norm.weight,
@@ -161,7 +180,16 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = zxbcdt.split([d_inner, self.conv1d.weight.shape[0], n_heads], -1)
         y_BTHP = self.conv_and_scan(xbc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                     self.A_log, self.D, self.dt_bias, layout)
-        return self.out_proj(self.norm(y_BTHP.flatten(-2), z))
+        y = y_BTHP.flatten(-2)
+        out = self.out_proj(self.norm(y, z) if self.norm is not None else y * F.silu(z))
+        return out if args.output_multiplier == 1.0 else out * args.output_multiplier
+
+    def _in_proj_scale(self, zxbcdt: torch.Tensor, d_inner: int, n_heads: int) -> torch.Tensor:
+        """[in_proj's width]: each component's multiplier over its (local) rows."""
+        group_state = (self.conv1d.weight.shape[0] - d_inner) // 2
+        sizes = (d_inner, d_inner, group_state, group_state, n_heads)
+        return torch.cat([zxbcdt.new_full((size,), multiplier) for size, multiplier
+                          in zip(sizes, self.args.in_proj_multipliers)])
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         args = self.args
@@ -171,7 +199,8 @@ class Mamba2Mixer(nn.Module):
         init_ssm_decay(self.A_log, self.dt_bias, a_range=args.a_init_range, dt_min=args.dt_min,
                        dt_max=args.dt_max, dt_floor=args.dt_init_floor)
         nn.init.ones_(self.D)
-        self.norm.init_weights()
+        if self.norm is not None:
+            self.norm.init_weights()
 
 
 def _validate(args: MambaArgs, dim: int) -> None:

@@ -376,7 +376,9 @@ class HybridModel(nn.Module):
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         logits = self.output(normed)
-        scaling = self.model_args.logits_scaling
+        scaling, multiplier = self.model_args.logits_scaling, self.model_args.lm_head_multiplier
+        if multiplier != 1.0:
+            logits = logits * multiplier
         return logits if scaling == 1.0 else logits / scaling
 
 
