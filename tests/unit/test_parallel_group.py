@@ -2,7 +2,7 @@
 arithmetic (members on one normed input, summed into the residual), a bracket group around one
 computing bit for bit what the same layers compute flat, MFU's FLOPs, and the refusal of the HF
 formats that cannot hold one. Their layouts in the real trainer:
-tests/distributed/test_parallel_group.py."""
+tests/distributed/test_short_conv_and_parallel_groups.py."""
 
 from __future__ import annotations
 

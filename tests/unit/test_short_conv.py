@@ -1,7 +1,7 @@
 """The gated short convolution (`S`, model/short_conv.py) against transformers' Lfm2ShortConv
 in float64 (with and without LFM2's biases), packed documents against each document run
 alone, and its FLOPs against torch's FLOP counter. Its layouts in the real trainer:
-tests/distributed/test_short_conv.py."""
+tests/distributed/test_short_conv_and_parallel_groups.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
-"""Parallel groups (`debug_parallel`: `(M*)-(M*)-`, Falcon-H1's layers: Mamba2 and attention on
-one normed input, summed) in the real trainer: the one-process curve under FSDP2, TP2 + SP
-(each member its own TP region), PP2, CP2 in both linear modes (each member's core wrapped as
-its kind's rule says), with packed documents; a TP2 checkpoint resumed at TP1, and a
-one-process checkpoint resumed under FSDP2. In the extended run, as the other kinds' layout
-matrices. The grammar and the layer's arithmetic: tests/unit/test_parallel_group.py."""
+"""The two structures issue 58 added, in one layout matrix (their launches shared): LFM2's gated
+short convolution `S` and a parallel group `(M*)` (Falcon-H1's Mamba2 and attention on one
+normed input, summed), pattern `(M*)-S-`, in the real trainer. The one-process curve under
+FSDP2, TP2 + SP (the conv's channels split; each group member its own TP region), PP2, CP2 in
+both linear modes (head exchange: the conv's channels as heads; chunkwise: each piece reads
+the conv's width - 1 rows before it and nothing else; each member's core wrapped as its kind's
+rule says), with packed documents; a TP2 checkpoint resumed at TP1. In the extended run, as
+the other kinds' layout matrices. The layer against transformers' Lfm2ShortConv in float64:
+tests/unit/test_short_conv.py; the grammar and the group's arithmetic:
+tests/unit/test_parallel_group.py."""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ import pytest
 
 from tests.launch import run_training
 
-JOB = ("--model.flavor", "debug_parallel", "--training.steps", "4", "--training.seq_len",
-       "64", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-       "--training.max_norm", "1e6", "--hybrid.document_masking")
+JOB = ("--model.flavor", "debug_parallel", "--hybrid.pattern", "(M*)-S-", "--training.steps",
+       "4", "--training.seq_len", "64", "--training.local_batch_size", "4",
+       "--training.global_batch_size", "8", "--training.max_norm", "1e6",
+       "--hybrid.document_masking")
 LAYOUTS = {
     "fsdp2": (),
     "tp2": ("--parallelism.tensor_parallel_degree", "2"),
-    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "(M*)-|(M*)-"),
+    "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "(M*)-|S-"),
     "cp2_head_a2a": ("--parallelism.context_parallel_degree", "2"),
     "cp2_chunkwise": ("--parallelism.context_parallel_degree", "2",
                       "--parallelism.context_parallel_linear_mode", "chunkwise"),
@@ -51,4 +56,3 @@ def test_every_layout_gives_the_one_process_curve_and_checkpoints_move_between_l
         got = run_training(tmp_path / name, *JOB, *layout, nproc=2).check().losses
         assert got == pytest.approx(single, rel=1e-5), name
     resume_elsewhere(tmp_path, "tp2_to_tp1", LAYOUTS["tp2"], 2, (), 1)
-    resume_elsewhere(tmp_path, "single_to_fsdp2", (), 1, LAYOUTS["fsdp2"], 2)
