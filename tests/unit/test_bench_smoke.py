@@ -346,3 +346,17 @@ def test_ac_policies_bench_memory_probe_sees_full_checkpointing_lower_the_peak()
                                         "--seq-len", "256", "--threads", "1"])["bytes"]
 
     assert 0 < peak("full") < peak("none") / 2
+
+
+def test_parallel_group_bench_runs_both_forms_on_the_same_mixers():
+    """bench/parallel_group.py: the group and the sequence hold the same mixer weights, and
+    the comparison runs."""
+    from bench import parallel_group
+
+    parallel = parallel_group.make_case("parallel", 64)
+    sequence = parallel_group.make_case("sequence", 64)
+    parallel_weights = [p for p in parallel[1][1:] if p.dim() > 1]
+    sequence_weights = [p for p in sequence[1][1:] if p.dim() > 1]
+    assert all(torch.equal(a, b) for a, b in zip(parallel_weights, sequence_weights, strict=True))
+    result = parallel_group.compare(64, repeats=1)
+    assert result["parallel_tok_s"] > 0 and result["sequence_tok_s"] > 0 and result["paired"] > 0
