@@ -37,7 +37,7 @@ FAMILIES = ["nemotron_h_moe"] + [
     pytest.param(family, marks=[pytest.mark.extended, pytest.mark.once_per_ci])
     for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe", "deepseek_v4",
                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granitemoehybrid",
-                   "granitemoehybrid_dense", "granitemoehybrid_tied", "kimi_linear", "lfm2", "lfm2_moe", "mamba2", "falcon_h1")]
+                   "granitemoehybrid_dense", "granitemoehybrid_tied", "kimi_linear", "lfm2", "lfm2_moe", "mamba2", "falcon_h1", "bailing_hybrid")]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

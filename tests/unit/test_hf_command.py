@@ -204,6 +204,17 @@ FAMILIES = {
         mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, mamba_rms_norm=True,
         mamba_norm_before_gate=False, max_position_embeddings=64,
         attn_implementation="eager")),
+    # Ling 3.0 (bailing_hybrid): KDA (full-rank gates, the bounded forget gate) and MLA with
+    # its per-head output gate, a dense MLP then DeepSeek-style MoE layers.
+    "bailing_hybrid": (transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM,
+                       dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=1, layer_group_size=2,
+        num_mtp_layers=0, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
+        attn_implementation="eager")),
     # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
     "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
@@ -315,7 +326,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
 @pytest.mark.parametrize("model_type, reason", [
     ("jamba", "Mamba1"),
     ("zamba2", "shared between positions"),
-    ("llama4", "not a supported family; supported: bamba, deepseek_v3, deepseek_v32, "
+    ("llama4", "not a supported family; supported: bailing_hybrid, bamba, deepseek_v3, "
+               "deepseek_v32, "
                "deepseek_v4, falcon_h1, granitemoehybrid, kimi_linear, lfm2, lfm2_moe, mamba2, "
                "nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),

@@ -520,6 +520,32 @@ def test_mla_matches_transformers_deepseek_v3(changes, packed):
         assert_matches(ours(x, layout), expected, F32_TOL, "MLA vs DeepseekV3Attention")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_mla_output_gate_matches_transformers_bailing_hybrid(packed):
+    """`mla.output_gate` (Ling 3.0's MLA): a sigmoid gate per head from g_proj, on the
+    attention's output before o_proj; transformers' BailingHybridAttention loads as it is (its
+    rotary pairs are interleaved, its queries full-rank)."""
+    from transformers.models.bailing_hybrid import BailingHybridConfig
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as hf_bailing
+
+    a = MLAArgs(**mla_fields(q_lora_rank=None, output_gate=True))
+    config = hf_config(BailingHybridConfig, a, num_hidden_layers=1)
+    hf = randomize_(hf_bailing.BailingHybridAttention(config, layer_idx=0), seed=3,
+                    dtype=torch.float32)
+    ours = MultiLatentAttention(dim=DIM, args=a)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    layout, seq_idx, positions = token_layout(packed)
+    x, _ = inputs(seq_idx.shape[0], torch.float32)
+    rope, mask, _ = hf_inputs(hf_bailing.BailingHybridRotaryEmbedding, config, x, seq_idx,
+                              positions)
+    with torch.no_grad():
+        expected = hf(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
+        assert_matches(ours(x, layout), expected, F32_TOL, "MLA vs BailingHybridAttention")
+        ungated = MultiLatentAttention(dim=DIM, args=MLAArgs(**mla_fields(q_lora_rank=None)))
+        ungated.load_state_dict(hf.state_dict(), strict=False)
+        assert not torch.allclose(ungated(x, layout), expected, rtol=1e-3)
+
+
 @pytest.mark.parametrize(("changes", "packed"), [
     (dict(index_topk=SEQ), False), (dict(), True), (dict(), False),
     (dict(**YARN_ATTENTION_FACTOR), True)], ids=["all-keys", "top4-packed", "top4", "top4-yarn"])

@@ -75,6 +75,10 @@ def check_deepseek_compatible(args: HybridModelArgs) -> LayerKind:
                                or pattern.mtp[1] not in (MLP.symbol, MOE.symbol)):
         problems.append(f"hybrid.pattern '{args.pattern}': DeepSeek's MTP layers are one "
                         "decoder layer a depth, its attention then an MLP or MoE")
+    if attention is not None and attention.name in ARCHITECTURES and args.section(
+            attention).output_gate:
+        problems.append(f"{attention.name}.output_gate=True: DeepSeek's attention has no "
+                        "output gate")
     problems += feed_forward_problems(args, MOE.symbol in ffns, "DeepSeek's")
     if problems:
         raise ValueError("model cannot use the HF DeepSeek-V3 / V3.2 format: " + "; ".join(problems))

@@ -33,6 +33,7 @@ import json
 from pathlib import Path
 
 from titan_hybrid.hf import (
+    bailing_hybrid,
     bamba,
     deepseek,
     deepseek_v4,
@@ -68,6 +69,7 @@ FAMILIES = {family.name: family for family in (
     lfm2.FAMILY,
     mamba2.FAMILY,
     falcon_h1.FAMILY,
+    bailing_hybrid.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "

@@ -46,8 +46,10 @@ def check_kimi_linear_compatible(args: HybridModelArgs) -> None:
                         f"'{MOE.symbol}'")
     if any(isinstance(item, tuple) for item in pattern.main) or pattern.mtp_depths:
         problems.append(f"hybrid.pattern '{args.pattern}' has bracket groups or MTP depths")
-    if MLA.symbol in symbols and (args.mla.rotary or args.mla.yarn_factor != 1.0):
-        problems.append("mla.rotary=True: Kimi Linear's MLA has no position encoding")
+    if MLA.symbol in symbols and (args.mla.rotary or args.mla.yarn_factor != 1.0
+                                  or args.mla.output_gate):
+        problems.append("mla.rotary=True or mla.output_gate=True: Kimi Linear's MLA has no "
+                        "position encoding and no output gate")
     kda = args.kda
     if KDA.symbol in symbols and (not kda.low_rank_gates or kda.gate_lower_bound
                                   or kda.norm_eps not in (0.0, args.norm_eps)):

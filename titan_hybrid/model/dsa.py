@@ -306,7 +306,7 @@ class DeepSeekSparseAttention(MultiLatentAttention):
         out, kl = self.core(q, latent, k_rope, self.kv_b_proj.weight, index_q, index_k, weights,
                             layout, layout)
         record_indexer_loss(self.indexer_loss_sum, kl, self.args)
-        return self.o_proj(out.flatten(2)), kl * self.args.indexer_loss_coeff
+        return self.output(out, x_BTD), kl * self.args.indexer_loss_coeff
 
     def reset_indexer_statistics(self) -> None:
         self.indexer_loss_sum.zero_()

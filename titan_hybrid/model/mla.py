@@ -53,6 +53,9 @@ class MLAArgs:
     # False: no position encoding at all (Kimi Linear's MLA, whose KDA layers carry the
     # positions): the "rotary" slices stay as they are, one key slice shared by all heads.
     rotary: bool = True
+    # A sigmoid gate per head on the attention's output, from its own projection of the
+    # layer's input (`g_proj`: dim -> n_heads; Ling 3.0's bailing_hybrid MLA).
+    output_gate: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -167,14 +170,16 @@ class MultiLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(args.kv_lora_rank,
                                    args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.v_head_dim, dim, bias=False)
+        self.g_proj = nn.Linear(dim, args.n_heads, bias=False) if args.output_gate else None
         self.core = self.core_type(args)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         # Tensor parallelism splits the heads (rows are head-major, so a plain dim-0 split
         # gives whole heads); the down-projections and latent norms are replicated (Megatron).
         query_up = "q_proj" if self.args.q_lora_rank is None else "q_b_proj"
+        gate = {"g_proj.weight": sharded(0)} if self.g_proj is not None else {}
         return {f"{query_up}.weight": sharded(0), "kv_b_proj.weight": sharded(0),
-                "o_proj.weight": sharded(1)}
+                "o_proj.weight": sharded(1), **gate}
 
     def query_latent(self, x_BTD: torch.Tensor) -> torch.Tensor | None:
         """The normed low-rank query (None without q_lora_rank)."""
@@ -200,7 +205,15 @@ class MultiLatentAttention(nn.Module):
         cos, sin = rotary_cos_sin(self.args, layout, x_BTD.shape[1], x_BTD)
         q, latent, k_rope = self.project(x_BTD, self.query_latent(x_BTD), cos, sin)
         out = self.core(q, latent, k_rope, self.kv_b_proj.weight, layout, layout)
-        return self.o_proj(out.flatten(2))
+        return self.output(out, x_BTD)
+
+    def output(self, out_BTHV: torch.Tensor, x_BTD: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs, each times its sigmoid gate first (output_gate; in
+        fp32, as bailing_hybrid computes it)."""
+        if self.g_proj is not None:
+            gate = torch.sigmoid(upcast(self.g_proj(x_BTD))).to(out_BTHV.dtype)
+            out_BTHV = out_BTHV * gate[..., None]
+        return self.o_proj(out_BTHV.flatten(2))
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         for module in self.children():
