@@ -717,6 +717,33 @@ def test_deepseek_mtp_layer_imports_predicts_and_exports(tmp_path, capsys):
     assert not (tmp_path / "again").exists()
 
 
+def test_bailing_hybrid_mtp_layer_imports_predicts_and_exports(tmp_path):
+    """Ling 3.0's MTP layer, decoder layer L after the L main ones as vLLM's Bailing MTP reads
+    it (transformers skips it): enorm, hnorm, eh_proj, an MLA layer with its MoE, and
+    final_layernorm before the shared head. It imports into our MTP depth `/+E`, whose logits
+    equal those computed from the same tensors with transformers' own decoder layer; the
+    export writes every tensor of it back bit for bit."""
+    reference = save_tiny("bailing_hybrid", tmp_path / "hf")
+    main_layers = FAMILIES["bailing_hybrid"][2]["num_hidden_layers"]
+    blocks, layer = mtp_blocks("bailing_hybrid", reference, tmp_path / "blocks", "model.",
+                               num_hidden_layers=1, layer_types=["full_attention"],
+                               mlp_layer_types=["sparse"], first_k_dense_replace=0)
+    hf = f"model.layers.{main_layers}."
+    mtp = {key.replace("mtp.layers.0.", hf): value for key, value in layer.items()}
+    width = FAMILIES["bailing_hybrid"][2]["hidden_size"]
+    enorm, hnorm = (1 + 0.1 * torch.randn(width) for _ in range(2))
+    eh_proj = 0.1 * torch.randn(width, 2 * width)
+    mtp.update({hf + "enorm.weight": enorm, hf + "hnorm.weight": hnorm,
+                hf + "eh_proj.weight": eh_proj,
+                hf + "final_layernorm.weight": blocks.model.norm.weight.detach().clone()})
+    add_to_hf_folder(tmp_path / "hf", mtp, num_nextn_predict_layers=1)
+    args = mtp_matches_transformers(tmp_path, reference, blocks, reference.model.norm,
+                                    reference.model.embed_tokens, (enorm, hnorm),
+                                    reference.config.rms_norm_eps, eh_proj)
+    assert args.pattern.endswith("/+E")
+    exported_with_mtp(tmp_path, mtp, prefix=hf)
+
+
 def test_a_copy_is_compared_bit_for_bit():
     """A copy is the same bits as its original: NaNs copied (uninitialized memory holds them)
     are equal, and a -0.0 for a 0.0 or another dtype is a difference."""

@@ -13,9 +13,11 @@ the output projection. Its KDA has full-rank gates (`kda.low_rank_gates = false`
 `g_proj`). The MoE router is DeepSeek-V3's (sigmoid scores, `expert_bias` to choose, groups,
 scaling, renormalised; shared experts), each expert one HF tensor per projection.
 
-The MTP layers Ling's releases store after the main ones (`num_mtp_layers`, which transformers
-skips) are not read: a folder that holds them is refused naming its tensors (no place in the
-model), and an export writes `num_mtp_layers: 0`.
+MTP (`num_mtp_layers`, transformers' `num_nextn_predict_layers`): depth d is decoder layer
+L + d after the L main ones, as vLLM's Bailing MTP reads Ling's checkpoints (transformers skips
+them): `enorm`, `hnorm`, `eh_proj` on [enorm(embedding) | hnorm(hidden state after the final
+norm)], an MLA decoder layer with a MoE layer (`/+E`), and `final_layernorm` before the shared
+head. A folder whose config declares MTP layers its weights lack imports without them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FORMAT = "bailing_hybrid"
 NAME = "Ling 3.0 (bailing_hybrid)"
 KDA, MLA, MLP, MOE = kda_kind.KIND, mla_kind.KIND, mlp_kind.KIND, moe_kind.KIND
 LINEAR, FULL, DENSE, SPARSE = "linear_attention", "full_attention", "dense", "sparse"
+MTP_LAYERS = [MLA.symbol, MOE.symbol]  # an MTP depth's decoder layer (vLLM's Bailing MTP)
 # Our parameter -> Ling's, where the names differ (under `attention.`).
 RENAMED = {"o_proj.weight": "dense.weight"}
 
@@ -49,11 +52,13 @@ def check_bailing_hybrid_compatible(args: HybridModelArgs) -> None:
     problems = []
     if (not symbols or len(symbols) % 2
             or any(s not in (KDA.symbol, MLA.symbol) for s in symbols[0::2])
-            or set(ffns[dense:]) - {MOE.symbol} or pattern.mtp_depths
+            or set(ffns[dense:]) - {MOE.symbol}
+            or (pattern.mtp_depths and pattern.mtp != MTP_LAYERS)
             or any(isinstance(item, tuple) for item in pattern.main)):
         problems.append(f"hybrid.pattern '{args.pattern}' must be '{KDA.symbol}' / "
                         f"'{MLA.symbol}' layers each followed by '{MLP.symbol}' or, after the "
-                        f"'{MLP.symbol}' ones, '{MOE.symbol}', without groups or MTP depths")
+                        f"'{MLP.symbol}' ones, '{MOE.symbol}', without groups; its MTP depths "
+                        f"'/{''.join(MTP_LAYERS)}'")
     if args.norm_zero_centered or args.post_norm_mixers:
         problems.append("norms must be pre-norms scaling by their weight")
     mla, kda = args.mla, args.kda
@@ -78,26 +83,39 @@ def bailing_hybrid_key_map(args: HybridModelArgs) -> KeyMap:
                        "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
     names = {kind.symbol: mixer_parameter_names(args, kind) for kind in (KDA, MLA)
              if kind in args.kinds()}
-    symbols = args.parsed_pattern.physical_layer_symbols()
+    pattern = args.parsed_pattern
+    symbols = pattern.physical_layer_symbols()
     for j in range(len(symbols) // 2):
-        hf, mixer, ffn = f"model.layers.{j}.", f"layers.{2 * j}.", f"layers.{2 * j + 1}."
-        kind = KDA if symbols[2 * j] == KDA.symbol else MLA
-        mapping[hf + "input_layernorm.weight"] = f"{mixer}{kind.name}_norm.weight"
-        for parameter in names[kind.symbol]:
-            mapping[f"{hf}attention.{RENAMED.get(parameter, parameter)}"] = (
-                f"{mixer}{kind.name}.{parameter}")
-        ffn_kind = MLP if symbols[2 * j + 1] == MLP.symbol else MOE
-        mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
-        if ffn_kind is MLP:
-            mapping.update(swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp."))
-            continue
-        theirs, moe = hf + "mlp.", f"{ffn}moe."
-        mapping[theirs + "gate.weight"] = moe + "router.gate.weight"
-        mapping[theirs + "gate.expert_bias"] = moe + "router.e_score_correction_bias"
-        mapping.update(swiglu_mlp(f"{theirs}shared_experts.", f"{moe}shared_expert."))
-        mapping.update(routed_experts(f"{theirs}experts.", f"{moe}experts.",
-                                      args.moe.num_experts))
+        mapping.update(decoder_layer(args, names, f"model.layers.{j}.", f"layers.{2 * j}.",
+                                     f"layers.{2 * j + 1}.", symbols[2 * j:2 * j + 2]))
+    for depth in range(pattern.mtp_depths):
+        hf, ours = f"model.layers.{len(symbols) // 2 + depth}.", f"mtp.{depth}."
+        mapping.update(decoder_layer(args, names, hf, f"{ours}block.layers.0.",
+                                     f"{ours}block.layers.1.", MTP_LAYERS))
+        for theirs, name in (("enorm", "embedding_norm"), ("hnorm", "hidden_norm"),
+                             ("eh_proj", "eh_proj"), ("final_layernorm", "final_norm")):
+            mapping[f"{hf}{theirs}.weight"] = f"{ours}{name}.weight"
     return mapping
+
+
+def decoder_layer(args: HybridModelArgs, names: dict, hf: str, mixer: str, ffn: str,
+                  symbols) -> KeyMap:
+    """HF decoder layer `hf` (its attention and MLP / MoE) as our layers `mixer` and `ffn` of
+    the two `symbols`; `names`: each mixer kind's parameter names."""
+    kind = KDA if symbols[0] == KDA.symbol else MLA
+    mapping: KeyMap = {hf + "input_layernorm.weight": f"{mixer}{kind.name}_norm.weight"}
+    for parameter in names[kind.symbol]:
+        mapping[f"{hf}attention.{RENAMED.get(parameter, parameter)}"] = (
+            f"{mixer}{kind.name}.{parameter}")
+    ffn_kind = MLP if symbols[1] == MLP.symbol else MOE
+    mapping[hf + "post_attention_layernorm.weight"] = f"{ffn}{ffn_kind.name}_norm.weight"
+    if ffn_kind is MLP:
+        return mapping | swiglu_mlp(f"{hf}mlp.", f"{ffn}mlp.")
+    theirs, moe = hf + "mlp.", f"{ffn}moe."
+    mapping[theirs + "gate.weight"] = moe + "router.gate.weight"
+    mapping[theirs + "gate.expert_bias"] = moe + "router.e_score_correction_bias"
+    mapping.update(swiglu_mlp(f"{theirs}shared_experts.", f"{moe}shared_expert."))
+    return mapping | routed_experts(f"{theirs}experts.", f"{moe}experts.", args.moe.num_experts)
 
 
 def bailing_hybrid_config(args: HybridModelArgs) -> dict:
@@ -124,7 +142,8 @@ def bailing_hybrid_config(args: HybridModelArgs) -> dict:
         "mlp_layer_types": [DENSE if s == MLP.symbol else SPARSE for s in ffns],
         "first_k_dense_replace": ffns.count(MLP.symbol),
         "rms_norm_eps": args.norm_eps, "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len, "num_mtp_layers": 0,
+        "max_position_embeddings": args.max_seq_len,
+        "num_mtp_layers": args.parsed_pattern.mtp_depths,
         # Ling's padding and end ids lie beyond a smaller vocabulary; the exported tokenizer's
         # files name its special tokens.
         "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
@@ -189,6 +208,8 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
     pattern = "".join((KDA.symbol if mixer == LINEAR else MLA.symbol)
                       + (MLP.symbol if ffn == DENSE else MOE.symbol)
                       for mixer, ffn in zip(mixers, ffns))
+    pattern += f"/{''.join(MTP_LAYERS)}" * _first(config, "num_nextn_predict_layers",
+                                                 "num_mtp_layers", default=0)
     mla = dataclasses.replace(
         base.mla, n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
         kv_lora_rank=config.get("kv_lora_rank", 512),
@@ -220,4 +241,7 @@ FAMILY = Family(
     key_map=bailing_hybrid_key_map,
     check=check_bailing_hybrid_compatible,
     config=bailing_hybrid_config,
-    to_args=model_args_from_bailing_hybrid_config)
+    to_args=model_args_from_bailing_hybrid_config,
+    mtp_marker=lambda args: "model.layers.{}.eh_proj.weight".format(
+        len(args.parsed_pattern.physical_layer_symbols()) // 2),
+    mtp_count_field="num_nextn_predict_layers")
