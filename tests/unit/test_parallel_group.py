@@ -105,3 +105,23 @@ def test_an_hf_format_that_cannot_hold_a_parallel_group_names_it():
     with pytest.raises(ValueError, match=r"hybrid.pattern '\(M\*\)-\(M\*\)-' has layer types "
                                          r"\['M\*'\]"):
         check_hf_compatible(resolve_model_args("debug_parallel", seq_len=64))
+
+
+def test_activation_checkpointing_chooses_a_group_by_any_of_its_members():
+    """`activation_checkpoint.layer_kinds` names kinds: a parallel group holding one is
+    checkpointed, and the pre-flight check counts the members as the pattern's kinds."""
+    from titan_hybrid.config.sections import ActivationCheckpointSection
+    from titan_hybrid.parallel.activation_checkpoint import (
+        apply_activation_checkpointing,
+        check_activation_checkpoint,
+    )
+
+    pattern = parse_hybrid_pattern("(M*)-S-")
+    for kinds, count in (("*", 1), ("M", 1), ("S-", 3)):
+        config = ActivationCheckpointSection(mode="full", layer_kinds=kinds)
+        check_activation_checkpoint(config, model_compile_enabled=False,
+                                    pattern_symbols=pattern.member_symbols())
+        built = HybridModel(resolve_model_args("debug", pattern=pattern.text, seq_len=32))
+        done = apply_activation_checkpointing(built, config, model_compile_enabled=False,
+                                              base_folder="")
+        assert f"of {count} of 4 layers" in done, (kinds, done)

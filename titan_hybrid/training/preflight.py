@@ -127,7 +127,7 @@ def check_run(run: RunConfig, world_size: int) -> None:
     check_activation_checkpoint(
         run.activation_checkpoint,
         model_compile_enabled=run.compile.enable and "model" in run.compile.components,
-        pattern_symbols=set(run.model.parsed_pattern.physical_layer_symbols()))
+        pattern_symbols=run.model.parsed_pattern.member_symbols())
     data_parallel = validate_layout(run, world_size)
     check_global_batch(run.training, data_parallel)
     validate_dataset_config(run.data)
