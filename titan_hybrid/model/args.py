@@ -26,6 +26,7 @@ from titan_hybrid.model.kda import KDAArgs
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS, VARIANTS, default_variant, kind_of
 from titan_hybrid.model.mamba import MambaArgs
+from titan_hybrid.model.mamba1 import Mamba1Args
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
@@ -100,6 +101,7 @@ class HybridModelArgs:
     mlp: MLPArgs = field(default_factory=MLPArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdp: GDPArgs = field(default_factory=GDPArgs)
+    mamba1: Mamba1Args = field(default_factory=Mamba1Args)
     gdn2: GDNArgs = field(default_factory=GDNArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
     kda: KDAArgs = field(default_factory=KDAArgs)
@@ -316,6 +318,11 @@ hybrid_flavors = FlavorRegistry({
     "debug_parallel": dataclasses.replace(_debug(), pattern="(M*)-(M*)-"),
     # LFM2's layers: gated short convolutions (width 3) and attention, each with an MLP.
     "debug_short_conv": dataclasses.replace(_debug(), pattern="S-*-S-"),
+    # Mamba1 (selective scan, a decay per channel and state entry) in the `M` layers, with
+    # Jamba's weighted dt / B / C norms.
+    "debug_mamba1": dataclasses.replace(
+        _debug(), pattern="M-*-M-", m_layers="mamba1",
+        mamba1=Mamba1Args(d_state=16, expand=2, dt_bc_norm="weighted")),
     # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").
     "debug_gdn2": dataclasses.replace(
         _debug(), pattern="G-*-G-", g_layers="gdn2",

@@ -26,6 +26,7 @@ from titan_hybrid.model import (
     gdp,
     kda,
     mamba,
+    mamba1,
     mla,
     mlp,
     moe,
@@ -45,7 +46,8 @@ LAYER_KINDS: dict[str, LayerKind] = {
 # `hybrid.<field>`, {value: kind})}; the first value is the symbol's own kind, the default.
 # Megatron's names: gdp_stack_spec (GDP), experimental_attention_variant "gdn2".
 VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
-    mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND}),
+    mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND,
+                                      "mamba1": mamba1.KIND}),
     gdn.KIND.symbol: ("g_layers", {"gdn": gdn.KIND, "gdn2": gdn2.KIND}),
 }
 

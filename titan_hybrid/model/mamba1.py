@@ -1,0 +1,150 @@
+"""Mamba1 mixer (mamba_ssm's `Mamba`, transformers' MambaMixer / FalconMambaMixer /
+JambaMambaMixer), what `M` builds with `hybrid.m_layers = "mamba1"`.
+
+in_proj: hidden -> [x | z] (d_inner each); a depthwise causal conv with bias over x, then SiLU;
+x_proj: x -> [dt (rank R) | B | C] (N each, shared by every channel), with RMS norms of dt, B
+and C as the families have them (`dt_bc_norm`: none, weightless as Falcon-Mamba's, weighted as
+Jamba's `dt_layernorm` / `b_layernorm` / `c_layernorm`); dt_proj: R -> d_inner with bias; the
+selective scan (ops/selective_scan.py) with A = -exp(A_log) [d_inner, N], a decay per channel
+and state entry, D, and the gate: y * silu(z); out_proj. Parameter names are transformers'.
+Legend: B batch, T time, D hidden, C d_inner channels, R dt rank, N state size.
+
+Not yet under tensor parallelism (x_proj contracts over the channels a TP rank splits: its
+output needs an all-reduce inside the layer) or context parallelism: both are refused by name
+(parallel/validate.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.common import init_depthwise_conv, init_linear, upcast
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.symbols import MIXER, LayerSymbol
+from titan_hybrid.ops.conv import causal_depthwise_conv1d
+from titan_hybrid.ops.selective_scan import CHUNK_SIZE, selective_scan
+
+DT_BC_NORMS = ("none", "weightless", "weighted")
+
+
+@dataclass
+class Mamba1Args:
+    d_state: int = 16
+    expand: int = 2
+    conv_width: int = 4
+    dt_rank: int = 0  # 0: ceil(dim / 16), as mamba_ssm's "auto"
+    # RMS norms of x_proj's dt, B and C: "none" (Mamba), "weightless" (Falcon-Mamba),
+    # "weighted" (Jamba)
+    dt_bc_norm: Literal["none", "weightless", "weighted"] = "none"
+    # those norms' epsilon; 0: the model's norm_eps
+    norm_eps: float = 0.0
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+
+    def d_inner(self, dim: int) -> int:
+        return self.expand * dim
+
+    def rank(self, dim: int) -> int:
+        return self.dt_rank or math.ceil(dim / 16)
+
+
+class Mamba1Mixer(nn.Module):
+    def __init__(self, *, dim: int, args: Mamba1Args, norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        self.args = args
+        inner, rank, state = args.d_inner(dim), args.rank(dim), args.d_state
+        self.eps = args.norm_eps or norm_eps
+        self.in_proj = nn.Linear(dim, 2 * inner, bias=False)
+        self.conv1d = nn.Conv1d(inner, inner, args.conv_width, groups=inner, bias=True)
+        self.x_proj = nn.Linear(inner, rank + 2 * state, bias=False)
+        self.dt_proj = nn.Linear(rank, inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(inner, state, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(inner, dtype=torch.float32))
+        self.out_proj = nn.Linear(inner, dim, bias=False)
+        if args.dt_bc_norm == "weighted":  # Jamba's names
+            self.dt_layernorm = RMSNorm(rank, eps=self.eps)
+            self.b_layernorm = RMSNorm(state, eps=self.eps)
+            self.c_layernorm = RMSNorm(state, eps=self.eps)
+
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        args = self.args
+        x, z = self.in_proj(x_BTD).chunk(2, -1)
+        seq_idx = None if layout is None else layout.seq_idx
+        x = causal_depthwise_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                    seq_idx=seq_idx, activation="silu")
+        dt, B, C = self.x_proj(x).split([args.rank(x_BTD.shape[-1]), args.d_state,
+                                         args.d_state], -1)
+        if args.dt_bc_norm == "weighted":
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif args.dt_bc_norm == "weightless":
+            dt, B, C = (F.rms_norm(upcast(t), (t.shape[-1],), eps=self.eps).to(t.dtype)
+                        for t in (dt, B, C))
+        dt = F.linear(dt, self.dt_proj.weight)  # its bias enters the scan's softplus
+        y = selective_scan(x, dt, -torch.exp(upcast(self.A_log)), B, C, D=self.D, z_BTD=z,
+                           dt_bias=self.dt_proj.bias, dt_softplus=True, seq_idx=seq_idx)
+        return self.out_proj(y)
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        args = self.args
+        init_linear(self.in_proj, std=init_std)
+        init_linear(self.x_proj, std=init_std)
+        init_linear(self.out_proj, std=out_std)
+        init_depthwise_conv(self.conv1d)
+        rank = self.dt_proj.weight.shape[1]
+        bound = rank ** -0.5  # mamba_ssm's dt_init "random"
+        nn.init.uniform_(self.dt_proj.weight, -bound, bound)
+        dt = torch.exp(torch.empty_like(self.dt_proj.bias, dtype=torch.float32).uniform_(
+            math.log(args.dt_min), math.log(args.dt_max))).clamp(min=args.dt_init_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            # S4D-real: A = -(1 .. N) for every channel
+            self.A_log.copy_(torch.log(torch.arange(1, args.d_state + 1, dtype=torch.float32,
+                                                    device=self.A_log.device)).expand_as(
+                self.A_log))
+        nn.init.ones_(self.D)
+        for name in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+            if hasattr(self, name):
+                getattr(self, name).init_weights()
+
+
+def _validate(args: Mamba1Args, dim: int) -> None:
+    for field in ("d_state", "expand", "conv_width"):
+        if getattr(args, field) < 1:
+            raise ValueError(f"mamba1: {field}={getattr(args, field)} must be at least 1")
+    if args.dt_rank < 0:
+        raise ValueError(f"mamba1: dt_rank={args.dt_rank} must be >= 0 (0: ceil(dim / 16))")
+    if args.dt_bc_norm not in DT_BC_NORMS:
+        raise ValueError(f"mamba1: dt_bc_norm '{args.dt_bc_norm}' is not one of "
+                         f"{', '.join(DT_BC_NORMS)}")
+
+
+def _validate_tensor_parallel(args: Mamba1Args) -> None:
+    raise ValueError("m_layers='mamba1' under tensor parallelism is not supported yet: x_proj "
+                     "contracts over the channels a TP rank splits; use tensor_parallel_degree 1")
+
+
+def _core_flops(args: Mamba1Args, dim: int, seq_len: int) -> int:
+    """The scan's matmuls per token, forward, as the chunked path computes them (what torch's
+    FLOP counter sees): per channel and state entry, the chunk's pairwise decays applied to its
+    inputs (2 Q) and the read-out C . h (2)."""
+    chunk = min(CHUNK_SIZE, seq_len)
+    return args.d_inner(dim) * args.d_state * (2 * chunk + 2)
+
+
+KIND = LayerKind(
+    symbol="M", variant=LayerSymbol(symbol="M", name="mamba1", title="Mamba1", namespace=MIXER),
+    args_type=Mamba1Args,
+    build=lambda args, dim, norm_eps: Mamba1Mixer(dim=dim, args=args, norm_eps=norm_eps),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    full_precision_params=("A_log", "D"),
+    validate_tensor_parallel=_validate_tensor_parallel,
+)

@@ -1,0 +1,122 @@
+"""Mamba1's selective scan in plain PyTorch: chunked, with packed documents and initial / final
+states.
+
+Per channel d (its state a vector of n)::
+
+    dt    = softplus(dt + dt_bias)                          # optional
+    h_t   = exp(dt_t[d] * A[d, :]) * h_{t-1} + dt_t[d] * B_t * u_t[d]
+    y_t   = C_t . h_t + D[d] * u_t[d] ;   y = y * silu(z)   # if z is given
+
+Shapes: u, dt, z [b, t, d]; A [d, n] (negative: -exp(A_log)); B, C [b, t, n], one vector a
+token shared by every channel; D [d]. Unlike Mamba2 (a scalar decay per head), the state
+decays by its own rate per (channel, state entry).
+
+The scan runs chunk by chunk (CHUNK_SIZE tokens), each chunk in closed form: with L_t the
+cumulative log decay since the chunk's start and X_s = dt_s B_s u_s,
+h_t = exp(L_t) h_0 + sum_{s <= t} exp(L_t - L_s) X_s, every exponent <= 0 (the differences are
+taken per pair, so nothing overflows), and the chunk's last state enters the next.
+
+Packed documents (`seq_idx [b, t]`): the state does not cross a document start. As in
+titan_hybrid.ops.ssd (and mamba_ssm), the position before the sequence counts as seq_idx 0, so
+`initial_state` [b, d, n] enters only the leading positions with seq_idx 0, and the final
+state is that of the last document.
+
+Precision: computed in float32, or float64 for float64 inputs; y is cast back to u's dtype, the
+final state stays in the compute dtype. Legend: b batch, t time, d channels, n state size,
+q / s positions in a chunk (target / source).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 16  # the [q, s, d, n] decays of one chunk are what the scan holds at a time
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def selective_scan(u_BTD: torch.Tensor, dt_BTD: torch.Tensor, A_DN: torch.Tensor,
+                   B_BTN: torch.Tensor, C_BTN: torch.Tensor, D: torch.Tensor | None = None,
+                   z_BTD: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                   dt_softplus: bool = False, seq_idx: torch.Tensor | None = None,
+                   initial_state: torch.Tensor | None = None, return_final_state: bool = False,
+                   chunk_size: int = CHUNK_SIZE):
+    """y [b, t, d] (with `return_final_state`, also the state after the last token [b, d, n])."""
+    dtype = _compute_dtype(u_BTD)
+    batch, length, channels = u_BTD.shape
+    u, dt = u_BTD.to(dtype), dt_BTD.to(dtype)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    A, B, C = A_DN.to(dtype), B_BTN.to(dtype), C_BTN.to(dtype)
+    state = (u.new_zeros(batch, channels, A.shape[-1]) if initial_state is None
+             else initial_state.to(dtype))
+    previous_doc = (None if seq_idx is None
+                    else torch.zeros(batch, 1, dtype=seq_idx.dtype, device=seq_idx.device))
+    outputs = []
+    for start in range(0, length, chunk_size):
+        stop = min(start + chunk_size, length)
+        chunk_doc = None if seq_idx is None else seq_idx[:, start:stop]
+        y, state = _chunk(u[:, start:stop], dt[:, start:stop], A, B[:, start:stop],
+                          C[:, start:stop], state, chunk_doc, previous_doc)
+        outputs.append(y)
+        if chunk_doc is not None:
+            previous_doc = chunk_doc[:, -1:]
+    y = torch.cat(outputs, 1)
+    if D is not None:
+        y = y + u * D.to(dtype)
+    if z_BTD is not None:
+        y = y * F.silu(z_BTD.to(dtype))
+    y = y.to(u_BTD.dtype)
+    return (y, state) if return_final_state else y
+
+
+def _chunk(u, dt, A, B, C, state, chunk_doc, previous_doc):
+    """One chunk: (y [b, q, d], the state after its last token [b, d, n])."""
+    log_decay = torch.cumsum(dt[..., None] * A, dim=1)  # L [b, q, d, n]
+    inputs = (dt * u)[..., None] * B[:, :, None, :]  # X [b, q, d, n]
+    positions = torch.arange(u.shape[1], device=u.device)
+    reaches = positions[:, None] >= positions[None, :]  # s <= t  [q, s]
+    reaches = reaches[None].expand(u.shape[0], -1, -1)
+    carried = torch.ones_like(u[:, :, 0])  # whether h_0 reaches t  [b, q]
+    if chunk_doc is not None:
+        reaches = reaches & (chunk_doc[:, :, None] == chunk_doc[:, None, :])
+        carried = (chunk_doc == previous_doc).to(u.dtype)
+    exponents = log_decay[:, :, None] - log_decay[:, None, :]  # L_t - L_s [b, q, s, d, n]
+    decays = torch.where(reaches[..., None, None], exponents,
+                         torch.full_like(exponents, float("-inf"))).exp()
+    states = torch.einsum("bqsdn,bsdn->bqdn", decays, inputs)
+    states = states + log_decay.exp() * carried[..., None, None] * state[:, None]
+    y = torch.einsum("bqn,bqdn->bqd", C, states)
+    return y, states[:, -1]
+
+
+def selective_scan_reference(u_BTD, dt_BTD, A_DN, B_BTN, C_BTN, D=None, z_BTD=None,
+                             dt_bias=None, dt_softplus=False, seq_idx=None, initial_state=None):
+    """The recurrence step by step, in float64 (a test oracle): (y, final state)."""
+    u, dt, A, B, C = (t.double() for t in (u_BTD, dt_BTD, A_DN, B_BTN, C_BTN))
+    if dt_bias is not None:
+        dt = dt + dt_bias.double()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    batch, length, channels = u.shape
+    state = (u.new_zeros(batch, channels, A.shape[-1]) if initial_state is None
+             else initial_state.double())
+    ys = []
+    for t in range(length):
+        if seq_idx is not None:
+            before = seq_idx[:, t - 1] if t else torch.zeros_like(seq_idx[:, 0])
+            state = state * (seq_idx[:, t] == before).double()[:, None, None]
+        state = (torch.exp(dt[:, t, :, None] * A) * state
+                 + (dt[:, t] * u[:, t])[..., None] * B[:, t, None, :])
+        ys.append(torch.einsum("bdn,bn->bd", state, C[:, t]))
+    y = torch.stack(ys, 1)
+    if D is not None:
+        y = y + u * D.double()
+    if z_BTD is not None:
+        y = y * F.silu(z_BTD.double())
+    return y, state
