@@ -27,17 +27,26 @@ import dataclasses
 from titan_hybrid.hf.deepseek import feed_forward_problems, mixer_parameter_names
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.kimi_linear import (
+    DENSE,
+    FULL,
+    LINEAR,
+    SPARSE,
+    checked_layer_types,
+    first_set,
+    kda_mla_pattern,
+    sigmoid_routed_experts,
+)
 from titan_hybrid.hf.vocabulary import routed_experts, swiglu_mlp
 from titan_hybrid.model import kda as kda_kind
 from titan_hybrid.model import mla as mla_kind
 from titan_hybrid.model import mlp as mlp_kind
 from titan_hybrid.model import moe as moe_kind
-from titan_hybrid.model.args import HybridModelArgs, MoEArgs
+from titan_hybrid.model.args import HybridModelArgs
 
 FORMAT = "bailing_hybrid"
 NAME = "Ling 3.0 (bailing_hybrid)"
 KDA, MLA, MLP, MOE = kda_kind.KIND, mla_kind.KIND, mlp_kind.KIND, moe_kind.KIND
-LINEAR, FULL, DENSE, SPARSE = "linear_attention", "full_attention", "dense", "sparse"
 MTP_LAYERS = [MLA.symbol, MOE.symbol]  # an MTP depth's decoder layer (vLLM's Bailing MTP)
 # Our parameter -> Ling's, where the names differ (under `attention.`).
 RENAMED = {"o_proj.weight": "dense.weight"}
@@ -159,11 +168,6 @@ def bailing_hybrid_config(args: HybridModelArgs) -> dict:
     return config
 
 
-def _first(config: dict, *names, default=None):
-    """The value of the first of `names` (a field and its aliases) set."""
-    return next((config[name] for name in names if config.get(name) is not None), default)
-
-
 def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
     """HybridModelArgs for a Ling 3.0 config.json; ValueError naming the first setting the
     format cannot hold."""
@@ -173,42 +177,19 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
                                            for i in range(layers)]
     ffns = config.get("mlp_layer_types") or [
         DENSE if i < config.get("first_k_dense_replace", 2) else SPARSE for i in range(layers)]
-    for field, values, allowed in (("layer_types", mixers, (LINEAR, FULL)),
-                                   ("mlp_layer_types", ffns, (DENSE, SPARSE))):
-        if len(values) != layers or any(value not in allowed for value in values):
-            raise ValueError(f"{field}={values} must give each of the {layers} layers one of "
-                             f"{allowed}")
-    for field, expected in (("hidden_act", "silu"), ("attention_bias", False)):
-        if config.get(field, expected) != expected:
-            raise ValueError(f"{field}={config[field]!r} is not supported (expected "
-                             f"{expected!r})")
+    checked_layer_types(config, mixers, ffns)
+    if config.get("attention_bias", False):
+        raise ValueError("attention_bias=True is not supported (expected False)")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported "
                          "(default)")
     heads = config["num_attention_heads"]
-    if _first(config, "num_key_value_heads", default=heads) != heads:
-        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} must equal "
-                         f"num_attention_heads={heads} (MLA shares one latent per head)")
     base = HybridModelArgs()
-    experts = base.moe
-    if SPARSE in ffns:
-        hidden = config["moe_intermediate_size"]
-        experts = MoEArgs(
-            num_experts=_first(config, "num_experts", "num_local_experts"),
-            top_k=_first(config, "num_experts_per_tok", "num_experts_per_token"),
-            hidden_dim=hidden,
-            shared_expert_hidden_dim=_first(config, "n_shared_experts", "num_shared_experts",
-                                            default=1) * hidden,
-            score_func="sigmoid", score_correction_bias=True,
-            n_group=_first(config, "n_group", "num_expert_group", default=8),
-            topk_group=_first(config, "topk_group", default=4),
-            routed_scaling_factor=_first(config, "routed_scaling_factor", default=2.5),
-            norm_topk_prob=_first(config, "norm_topk_prob", "moe_renormalize", default=True))
-    pattern = "".join((KDA.symbol if mixer == LINEAR else MLA.symbol)
-                      + (MLP.symbol if ffn == DENSE else MOE.symbol)
-                      for mixer, ffn in zip(mixers, ffns))
-    pattern += f"/{''.join(MTP_LAYERS)}" * _first(config, "num_nextn_predict_layers",
+    experts = (sigmoid_routed_experts(config, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+               if SPARSE in ffns else base.moe)
+    pattern = kda_mla_pattern(mixers, ffns)
+    pattern += f"/{''.join(MTP_LAYERS)}" * first_set(config, "num_nextn_predict_layers",
                                                  "num_mtp_layers", default=0)
     mla = dataclasses.replace(
         base.mla, n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
@@ -219,7 +200,7 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 6_000_000.0)),
         rope_interleave=True, output_gate=True)
     kda = dataclasses.replace(
-        base.kda, head_dim=_first(config, "linear_head_dim", "head_dim", default=128),
+        base.kda, head_dim=first_set(config, "linear_head_dim", "head_dim", default=128),
         n_heads=heads, conv_width=config.get("short_conv_kernel_size", 4),
         low_rank_gates=False,
         gate_lower_bound=(config.get("kda_lower_bound", -5.0)
@@ -228,7 +209,7 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
         base, hf_format=FORMAT, pattern=pattern, moe=experts, mla=mla, kda=kda,
         dim=config["hidden_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        max_seq_len=_first(config, "max_position_embeddings", "model_max_length",
+        max_seq_len=first_set(config, "max_position_embeddings", "model_max_length",
                            default=base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"))

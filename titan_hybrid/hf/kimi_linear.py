@@ -140,9 +140,54 @@ def kimi_linear_config(args: HybridModelArgs) -> dict:
     return config
 
 
-def _first(config: dict, *names, default=None):
+def first_set(config: dict, *names, default=None):
     """The value of the first of `names` (a field and transformers' aliases of it) set."""
     return next((config[name] for name in names if config.get(name) is not None), default)
+
+
+def checked_layer_types(config: dict, mixers: list[str], ffns: list[str]) -> None:
+    """ValueError unless every layer has a mixer (LINEAR, FULL) and a feed-forward (DENSE,
+    SPARSE), MLA's heads each have their latent, and the activation is SiLU."""
+    layers = config["num_hidden_layers"]
+    for field, values, allowed in (("layer_types", mixers, (LINEAR, FULL)),
+                                   ("mlp_layer_types", ffns, (DENSE, SPARSE))):
+        if len(values) != layers or any(value not in allowed for value in values):
+            raise ValueError(f"{field}={values} must give each of the {layers} layers one of "
+                             f"{allowed}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (expected "
+                         "'silu')")
+    heads = config["num_attention_heads"]
+    if first_set(config, "num_key_value_heads", default=heads) != heads:
+        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} must equal "
+                         f"num_attention_heads={heads} (MLA shares one latent per head)")
+
+
+def sigmoid_routed_experts(config: dict, *, n_group: int, topk_group: int,
+                           routed_scaling_factor: float) -> MoEArgs:
+    """DeepSeek-V3's MoE layers (sigmoid scores, a choice bias, groups, scaling, shared
+    experts) as Kimi Linear's and Ling 3.0's configs give them, under either family's field
+    names; the keywords: the family's defaults."""
+    hidden = config["moe_intermediate_size"]
+    return MoEArgs(
+        num_experts=first_set(config, "num_experts", "num_local_experts"),
+        top_k=first_set(config, "num_experts_per_token", "num_experts_per_tok"),
+        hidden_dim=hidden,
+        shared_expert_hidden_dim=first_set(config, "num_shared_experts", "n_shared_experts",
+                                           default=1) * hidden,
+        score_func="sigmoid", score_correction_bias=True,
+        n_group=first_set(config, "num_expert_group", "n_group", default=n_group),
+        topk_group=first_set(config, "topk_group", default=topk_group),
+        routed_scaling_factor=first_set(config, "routed_scaling_factor",
+                                        default=routed_scaling_factor),
+        norm_topk_prob=first_set(config, "moe_renormalize", "norm_topk_prob", default=True))
+
+
+def kda_mla_pattern(mixers: list[str], ffns: list[str]) -> str:
+    """The main pattern of these layer types: `K` / `+` layers each followed by `-` / `E`."""
+    return "".join((KDA.symbol if mixer == LINEAR else MLA.symbol)
+                   + (MLP.symbol if ffn == DENSE else MOE.symbol)
+                   for mixer, ffn in zip(mixers, ffns))
 
 
 def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
@@ -161,51 +206,28 @@ def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
         mixers = [FULL if i and i % 4 == 0 else LINEAR for i in range(layers)]
     ffns = config.get("mlp_layer_types") or [
         DENSE if i < config.get("first_k_dense_replace", 1) else SPARSE for i in range(layers)]
-    for field, values, allowed in (("layer_types", mixers, (LINEAR, FULL)),
-                                   ("mlp_layer_types", ffns, (DENSE, SPARSE))):
-        if len(values) != layers or any(value not in allowed for value in values):
-            raise ValueError(f"{field}={values} must give each of the {layers} layers one of "
-                             f"{allowed}")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={config['hidden_act']!r} is not supported (expected "
-                         "'silu')")
+    checked_layer_types(config, mixers, ffns)
     heads = config["num_attention_heads"]
-    if _first(config, "num_key_value_heads", default=heads) != heads:
-        raise ValueError(f"num_key_value_heads={config['num_key_value_heads']} must equal "
-                         f"num_attention_heads={heads} (MLA shares one latent per head)")
     base = HybridModelArgs()
-    experts = base.moe
-    if SPARSE in ffns:
-        hidden = config["moe_intermediate_size"]
-        experts = MoEArgs(
-            num_experts=_first(config, "num_experts", "num_local_experts"),
-            top_k=_first(config, "num_experts_per_token", "num_experts_per_tok"),
-            hidden_dim=hidden,
-            shared_expert_hidden_dim=_first(config, "num_shared_experts", "n_shared_experts",
-                                            default=1) * hidden,
-            score_func="sigmoid", score_correction_bias=True,
-            n_group=_first(config, "num_expert_group", "n_group", default=1),
-            topk_group=_first(config, "topk_group", default=1),
-            routed_scaling_factor=_first(config, "routed_scaling_factor", default=2.446),
-            norm_topk_prob=_first(config, "moe_renormalize", "norm_topk_prob", default=True))
-    pattern = "".join((KDA.symbol if mixer == LINEAR else MLA.symbol)
-                      + (MLP.symbol if ffn == DENSE else MOE.symbol)
-                      for mixer, ffn in zip(mixers, ffns))
+    experts = (sigmoid_routed_experts(config, n_group=1, topk_group=1,
+                                      routed_scaling_factor=2.446)
+               if SPARSE in ffns else base.moe)
+    pattern = kda_mla_pattern(mixers, ffns)
     mla = dataclasses.replace(
         base.mla, n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
         kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
         qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
         rotary=False)
     kda = dataclasses.replace(
-        base.kda, head_dim=_first(linear, "head_dim", default=config.get("linear_head_dim", 128)),
-        n_heads=_first(linear, "num_heads", default=config.get("linear_num_heads", 32)),
-        conv_width=_first(linear, "short_conv_kernel_size",
+        base.kda, head_dim=first_set(linear, "head_dim", default=config.get("linear_head_dim", 128)),
+        n_heads=first_set(linear, "num_heads", default=config.get("linear_num_heads", 32)),
+        conv_width=first_set(linear, "short_conv_kernel_size",
                           default=config.get("linear_conv_kernel_dim", 4)))
     return dataclasses.replace(
         base, hf_format="kimi_linear", pattern=pattern, moe=experts, mla=mla, kda=kda,
         dim=config["hidden_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-5),
-        max_seq_len=_first(config, "model_max_length", "max_position_embeddings",
+        max_seq_len=first_set(config, "model_max_length", "max_position_embeddings",
                            default=base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"))
