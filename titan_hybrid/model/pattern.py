@@ -147,11 +147,11 @@ def _scan(pattern: str) -> tuple[list[list[Item]], list[tuple[int, list[Item]]]]
         elif ch == ")":
             if parallel_start is None:
                 raise char_error(pattern, pos, "is a stray ')' with no open parallel group")
-            members_ = pattern[parallel_start + 1:pos]
-            if len(members_) < 2:
+            parallel = pattern[parallel_start + 1:pos]
+            if len(parallel) < 2:
                 raise char_error(pattern, parallel_start, "opens a parallel group of "
-                                  f"{len(members_)} layer(s); a parallel group needs at least two")
-            (target if group_start is None else group).append(members_)
+                                  f"{len(parallel)} layer(s); a parallel group needs at least two")
+            (target if group_start is None else group).append(parallel)
             parallel_start = None
         elif parallel_start is not None:
             raise char_error(pattern, pos, "is not allowed inside a parallel group (opened at "
