@@ -215,6 +215,13 @@ FAMILIES = {
         n_group=2, topk_group=1, first_k_dense_replace=1, layer_group_size=2,
         num_mtp_layers=0, pad_token_id=0, eos_token_id=1, max_position_embeddings=64,
         attn_implementation="eager")),
+    # Mamba (Mamba1 layers) and Falcon-Mamba (with weightless dt / B / C norms), heads tied.
+    "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM, dict(
+        vocab_size=96, hidden_size=16, state_size=4, num_hidden_layers=3, expand=2,
+        time_step_rank=3)),
+    "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM, dict(
+        vocab_size=96, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+        mixer_rms_eps=1e-6, tie_word_embeddings=False)),
     # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
     "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
@@ -337,8 +344,8 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bailing_hybrid, bamba, deepseek_v3, "
                "deepseek_v32, "
-               "deepseek_v4, falcon_h1, granitemoehybrid, kimi_linear, lfm2, lfm2_moe, mamba2, "
-               "nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
+               "deepseek_v4, falcon_h1, falcon_mamba, granitemoehybrid, kimi_linear, lfm2, "
+               "lfm2_moe, mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
 def test_families_we_cannot_express_are_refused_by_name(tmp_path, capsys, model_type, reason):

@@ -41,6 +41,7 @@ from titan_hybrid.hf import (
     granite,
     kimi_linear,
     lfm2,
+    mamba,
     mamba2,
     nemotron_h,
     olmo_hybrid,
@@ -51,7 +52,8 @@ from titan_hybrid.hf import (
 from titan_hybrid.hf.deepseek import ARCHITECTURES, ATTENTION_KINDS
 from titan_hybrid.hf.engine import KeyMapAdapter
 from titan_hybrid.hf.family import Family
-from titan_hybrid.model import attention, mamba, mlp
+from titan_hybrid.model import attention, mlp
+from titan_hybrid.model import mamba as mamba2_kind
 from titan_hybrid.model.args import HybridModelArgs
 
 CONFIG_FILE = "config.json"
@@ -70,6 +72,7 @@ FAMILIES = {family.name: family for family in (
     mamba2.FAMILY,
     falcon_h1.FAMILY,
     bailing_hybrid.FAMILY,
+    mamba.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -79,10 +82,8 @@ RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
 REFUSED = {
-    "jamba": "its SSM layers are Mamba1 (selective scan with a per-channel state), and "
-             "titan_hybrid's SSM layer is Mamba2 (M)",
-    "mamba": "its layers are Mamba1 (selective scan with a per-channel state), and "
-             "titan_hybrid's SSM layer is Mamba2 (M)",
+    "jamba": "its format is not read yet: titan_hybrid's Mamba1 layers (m_layers='mamba1') "
+             "do not run under tensor parallelism yet, and its layer periods are not mapped",
     "zamba": "its transformer blocks are shared between positions (one set of weights "
              "applied at several depths); titan_hybrid's layers each own their weights",
     "zamba2": "its transformer blocks are shared between positions (one set of weights "
@@ -180,7 +181,7 @@ def _held_by_falcon_h1_only(args: HybridModelArgs) -> str | None:
     if attention.KIND.name in kinds:
         options += [(f"attention.{name}", getattr(args.attention, name), 1.0)
                     for name in ("key_multiplier", "input_multiplier", "output_multiplier")]
-    if mamba.KIND.name in kinds:
+    if mamba2_kind.KIND.name in kinds:
         options += [(f"mamba.{name}", getattr(args.mamba, name), default)
                     for name, default in (("input_multiplier", 1.0), ("output_multiplier", 1.0),
                                           ("in_proj_multipliers", (1.0,) * 5),
@@ -212,7 +213,8 @@ def _held_by_deepseek_v4_only(args: HybridModelArgs) -> str | None:
 def check_hf_compatible(args: HybridModelArgs) -> Family:
     """The model's HF format; ValueError naming its first unmet condition, and RULE."""
     hf_format = hf_format_of(args)
-    variants = [kind for kind in args.kinds() if kind.variant is not None]
+    variants = [kind for kind in args.kinds()
+                if kind.variant is not None and kind.name not in hf_format.variants]
     if variants:
         raise ValueError(f"{variants[0].title} layers (m_layers='{args.m_layers}', g_layers="
                          f"'{args.g_layers}') are held by none of the Hugging Face families "

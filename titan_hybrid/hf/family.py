@@ -33,6 +33,8 @@ class Family:
     # Whether a config.json ties the LM head to the embedding, where the family reads it other
     # than from `tie_word_embeddings` (default False, or a multimodal config's text_config's)
     ties: Callable[[dict], bool] | None = None
+    # The variants of a symbol (layer_kinds.VARIANTS) its format holds, by kind name
+    variants: tuple[str, ...] = ()
     # The HF tensor that a folder holds when it has the MTP layers its config declares, and
     # the config's field of their count. transformers models no MTP layer: its save_pretrained
     # keeps the config's MTP fields but writes no MTP tensor.
