@@ -189,8 +189,8 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
     experts = (sigmoid_routed_experts(config, n_group=8, topk_group=4, routed_scaling_factor=2.5)
                if SPARSE in ffns else base.moe)
     pattern = kda_mla_pattern(mixers, ffns)
-    pattern += f"/{''.join(MTP_LAYERS)}" * first_set(config, "num_nextn_predict_layers",
-                                                 "num_mtp_layers", default=0)
+    depths = first_set(config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
+    pattern += f"/{''.join(MTP_LAYERS)}" * depths
     mla = dataclasses.replace(
         base.mla, n_heads=heads, q_lora_rank=config.get("q_lora_rank"),
         kv_lora_rank=config.get("kv_lora_rank", 512),
@@ -210,7 +210,7 @@ def model_args_from_bailing_hybrid_config(config: dict) -> HybridModelArgs:
         dim=config["hidden_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=first_set(config, "max_position_embeddings", "model_max_length",
-                           default=base.max_seq_len),
+                              default=base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"))
 

@@ -222,13 +222,13 @@ def model_args_from_kimi_linear_config(config: dict) -> HybridModelArgs:
         base.kda, head_dim=first_set(linear, "head_dim", default=config.get("linear_head_dim", 128)),
         n_heads=first_set(linear, "num_heads", default=config.get("linear_num_heads", 32)),
         conv_width=first_set(linear, "short_conv_kernel_size",
-                          default=config.get("linear_conv_kernel_dim", 4)))
+                             default=config.get("linear_conv_kernel_dim", 4)))
     return dataclasses.replace(
         base, hf_format="kimi_linear", pattern=pattern, moe=experts, mla=mla, kda=kda,
         dim=config["hidden_size"], vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-5),
         max_seq_len=first_set(config, "model_max_length", "max_position_embeddings",
-                           default=base.max_seq_len),
+                              default=base.max_seq_len),
         mlp=dataclasses.replace(base.mlp, hidden_dim=config["intermediate_size"],
                                 activation="swiglu"))
 

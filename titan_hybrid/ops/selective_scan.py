@@ -87,8 +87,7 @@ def _chunk(u, dt, A, B, C, state, chunk_doc, previous_doc):
         reaches = reaches & (chunk_doc[:, :, None] == chunk_doc[:, None, :])
         carried = (chunk_doc == previous_doc).to(u.dtype)
     exponents = log_decay[:, :, None] - log_decay[:, None, :]  # L_t - L_s [b, q, s, d, n]
-    decays = torch.where(reaches[..., None, None], exponents,
-                         torch.full_like(exponents, float("-inf"))).exp()
+    decays = exponents.masked_fill(~reaches[..., None, None], float("-inf")).exp()
     states = torch.einsum("bqsdn,bsdn->bqdn", decays, inputs)
     states = states + log_decay.exp() * carried[..., None, None] * state[:, None]
     y = torch.einsum("bqn,bqdn->bqd", C, states)
