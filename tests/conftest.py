@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 import pytest
 
+from tests import ci_shards
 from tests.launch import REPO_ROOT, TrainResult, run_training, start_fork_server
 from tests.torchtitan_generation import INSTALLED
 
@@ -20,10 +20,11 @@ collect_ignore = [] if INSTALLED == (0, 3) else ["torchtitan_0_3"]
 def pytest_addoption(parser):
     parser.addoption(
         "--ci-shard", metavar="K/N",
-        help="run only the test modules whose path hashes to K of N shards (crc32 of the "
-             "path from the repository root, mod N): .ci/run splits the newer torches' legs so")
+        help="run only the tests of shard K of N: .ci/run runs each test on one of its torch "
+             "legs (tests/ci_shards.py)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
     shard = config.getoption("--ci-shard")
     if not shard:
@@ -31,10 +32,9 @@ def pytest_collection_modifyitems(config, items):
     index, count = (int(part) for part in shard.split("/"))
     if not 0 <= index < count:
         raise pytest.UsageError(f"--ci-shard {shard}: K must be in [0, N)")
-    keep, drop = [], []
-    for item in items:
-        module = Path(item.path).resolve().relative_to(REPO_ROOT).as_posix()
-        (keep if zlib.crc32(module.encode()) % count == index else drop).append(item)
+    shards = ci_shards.plan(items, count, ci_shards.read_durations())
+    keep = [item for item, item_shard in zip(items, shards) if item_shard == index]
+    drop = [item for item, item_shard in zip(items, shards) if item_shard != index]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
