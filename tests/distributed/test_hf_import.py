@@ -37,7 +37,8 @@ FAMILIES = ["nemotron_h_moe"] + [
     pytest.param(family, marks=[pytest.mark.extended, pytest.mark.once_per_ci])
     for family in ("nemotron_h", "nemotron_h_latent_moe", "bamba", "deepseek_v3_moe", "deepseek_v4",
                    "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granitemoehybrid",
-                   "granitemoehybrid_dense", "granitemoehybrid_tied", "kimi_linear", "lfm2", "lfm2_moe", "mamba2", "falcon_h1", "bailing_hybrid")]
+                   "granitemoehybrid_dense", "granitemoehybrid_tied", "kimi_linear", "lfm2", "lfm2_moe", "mamba2", "falcon_h1", "bailing_hybrid", "mamba",
+                   "falcon_mamba", "jamba")]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -54,15 +55,17 @@ def imported(tmp_path_factory, request):
 
 FSDP2 = ()  # over both processes
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+# Each family trains under TP2, where its imported shapes meet the tensor-parallel plans (FSDP2
+# shards any model alike: the layouts' own tests run every kind under it), but these. Mamba1
+# layers do not take TP yet.
+LAYOUTS = {"nemotron_h_moe": (FSDP2, TP2), "mamba": (FSDP2,), "falcon_mamba": (FSDP2,),
+           "jamba": (FSDP2, EP2)}
 
 
 def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, request):
-    """nemotron_h_moe under FSDP2 and TP2; each other family under TP2, where its imported
-    shapes meet the tensor-parallel plans (FSDP2 shards any model alike: the layouts' own
-    tests run every kind under it)."""
     job, _, single, _ = imported
-    family = request.node.callspec.params["imported"]
-    for layout in (FSDP2, TP2) if family == "nemotron_h_moe" else (TP2,):
+    for layout in LAYOUTS.get(request.node.callspec.params["imported"], (TP2,)):
         result = run_training(tmp_path / str(len(layout)), *STEPS, *layout, config=job,
                               nproc=2).check()
         assert len(result.losses) == len(single.losses) == 3

@@ -222,6 +222,14 @@ FAMILIES = {
     "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM, dict(
         vocab_size=96, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
         mixer_rms_eps=1e-6, tie_word_embeddings=False)),
+    # Jamba: Mamba1 layers with weighted dt / B / C norms, attention without RoPE on layer 2 of
+    # each 4, MoE (softmax top-2, not renormalised) on every second layer.
+    "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM, dict(
+        vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=2,
+        mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=3,
+        attn_implementation="eager")),
     # Mamba2 (transformers' Mamba2Config): Mamba2 layers only, dt clamped from below.
     "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM, dict(
         vocab_size=96, hidden_size=32, num_hidden_layers=3, num_heads=8, head_dim=8,
@@ -340,11 +348,12 @@ def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, reason", [
-    ("jamba", "Mamba1"),
+    ("zamba", "shared between positions"),
     ("zamba2", "shared between positions"),
     ("llama4", "not a supported family; supported: bailing_hybrid, bamba, deepseek_v3, "
                "deepseek_v32, "
-               "deepseek_v4, falcon_h1, falcon_mamba, granitemoehybrid, kimi_linear, lfm2, "
+               "deepseek_v4, falcon_h1, falcon_mamba, granitemoehybrid, jamba, kimi_linear, "
+               "lfm2, "
                "lfm2_moe, mamba, mamba2, nemotron_h, olmo_hybrid, qwen3_5, qwen3_5_moe, "
                "qwen3_5_moe_text, qwen3_5_text, qwen3_next"),
 ])
@@ -398,6 +407,9 @@ def test_a_setting_we_cannot_hold_is_named(tmp_path, capsys):
     save_tiny("bamba", tmp_path / "bias", mlp_bias=True)
     assert main(["import", str(tmp_path / "bias"), str(tmp_path / "ours")]) == 2
     assert "mlp_bias=True is not supported (expected False)" in capsys.readouterr().err
+    save_tiny("jamba", tmp_path / "jamba", mamba_proj_bias=True)
+    assert main(["import", str(tmp_path / "jamba"), str(tmp_path / "ours")]) == 2
+    assert "mamba_proj_bias=True is not supported (expected False)" in capsys.readouterr().err
     save_tiny("deepseek_v3", tmp_path / "tied", tie_word_embeddings=True)
     assert main(["import", str(tmp_path / "tied"), str(tmp_path / "ours")]) == 2
     assert ("tie_word_embeddings=True is not supported: titan_hybrid's deepseek_v3/deepseek_v32 "
@@ -852,3 +864,27 @@ def test_falcon_h1s_options_are_never_dropped_by_another_format(section, field, 
                                          "Falcon-H1 format, and this model's HF format is "
                                          "nemotron_h"):
         check_hf_compatible(args)
+
+
+def test_jamba_places_attention_and_moe_layers_by_their_periods():
+    """Jamba's attn_layer_period / offset and expert_layer_period / offset become the pattern
+    and come back from it (transformers' own layers_block_type and layers_num_experts read
+    them); a pattern whose attention layers do not recur with one period is refused by name."""
+    import dataclasses
+
+    from titan_hybrid.hf.jamba import jamba_config, model_args_from_jamba_config, period_of
+
+    assert period_of([False, False, True, False, False, False, True, False]) == (4, 2)
+    assert period_of([False, True] * 3) == (2, 1)
+    assert period_of([True] * 3) == (1, 0)
+    assert period_of([False] * 3) == (4, 3)
+    assert period_of([True, False, False, True, True]) is None
+    released = transformers.JambaConfig(num_hidden_layers=16, num_experts=16)  # Jamba v0.1's
+    args = model_args_from_jamba_config(released.to_dict())
+    assert args.pattern == "M-MEM-ME*-MEM-MEM-MEM-ME*-MEM-ME"
+    written = transformers.JambaConfig(**jamba_config(args))
+    assert written.layers_block_type == released.layers_block_type
+    assert written.layers_num_experts == released.layers_num_experts
+    with pytest.raises(ValueError, match=r"hybrid.pattern 'M-\*-\*-M-': its attention layers "
+                                         "do not recur with one period"):
+        jamba_config(dataclasses.replace(args, pattern="M-*-*-M-"))

@@ -39,6 +39,7 @@ from titan_hybrid.hf import (
     deepseek_v4,
     falcon_h1,
     granite,
+    jamba,
     kimi_linear,
     lfm2,
     mamba,
@@ -73,6 +74,7 @@ FAMILIES = {family.name: family for family in (
     falcon_h1.FAMILY,
     bailing_hybrid.FAMILY,
     mamba.FAMILY,
+    jamba.FAMILY,
 )}
 
 RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 / V3.2 for "
@@ -82,8 +84,6 @@ RULE = ("HF checkpoints take the format of the model's layer kinds: DeepSeek-V3 
 
 # model_type -> why titan_hybrid's layer kinds cannot hold that family exactly.
 REFUSED = {
-    "jamba": "its format is not read yet: titan_hybrid's Mamba1 layers (m_layers='mamba1') "
-             "do not run under tensor parallelism yet, and its layer periods are not mapped",
     "zamba": "its transformer blocks are shared between positions (one set of weights "
              "applied at several depths); titan_hybrid's layers each own their weights",
     "zamba2": "its transformer blocks are shared between positions (one set of weights "

@@ -24,8 +24,6 @@ NAME = "Mamba / Falcon-Mamba"
 MODEL_TYPES = {"none": ("MambaForCausalLM", "mamba"),
                "weightless": ("FalconMambaForCausalLM", "falcon_mamba")}  # by dt_bc_norm
 FIXED = (("hidden_act", "silu"), ("use_bias", False), ("use_conv_bias", True))
-MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
-         "dt_proj.bias", "A_log", "D", "out_proj.weight")
 
 
 def check_mamba_compatible(args: HybridModelArgs) -> None:
@@ -53,7 +51,7 @@ def mamba_key_map(args: HybridModelArgs) -> KeyMap:
     for j in range(len(args.parsed_pattern.physical_layer_symbols())):
         hf, ours = f"backbone.layers.{j}.", f"layers.{j}."
         mapping[hf + "norm.weight"] = f"{ours}mamba1_norm.weight"
-        for name in MIXER:
+        for name in mamba1.PARAMETERS:
             mapping[f"{hf}mixer.{name}"] = f"{ours}mamba1.{name}"
     return mapping
 

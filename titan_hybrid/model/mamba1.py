@@ -33,6 +33,11 @@ from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.selective_scan import CHUNK_SIZE, selective_scan
 
 DT_BC_NORMS = ("none", "weightless", "weighted")
+# The mixer's tensors under transformers' names (MambaMixer's, which Falcon-Mamba's and Jamba's
+# share), and the weighted norms' (Jamba's).
+PARAMETERS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
+              "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
+WEIGHTED_NORMS = ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")
 
 
 @dataclass
