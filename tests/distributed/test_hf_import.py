@@ -57,10 +57,8 @@ FSDP2 = ()  # over both processes
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 # Each family trains under TP2, where its imported shapes meet the tensor-parallel plans (FSDP2
-# shards any model alike: the layouts' own tests run every kind under it), but these. Mamba1
-# layers do not take TP yet.
-LAYOUTS = {"nemotron_h_moe": (FSDP2, TP2), "mamba": (FSDP2,), "falcon_mamba": (FSDP2,),
-           "jamba": (FSDP2, EP2)}
+# shards any model alike: the layouts' own tests run every kind under it), but these.
+LAYOUTS = {"nemotron_h_moe": (FSDP2, TP2), "jamba": (FSDP2, EP2)}
 
 
 def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, request):

@@ -1,9 +1,12 @@
 """Mamba1 (`debug_mamba1`: `M-*-M-` with `m_layers = "mamba1"`) in the real trainer: the
-one-process curve under FSDP2 and PP2 with packed documents; tensor and context parallelism,
-which it does not take yet, refused in one line before any worker starts. The mixer against
-transformers' in float64: tests/unit/test_mamba1.py."""
+one-process curve under FSDP2, PP2 and TP2 with packed documents, a TP2 checkpoint resumed at
+TP1 onto the same curve; context parallelism, which it does not take yet, refused in one line
+before any worker starts. The mixer against transformers' in float64:
+tests/unit/test_mamba1.py."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -16,23 +19,34 @@ LAYOUTS = {
     "fsdp2": (),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*|-M-"),
 }
+TP2 = ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")
+CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
+              "--checkpoint.no_last_save_model_only")
 
 
-# On CI's first torch leg only: the layouts' code it runs is every kind's (77 s here).
+# On CI's reference torch leg: the layouts' code it runs is every kind's.
 @pytest.mark.extended
 @pytest.mark.once_per_ci
-def test_fsdp2_and_pp2_give_the_one_process_curve_and_tp_cp_are_refused(tmp_path,
-                                                                        reference_run):
+def test_fsdp2_pp2_and_tp2_give_the_one_process_curve_and_a_tp2_checkpoint_resumes_at_tp1(
+        tmp_path, reference_run):
     single = reference_run(*JOB).losses
     for name, layout in LAYOUTS.items():
         got = run_training(tmp_path / name, *JOB, *layout, nproc=2).check().losses
         assert got == pytest.approx(single, rel=1e-5), name
-    for name, layout, message in (
-            ("tp2", ("--parallelism.tensor_parallel_degree", "2"),
-             "m_layers='mamba1' under tensor parallelism is not supported yet"),
-            ("cp2", ("--parallelism.context_parallel_degree", "2"),
-             "context parallelism (head_a2a) is not implemented for Mamba1 ('M') layers")):
-        refused = run_training(tmp_path / name, *JOB, *layout, nproc=2)
-        assert refused.returncode == 2, refused.output[-3000:]
-        lines = [line for line in refused.output.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and message in lines[0], refused.output[-3000:]
+    # TP2 (x_proj's partial sums over the channels summed inside the layer), saving at steps
+    # 2 and 4; step 4 dropped, one process resumes from step 2.
+    saved = run_training(tmp_path / "tp2", *JOB, *TP2, *CHECKPOINT, nproc=2).check()
+    assert saved.losses == pytest.approx(single, rel=1e-5)
+    outputs = tmp_path / "tp2" / "outputs"
+    shutil.rmtree(outputs / "ck" / "step-4")
+    shutil.copytree(outputs, tmp_path / "tp1" / "outputs")
+    resumed = run_training(tmp_path / "tp1", *JOB, *CHECKPOINT).check()
+    assert "Training starts at step 3" in resumed.output
+    assert resumed.losses == pytest.approx(single[2:], rel=1e-5)
+
+    refused = run_training(tmp_path / "cp2", *JOB, "--parallelism.context_parallel_degree", "2",
+                           nproc=2)
+    assert refused.returncode == 2, refused.output[-3000:]
+    lines = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, refused.output[-3000:]
+    assert "context parallelism (head_a2a) is not implemented for Mamba1 ('M') layers" in lines[0]

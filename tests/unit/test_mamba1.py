@@ -103,12 +103,20 @@ def test_mfu_counts_the_scans_matmuls():
     assert core == KIND.core_flops(args, DIM, 64)
 
 
-def test_the_layouts_it_does_not_take_yet_are_refused_by_name():
+def test_tensor_parallelism_splits_the_channels_and_context_parallelism_is_refused():
+    """TP2 is accepted: in_proj's x and z parts, the conv, dt_proj, A_log, D by channel, x_proj
+    and out_proj by their input channels, the dt / B / C norms replicated (the TP2 curve:
+    tests/distributed/test_mamba1.py)."""
     from titan_hybrid.parallel.validate import validate_tensor_parallel
 
     args = resolve_model_args("debug_mamba1", seq_len=64)
-    validate_tensor_parallel(args, 1, seq_len=64, sequence_parallel=False)
-    with pytest.raises(ValueError, match="m_layers='mamba1' under tensor parallelism"):
-        validate_tensor_parallel(args, 2, seq_len=64, sequence_parallel=True)
+    validate_tensor_parallel(args, 2, seq_len=64, sequence_parallel=True)
+    mixer = Mamba1Mixer(dim=32, args=args.mamba1)
+    layouts = mixer.tensor_parallel_layouts()
+    assert layouts["in_proj.weight"].partition_names == (".x", ".z")
+    assert layouts["x_proj.weight"].shard_dim == layouts["out_proj.weight"].shard_dim == 1
+    assert all(layouts[name].shard_dim == 0 for name in ("conv1d.weight", "dt_proj.bias",
+                                                          "A_log", "D"))
+    assert not any("layernorm" in name for name in layouts)
     assert KIND.context_parallel is None  # refused under CP by name, as any such kind
     assert dataclasses.replace(args).m_layers == "mamba1"

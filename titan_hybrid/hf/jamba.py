@@ -23,6 +23,7 @@ import math
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.mamba import mamba1_entries
 from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, mamba1, mlp, moe
 from titan_hybrid.model.args import AttentionArgs, HybridModelArgs, MLPArgs, MoEArgs
@@ -109,8 +110,8 @@ def jamba_key_map(args: HybridModelArgs) -> KeyMap:
                                            qk_norm=False))
         else:
             mapping[f"{hf}input_layernorm.weight"] = f"{mixer}mamba1_norm.weight"
-            for name in mamba1.PARAMETERS + mamba1.WEIGHTED_NORMS:
-                mapping[f"{hf}mamba.{name}"] = f"{mixer}mamba1.{name}"
+            mapping.update(mamba1_entries(f"{hf}mamba.", f"{mixer}mamba1.",
+                                          mamba1.PARAMETERS + mamba1.WEIGHTED_NORMS))
         if symbols[2 * j + 1] == mlp.KIND.symbol:
             mapping[f"{hf}pre_ff_layernorm.weight"] = f"{ffn}mlp_norm.weight"
             mapping.update(swiglu_mlp(f"{hf}feed_forward.", f"{ffn}mlp."))

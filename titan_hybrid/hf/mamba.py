@@ -51,9 +51,16 @@ def mamba_key_map(args: HybridModelArgs) -> KeyMap:
     for j in range(len(args.parsed_pattern.physical_layer_symbols())):
         hf, ours = f"backbone.layers.{j}.", f"layers.{j}."
         mapping[hf + "norm.weight"] = f"{ours}mamba1_norm.weight"
-        for name in mamba1.PARAMETERS:
-            mapping[f"{hf}mixer.{name}"] = f"{ours}mamba1.{name}"
+        mapping.update(mamba1_entries(f"{hf}mixer.", f"{ours}mamba1."))
     return mapping
+
+
+def mamba1_entries(hf: str, ours: str, names: tuple[str, ...] = mamba1.PARAMETERS) -> KeyMap:
+    """transformers' Mamba1 mixer at `hf` (MambaMixer's names) as ours at `ours`: in_proj
+    [x | z] is the tuple of its two components (our split state dict's)."""
+    return {f"{hf}{name}": (tuple(f"{ours}{name}{part}" for part in mamba1.IN_PROJ_PARTS)
+                            if name == "in_proj.weight" else f"{ours}{name}")
+            for name in names}
 
 
 def mamba_config(args: HybridModelArgs) -> dict:

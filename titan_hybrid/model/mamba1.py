@@ -9,9 +9,11 @@ selective scan (ops/selective_scan.py) with A = -exp(A_log) [d_inner, N], a deca
 and state entry, D, and the gate: y * silu(z); out_proj. Parameter names are transformers'.
 Legend: B batch, T time, D hidden, C d_inner channels, R dt rank, N state size.
 
-Not yet under tensor parallelism (x_proj contracts over the channels a TP rank splits: its
-output needs an all-reduce inside the layer) or context parallelism: both are refused by name
-(parallel/validate.py).
+Tensor parallelism splits the channels: in_proj's x and z parts, the conv, dt_proj's rows, A_log,
+D and out_proj's columns. x_proj contracts over the channels, so each rank's output is a partial
+sum of dt, B and C, which every channel uses: it is marked TensorParallelPartialSum (summed over
+the TP group, forward and backward), and the dt / B / C norms after it are replicated. Not yet
+under context parallelism: refused by name (parallel/validate.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import init_depthwise_conv, init_linear, upcast
+from titan_hybrid.model.common import (
+    TensorParallelPartialSum,
+    TPLayout,
+    init_depthwise_conv,
+    init_linear,
+    sharded,
+    upcast,
+)
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
@@ -38,6 +47,7 @@ DT_BC_NORMS = ("none", "weightless", "weighted")
 PARAMETERS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
               "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")
 WEIGHTED_NORMS = ("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")
+IN_PROJ_PARTS = (".x", ".z")  # in_proj's components, as its split state dict names them
 
 
 @dataclass
@@ -69,8 +79,10 @@ class Mamba1Mixer(nn.Module):
         inner, rank, state = args.d_inner(dim), args.rank(dim), args.d_state
         self.eps = args.norm_eps or norm_eps
         self.in_proj = nn.Linear(dim, 2 * inner, bias=False)
+        self.fused_parts = {"in_proj.weight": {part: inner for part in IN_PROJ_PARTS}}
         self.conv1d = nn.Conv1d(inner, inner, args.conv_width, groups=inner, bias=True)
         self.x_proj = nn.Linear(inner, rank + 2 * state, bias=False)
+        self.x_proj_sum = TensorParallelPartialSum()  # over the channels' TP shards
         self.dt_proj = nn.Linear(rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(inner, state, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(inner, dtype=torch.float32))
@@ -80,14 +92,21 @@ class Mamba1Mixer(nn.Module):
             self.b_layernorm = RMSNorm(state, eps=self.eps)
             self.c_layernorm = RMSNorm(state, eps=self.eps)
 
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        by_channel = ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias",
+                      "A_log", "D")
+        return {"in_proj.weight": sharded(0, self.fused_parts["in_proj.weight"]),
+                **{name: sharded(0) for name in by_channel},
+                "x_proj.weight": sharded(1), "out_proj.weight": sharded(1)}
+
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
         x, z = self.in_proj(x_BTD).chunk(2, -1)
         seq_idx = None if layout is None else layout.seq_idx
         x = causal_depthwise_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                     seq_idx=seq_idx, activation="silu")
-        dt, B, C = self.x_proj(x).split([args.rank(x_BTD.shape[-1]), args.d_state,
-                                         args.d_state], -1)
+        dt, B, C = self.x_proj_sum(self.x_proj(x)).split(
+            [args.rank(x_BTD.shape[-1]), args.d_state, args.d_state], -1)
         if args.dt_bc_norm == "weighted":
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         elif args.dt_bc_norm == "weightless":
@@ -132,11 +151,6 @@ def _validate(args: Mamba1Args, dim: int) -> None:
                          f"{', '.join(DT_BC_NORMS)}")
 
 
-def _validate_tensor_parallel(args: Mamba1Args) -> None:
-    raise ValueError("m_layers='mamba1' under tensor parallelism is not supported yet: x_proj "
-                     "contracts over the channels a TP rank splits; use tensor_parallel_degree 1")
-
-
 def _core_flops(args: Mamba1Args, dim: int, seq_len: int) -> int:
     """The scan's matmuls per token, forward, as the chunked path computes them (what torch's
     FLOP counter sees): per channel and state entry, the chunk's pairwise decays applied to its
@@ -151,5 +165,4 @@ KIND = LayerKind(
     build=lambda args, dim, norm_eps: Mamba1Mixer(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "D"),
-    validate_tensor_parallel=_validate_tensor_parallel,
 )
