@@ -21,6 +21,12 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
   * LFM2's gated short convolution layer (issue 58, `S`): `titan_hybrid.model.short_conv.ShortConv`
     vs transformers' `Lfm2ShortConv` (training, no cache: its torch conv1d), same weights
     (its `conv.*` is our `conv1d.*`), hidden 512, conv width 3.
+  * Mamba1 mixer (issue 59, `M` with `m_layers = "mamba1"`): `titan_hybrid.model.mamba1.
+    Mamba1Mixer` (its chunked selective scan, ops/selective_scan.py) vs transformers'
+    `MambaMixer` (training, no cache: its torch path, a sequential scan over the tokens), same
+    weights (same parameter names), hidden 512, expand 2, state 16, dt rank 32, conv width 4;
+    and (`mamba1_vs_mamba2`) the same Mamba1 mixer vs our Mamba2 mixer of the shapes above at
+    about the same parameter count (1.69M against 1.85M): what the per-channel state costs.
   Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
   * MLA / DSA layers (issue 17): `titan_hybrid.model.mla.MultiLatentAttention` vs
     transformers' `DeepseekV3Attention` (SDPA), and `model.dsa.DeepSeekSparseAttention` (indexer
@@ -98,6 +104,8 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32At
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 from transformers.models.lfm2 import Lfm2Config
 from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+from transformers.models.mamba import MambaConfig
+from transformers.models.mamba.modeling_mamba import MambaMixer
 from transformers.models.nemotron_h.modeling_nemotron_h import (
     NemotronHMamba2Mixer,
     mamba2_chunk_scan,
@@ -120,6 +128,7 @@ from titan_hybrid.model.deepseek_v4_hca import (
 from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.mamba1 import Mamba1Args, Mamba1Mixer
 from titan_hybrid.model.mla import MultiLatentAttention
 from titan_hybrid.model.short_conv import ShortConv, ShortConvArgs
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
@@ -147,7 +156,10 @@ OPS = {  # op -> (label, baseline)
                "transformers DeepseekV4Attention CSA (eager, dense mask)"),
     "short_conv": ("LFM2 gated short convolution layer",
                    "transformers Lfm2ShortConv torch path (conv1d)"),
+    "mamba1": ("Mamba1 mixer", "transformers MambaMixer torch path (sequential scan)"),
+    "mamba1_vs_mamba2": ("Mamba1 mixer", "our Mamba2 mixer (SSD chunked scan), ~equal params"),
 }
+UNRELATED = ("mamba1_vs_mamba2",)  # two different layers: no agreement column
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
                   qk_rope_head_dim=32, v_head_dim=64)
@@ -248,6 +260,16 @@ def _hf_fields(args: MLAArgs) -> dict:
                 rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
 
 
+def our_mamba2_mixer(seed: int) -> Mamba2Mixer:
+    torch.manual_seed(seed)
+    mixer = Mamba2Mixer(dim=DIM, args=MambaArgs(d_state=STATE, head_dim=HEAD_DIM,
+                                                n_groups=GROUPS, expand=2, conv_width=4,
+                                                chunk_size=CHUNK), norm_eps=1e-5)
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.02, out_std=0.02)
+    return mixer
+
+
 def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
     """{"ours": (forward_fn, leaves), "theirs": (forward_fn, leaves)} on the same inputs and
     weights; `leaves` (inputs, then parameters) line up one to one between the two."""
@@ -270,13 +292,22 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
                                 dt_softplus=True)
         return {"ours": (scan_fn(mamba_chunk_scan_combined), leaves),
                 "theirs": (scan_fn(mamba2_chunk_scan), leaves)}
-    if op == "mixer":
+    if op in ("mamba1", "mamba1_vs_mamba2"):
         torch.manual_seed(seed)
-        ours = Mamba2Mixer(dim=DIM, args=MambaArgs(d_state=STATE, head_dim=HEAD_DIM,
-                                                   n_groups=GROUPS, expand=2, conv_width=4,
-                                                   chunk_size=CHUNK), norm_eps=1e-5)
+        ours = Mamba1Mixer(dim=DIM, args=Mamba1Args(d_state=16, expand=2, conv_width=4))
         with torch.no_grad():
             ours.init_weights(init_std=0.02, out_std=0.02)
+        if op == "mamba1":
+            theirs = MambaMixer(MambaConfig(hidden_size=DIM, state_size=16, expand=2,
+                                            conv_kernel=4, time_step_rank=32), layer_idx=0)
+            theirs.load_state_dict(ours.state_dict())  # transformers' names, one to one
+        else:
+            theirs = our_mamba2_mixer(seed)
+        x = rnd(batch, T, DIM).requires_grad_()
+        return {name: (lambda m=m: m(x), [x] + [p for _, p in sorted(m.named_parameters())])
+                for name, m in (("ours", ours.train()), ("theirs", theirs.train()))}
+    if op == "mixer":
+        ours = our_mamba2_mixer(seed)
         config = NemotronHConfig(
             hidden_size=DIM, mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM, ssm_state_size=STATE,
             n_groups=GROUPS, expand=2, conv_kernel=4, chunk_size=CHUNK, use_conv_bias=True,
@@ -346,8 +377,9 @@ def compare(op: str, T: int, repeats: int, batch: int = BATCH) -> dict:
     case = make_case(op, T, batch)
     ours_out, ours_grads, cot = fwd_bwd(*case["ours"])
     theirs_out, theirs_grads, _ = fwd_bwd(*case["theirs"], cot)
-    result = {"err_out": rel_err(ours_out, theirs_out),
-              "err_grad": max(rel_err(a, b) for a, b in zip(ours_grads, theirs_grads))}
+    result = ({"err_out": math.nan, "err_grad": math.nan} if op in UNRELATED else
+              {"err_out": rel_err(ours_out, theirs_out),
+               "err_grad": max(rel_err(a, b) for a, b in zip(ours_grads, theirs_grads))})
     del ours_out, ours_grads, theirs_out, theirs_grads
     times = {"ours": [], "theirs": []}
     for r in range(repeats):
@@ -386,7 +418,7 @@ def main() -> None:
     parser.add_argument("--mla-seq-lens", type=int, nargs="+", default=[512, 2048],
                         help="sequence lengths for the MLA, DSA and V4 layers")
     parser.add_argument("--conv-seq-lens", type=int, nargs="+", default=[512, 2048],
-                        help="sequence lengths for the short convolution layer")
+                        help="sequence lengths for the short convolution and Mamba1 layers")
     parser.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS),
                         help="which comparisons to run (default: all)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -409,7 +441,8 @@ def main() -> None:
                          ("mla", args.mla_seq_lens),
                          ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
                          ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens),
-                         ("short_conv", args.conv_seq_lens)):
+                         ("short_conv", args.conv_seq_lens), ("mamba1", args.conv_seq_lens),
+                         ("mamba1_vs_mamba2", args.conv_seq_lens)):
         if op not in args.ops:
             continue
         for T in seq_lens:

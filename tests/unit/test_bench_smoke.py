@@ -19,7 +19,7 @@ from titan_hybrid.model.pattern import parse_hybrid_pattern
 
 
 @pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "kda", "mla", "dsa", "v4",
-                                "short_conv"])
+                                "short_conv", "mamba1"])
 def test_compare_small(op):
     pytest.importorskip("transformers")
     from bench.mixers_vs_transformers import compare
@@ -28,6 +28,16 @@ def test_compare_small(op):
     result = compare(op, T=200, repeats=1, batch=1)
     assert result["err_out"] < 1e-4, result
     assert result["err_grad"] < 1e-4, result
+    assert result["ours_tok_s"] > 0 and result["theirs_tok_s"] > 0
+
+
+def test_the_mamba1_against_mamba2_row_times_two_layers_of_about_equal_size():
+    from bench.mixers_vs_transformers import compare, make_case
+
+    case = make_case("mamba1_vs_mamba2", T=64, batch=1)
+    sizes = [sum(p.numel() for p in case[impl][1][1:]) for impl in ("ours", "theirs")]
+    assert 0.85 < sizes[0] / sizes[1] < 1.0, sizes  # 1.69M against 1.85M
+    result = compare("mamba1_vs_mamba2", T=64, repeats=1, batch=1)
     assert result["ours_tok_s"] > 0 and result["theirs_tok_s"] > 0
 
 

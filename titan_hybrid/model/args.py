@@ -360,6 +360,12 @@ hybrid_flavors = FlavorRegistry({
     "gdp_hybrid_1b": dataclasses.replace(
         _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"), m_layers="gdp",
         gdp=GDPArgs(num_householder=3, d_state=128, head_dim=64, n_groups=8)),
+    # Jamba's block (hf/jamba.py) twice: Mamba1 layers (weighted dt / B / C norms) with one
+    # attention layer without RoPE in 8, a MoE layer after every second.
+    "jamba_hybrid_2b": dataclasses.replace(
+        _gpu_sized("M-MEM-ME*-MEM-ME" * 2), m_layers="mamba1",
+        attention=AttentionArgs(n_heads=16, n_kv_heads=8, head_dim=128, use_rope=False),
+        mamba1=Mamba1Args(d_state=16, expand=2, dt_bc_norm="weighted")),
 })
 
 
