@@ -22,7 +22,7 @@ import dataclasses
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
-from titan_hybrid.hf.key_map_parts import tagged_float, time_step_limit
+from titan_hybrid.hf.key_map_parts import attention_problems, tagged_float, time_step_limit
 from titan_hybrid.hf.nemotron_h import MIXER_NAMES
 from titan_hybrid.hf.vocabulary import llama_attention, swiglu_mlp
 from titan_hybrid.model import attention, mamba, mlp
@@ -55,10 +55,7 @@ def check_falcon_h1_compatible(args: HybridModelArgs) -> None:
                         "scaling or a residual multiplier")
     if args.mlp.activation != "swiglu":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
-    wrong = {k: getattr(args.attention, k) for k, v in ATTENTION.items()
-             if getattr(args.attention, k) != v}
-    if wrong:
-        problems.append(f"attention: {wrong}; {NAME}'s attention has {ATTENTION}")
+    problems += attention_problems(args, ATTENTION, NAME)
     if args.mamba.dt_limit[0] < 0:
         problems.append(f"mamba.dt_limit={args.mamba.dt_limit} must be >= 0")
     if problems:

@@ -23,6 +23,7 @@ import math
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import attention_problems
 from titan_hybrid.hf.mamba import mamba1_entries
 from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, mamba1, mlp, moe
@@ -74,13 +75,7 @@ def check_jamba_compatible(args: HybridModelArgs) -> None:
         problems.append("norms must be pre-norms scaling by their weight and the MLP must be "
                         "SwiGLU")
     if attention.KIND.symbol in symbols:
-        wrong = {k: getattr(args.attention, k) for k, v in ATTENTION.items()
-                 if getattr(args.attention, k) != v}
-        if args.attention.head_dim * args.attention.n_heads != args.dim:
-            wrong["head_dim"] = args.attention.head_dim
-        if wrong:
-            problems.append(f"attention: {wrong}; {NAME}'s attention has {ATTENTION} and "
-                            "head_dim = dim / n_heads")
+        problems += attention_problems(args, ATTENTION, NAME, whole_heads=True)
     experts = args.moe
     if moe.KIND.symbol in symbols and (
             experts.activation, experts.score_func, experts.normalizes_top_k,

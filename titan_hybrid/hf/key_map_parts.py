@@ -154,3 +154,18 @@ def time_step_limit(config: dict) -> tuple[float, float]:
     """A Mamba2 config's `time_step_limit` (transformers' default: no limit)."""
     low, high = config.get("time_step_limit") or (0.0, float("inf"))
     return json_float(low), json_float(high)
+
+
+def attention_problems(args, expected: dict, family: str, *,
+                       whole_heads: bool = False) -> list[str]:
+    """What a format whose attention layers have `expected` (AttentionArgs field -> value;
+    `whole_heads`: head_dim = dim / n_heads) finds wrong in the model's attention args: one
+    part of its refusal, or none."""
+    wrong = {k: getattr(args.attention, k) for k, v in expected.items()
+             if getattr(args.attention, k) != v}
+    if whole_heads and args.attention.head_dim * args.attention.n_heads != args.dim:
+        wrong["head_dim"] = args.attention.head_dim
+    if not wrong:
+        return []
+    return [f"attention: {wrong}; {family}'s attention has {expected}"
+            + (" and head_dim = dim / n_heads" if whole_heads else "")]

@@ -26,6 +26,7 @@ import dataclasses
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import attention_problems
 from titan_hybrid.hf.vocabulary import routed_experts
 from titan_hybrid.model import attention, mlp, moe, short_conv
 from titan_hybrid.model.args import (
@@ -77,13 +78,7 @@ def check_lfm2_compatible(args: HybridModelArgs) -> None:
         problems.append("norms must be pre-norms scaling by their weight and the MLP must be "
                         "SwiGLU")
     if attention.KIND.symbol in symbols:
-        wrong = {k: getattr(args.attention, k) for k, v in ATTENTION.items()
-                 if getattr(args.attention, k) != v}
-        if args.attention.head_dim * args.attention.n_heads != args.dim:
-            wrong["head_dim"] = args.attention.head_dim
-        if wrong:
-            problems.append(f"attention: {wrong}; {NAME}'s attention has {ATTENTION} and "
-                            "head_dim = dim / n_heads")
+        problems += attention_problems(args, ATTENTION, NAME, whole_heads=True)
     if problems:
         raise ValueError(f"model cannot use the HF {NAME} format: " + "; ".join(problems))
 

@@ -24,6 +24,7 @@ import dataclasses
 
 from titan_hybrid.hf.engine import KeyMap, RowPieces, Shapes
 from titan_hybrid.hf.family import Family
+from titan_hybrid.hf.key_map_parts import attention_problems
 from titan_hybrid.hf.vocabulary import llama_attention, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp
 from titan_hybrid.model.args import AttentionArgs, GDNArgs, HybridModelArgs, MLPArgs
@@ -55,10 +56,7 @@ def check_olmo_hybrid_compatible(args: HybridModelArgs) -> None:
     if args.norm_zero_centered or args.mlp.activation != "swiglu":
         problems.append("norms must scale by their weight and the MLP must be SwiGLU")
     if attention.KIND.symbol in symbols:
-        wrong = {k: getattr(args.attention, k) for k, v in ATTENTION.items()
-                 if getattr(args.attention, k) != v}
-        if wrong:
-            problems.append(f"attention: {wrong}; {NAME}'s attention has {ATTENTION}")
+        problems += attention_problems(args, ATTENTION, NAME)
     if gdn.KIND.symbol in symbols and args.gdn.norm_eps != DELTA_RULE_NORM_EPS:
         problems.append(f"gdn.norm_eps={args.gdn.norm_eps} must be {DELTA_RULE_NORM_EPS}")
     if problems:

@@ -20,7 +20,7 @@ import dataclasses
 
 from titan_hybrid.hf.engine import KeyMap
 from titan_hybrid.hf.family import Family
-from titan_hybrid.hf.key_map_parts import softmax_routed
+from titan_hybrid.hf.key_map_parts import attention_problems, softmax_routed
 from titan_hybrid.hf.vocabulary import llama_attention, routed_experts, swiglu_mlp
 from titan_hybrid.model import attention, gdn, mlp, moe
 from titan_hybrid.model.args import (
@@ -69,10 +69,7 @@ def check_qwen3_5_compatible(args: HybridModelArgs, *, name: str = "Qwen3.5",
     if args.mlp.activation != "swiglu":
         problems.append(f"mlp.activation='{args.mlp.activation}' must be 'swiglu'")
     if attention.KIND.symbol in symbols:
-        wrong = {k: getattr(args.attention, k) for k, v in GATED_ATTENTION.items()
-                 if getattr(args.attention, k) != v}
-        if wrong:
-            problems.append(f"attention: {wrong}; {name}'s attention has {GATED_ATTENTION}")
+        problems += attention_problems(args, GATED_ATTENTION, name)
     experts = args.moe
     if moe.KIND.symbol in ffns and not softmax_routed(experts, shared_expert_gate=True):
         problems.append(f"moe: {name}'s MoE layers have SwiGLU experts, a softmax router "
