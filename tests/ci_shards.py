@@ -1,5 +1,5 @@
 """How CI splits the tests over its torch legs (`--ci-shard K/N`, .ci/run): each test runs on
-one leg, and the legs take about equal time.
+one leg.
 
 - A test marked once_per_ci (the scripts, the README's commands, what is the same under every
   torch) or extended (the long cases kept out of the default suite, checked under the reference
@@ -8,13 +8,13 @@ one leg, and the legs take about equal time.
   Triton, whose interpreter is the one that matters.
 - Every other test runs where its module goes, so a module's shared runs (its module-scoped
   fixtures) are made once. Modules are placed longest first, each on the shard whose such
-  modules take the least time so far, so each torch runs about a quarter of them. A test's time is read from .ci/durations.json
-  (`python3 .ci/durations.py` writes it from JUnit reports: the tests of a second or more); a
-  test missing there counts SHORT_TEST_SECONDS.
+  modules take the least time so far, so each torch runs about a quarter of them. A test's
+  time is read from .ci/durations.json (`python3 .ci/durations.py` writes it from JUnit
+  reports: the tests of a second or more); a test missing there counts SHORT_TEST_SECONDS.
 
 The legs run one after the other, so the split does not change CI's time: the balance spreads
-the default suite over the torches. The plan is a function of the collected tests
-alone, so every pytest-xdist worker makes the same one.
+the default suite over the torches. The plan is a function of the collected tests alone, so
+every pytest-xdist worker makes the same one.
 """
 
 from __future__ import annotations
