@@ -1,5 +1,7 @@
-"""The end of a CI run (.ci/run): one table of the legs (set-up time, test time, counts) and the
-whole run's time, then each leg's 10 slowest tests.
+"""The end of a CI run (.ci/run): each leg's 10 slowest tests, then one table of the legs
+(set-up time, test time, counts) and the whole run's time. The table comes last: a CI report
+that keeps only the head and the tail of a long output (a failure's log fills the middle) still
+shows it.
 
     python3 .ci/summary.py REPORTS_DIR TOTAL_SECONDS
 
@@ -36,6 +38,10 @@ def main(reports: Path, total_s: float) -> None:
     legs = sorted({path.name[:-len(".setup_s")] for path in reports.glob("*.setup_s")},
                   key=lambda leg: min(p.stat().st_mtime for p in reports.glob(f"{leg}.*")))
     rows = {leg: read_leg(reports, leg) for leg in legs}
+    for leg, row in rows.items():
+        print(f"\n== {leg}: the 10 slowest tests")
+        for seconds, name in row["slowest"]:
+            print(f"{seconds:8.1f} s  {name}")
     print("\n== CI summary")
     print(f"{'leg':<22} {'set-up s':>9} {'tests s':>8} {'tests':>6} {'passed':>7} "
           f"{'failed':>7} {'skipped':>8}")
@@ -46,10 +52,6 @@ def main(reports: Path, total_s: float) -> None:
         print(f"{leg:<22} {row['setup_s']:>9.0f} {row['test_s']:>8.0f} {c['tests']:>6} "
               f"{passed:>7} {failed:>7} {c['skipped']:>8}")
     print(f"{'whole run':<22} {total_s:>18.0f} s (CI's limit: 5400 s; the budget: 3600 s)")
-    for leg, row in rows.items():
-        print(f"\n== {leg}: the 10 slowest tests")
-        for seconds, name in row["slowest"]:
-            print(f"{seconds:8.1f} s  {name}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -84,20 +85,21 @@ def test_fsdp2_and_tp2_give_the_one_process_curve(tmp_path):
                                     ("--parallelism.tensor_parallel_degree", "2")],
                          ids=["fsdp2", "tp2"])
 def test_torchtitans_checkpointer_resumes_onto_the_straight_curve(tmp_path, layout):
-    """torchtitan's own CheckpointManager in the user's job (full state: the last save keeps
-    the optimizer): 4 steps straight, and 2 steps then a resume to 4 from the step-2
-    checkpoint, give the same steps 3 and 4."""
+    """torchtitan's own CheckpointManager in the user's job (full state: the interval saves
+    keep the optimizer): 4 steps straight, saving at steps 2 and 4, and a resume to 4 from a
+    copy of the step-2 checkpoint alone give the same steps 3 and 4."""
     registry = registry_with(OURS)
     checkpoint = ("--checkpoint.enable", "--checkpoint.interval", "2",
-                  "--checkpoint.no-last-save-model-only", "--training.steps")
-    straight = user_job_run(tmp_path / "straight", *layout, *checkpoint, "4", nproc=2,
+                  "--checkpoint.no-last-save-model-only", "--training.steps", "4")
+    straight = user_job_run(tmp_path / "straight", *layout, *checkpoint, nproc=2,
                             registry=registry)
-    first = user_job_run(tmp_path / "resumed", *layout, *checkpoint, "2", nproc=2,
-                         registry=registry)
-    resumed = user_job_run(tmp_path / "resumed", *layout, *checkpoint, "4", nproc=2,
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    saved = tmp_path / "straight" / "out" / "checkpoint"
+    assert sorted(path.name for path in saved.iterdir()) == ["step-2", "step-4"]
+    shutil.copytree(saved / "step-2", tmp_path / "resumed" / "out" / "checkpoint" / "step-2")
+    resumed = user_job_run(tmp_path / "resumed", *layout, *checkpoint, nproc=2,
                            registry=registry)
-    for result in (straight, first, resumed):
-        assert result.returncode == 0, result.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"[Ll]oad.*step[- ]2|step[- ]2.*load", resumed.stdout + resumed.stderr)
     want = logged_losses(straight.stdout + straight.stderr)
     got = logged_losses(resumed.stdout + resumed.stderr)
@@ -142,10 +144,10 @@ def test_what_a_backend_cannot_run_is_one_line_on_each_rank(tmp_path, args, line
 
 def test_every_flavor_trains_a_step_in_a_users_job(tmp_path):
     """The README's registry with each flavor of the flavor table, one step each in one
-    process; the GPU-sized flavors (0.9-2B parameters) at width 256, their layers and
-    sections otherwise as they are."""
+    process; the GPU-sized flavors (0.9-2B parameters) at width 256 on one row of 64 tokens,
+    their layers and sections otherwise as they are."""
     (tmp_path / "my_registry.py").write_text(readme_registry())
-    flavors = [name if args.dim <= 256 else f"{name}:dim=256"
+    flavors = [name if args.dim <= 256 else f"{name}:dim=256:local_batch_size=1"
                for name, args in hybrid_flavors.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
