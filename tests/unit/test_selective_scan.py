@@ -1,14 +1,14 @@
-"""Mamba1's selective scan (ops/selective_scan.py): the chunked torch path against a per-token
-recurrence in float64, outputs, final states and every gradient, with packed documents and
-initial states; and the inputs' sensitivity to what a broken scan gets wrong (a decay per head
-instead of per channel and state entry, a document start missed)."""
+"""Mamba1's selective scan (ops/selective_scan.py): the chunked torch path (selective_scan_torch)
+against a per-token recurrence in float64, outputs, final states and every gradient, with packed
+documents and initial states; and the inputs' sensitivity to what a broken scan gets wrong (a
+decay per head instead of per channel and state entry, a document start missed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from titan_hybrid.ops.selective_scan import selective_scan, selective_scan_reference
+from titan_hybrid.ops.selective_scan import selective_scan_reference, selective_scan_torch
 
 BATCH, LENGTH, CHANNELS, STATE = 2, 37, 6, 4  # 37: not a multiple of the chunk
 
@@ -35,11 +35,11 @@ def documents() -> torch.Tensor:
 def both(seq_idx, **overrides):
     """(chunked, reference) outputs and final states, and their gradients of every input."""
     results = []
-    for scan in (selective_scan, selective_scan_reference):
+    for scan in (selective_scan_torch, selective_scan_reference):
         tensors = {name: value.clone().requires_grad_() for name, value in inputs().items()}
         tensors.update(overrides)
         kwargs = dict(dt_softplus=True, seq_idx=seq_idx)
-        if scan is selective_scan:
+        if scan is selective_scan_torch:
             kwargs["return_final_state"] = True
         y, state = scan(**tensors, **kwargs)
         cotangent = torch.randn(y.shape, generator=torch.Generator().manual_seed(1),
@@ -61,7 +61,7 @@ def test_the_chunked_scan_is_the_recurrence(packed):
 
 def test_float32_inputs_compute_in_float32_and_keep_their_dtype():
     floats = {name: value.float() for name, value in inputs().items()}
-    y, state = selective_scan(**floats, dt_softplus=True, seq_idx=documents(),
+    y, state = selective_scan_torch(**floats, dt_softplus=True, seq_idx=documents(),
                               return_final_state=True)
     assert y.dtype == torch.float32 and state.dtype == torch.float32
     y_ref, _ = selective_scan_reference(**inputs(), dt_softplus=True, seq_idx=documents())
@@ -93,7 +93,7 @@ def test_backward_keeps_no_pairwise_decays():
 
     tensors = {name: value.float().requires_grad_() for name, value in inputs().items()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        y = selective_scan(**tensors, dt_softplus=True, seq_idx=documents(), chunk_size=16)
+        y = selective_scan_torch(**tensors, dt_softplus=True, seq_idx=documents(), chunk_size=16)
     y.sum().backward()
     assert kept, "autograd kept nothing: the hook saw no saved tensor"
     one_chunks_decays = BATCH * CHANNELS * STATE * 16 * 16

@@ -157,6 +157,12 @@ _unusable: dict[str, str | None] = {}  # package -> why it is unusable (None: us
 _refused: dict[str, tuple[RefusedOp, ...]] = {}  # usable package -> its ops this runtime refuses
 
 
+def kernels_forced() -> bool:
+    """True inside force_kernels(): our own Triton ops (no package behind them) take this to run
+    for CPU tensors too."""
+    return _forced
+
+
 def _forget_probe() -> None:
     _unusable.clear()
     _refused.clear()

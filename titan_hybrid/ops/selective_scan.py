@@ -26,6 +26,10 @@ titan_hybrid.ops.ssd (and mamba_ssm), the position before the sequence counts as
 `initial_state` [b, d, n] enters only the leading positions with seq_idx 0, and the final
 state is that of the last document.
 
+`selective_scan` runs our Triton kernels (ops/selective_scan_triton.py) for CUDA tensors, and
+inside ops.kernels.force_kernels() (the tests' interpreter runs), and `selective_scan_torch`
+otherwise: the reference, and the CPU path.
+
 Precision: computed in float32, or float64 for float64 inputs; y is cast back to u's dtype, the
 final state stays in the compute dtype. Legend: b batch, t time, d channels, n state size,
 q / s positions in a chunk (target / source).
@@ -33,9 +37,18 @@ q / s positions in a chunk (target / source).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from titan_hybrid.ops.kernels import KERNEL_DTYPES, kernels_forced
+
+if importlib.util.find_spec("triton") is not None:
+    from titan_hybrid.ops.selective_scan_triton import selective_scan_triton
+else:  # a CPU-only torch without triton: the torch path everywhere
+    selective_scan_triton = None
 
 CHUNK_SIZE = 16  # the [q, s, d, n] decays of one chunk are what the scan holds at a time
 
@@ -48,9 +61,25 @@ def selective_scan(u_BTD: torch.Tensor, dt_BTD: torch.Tensor, A_DN: torch.Tensor
                    B_BTN: torch.Tensor, C_BTN: torch.Tensor, D: torch.Tensor | None = None,
                    z_BTD: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                    dt_softplus: bool = False, seq_idx: torch.Tensor | None = None,
-                   initial_state: torch.Tensor | None = None, return_final_state: bool = False,
-                   chunk_size: int = CHUNK_SIZE):
-    """y [b, t, d] (with `return_final_state`, also the state after the last token [b, d, n])."""
+                   initial_state: torch.Tensor | None = None, return_final_state: bool = False):
+    """y [b, t, d] (with `return_final_state`, also the state after the last token [b, d, n]),
+    through the Triton kernels or the torch path (the module docstring)."""
+    scan = selective_scan_torch
+    if selective_scan_triton is not None and (u_BTD.is_cuda or kernels_forced()) \
+            and u_BTD.dtype in KERNEL_DTYPES:
+        scan = selective_scan_triton
+    return scan(u_BTD, dt_BTD, A_DN, B_BTN, C_BTN, D=D, z_BTD=z_BTD, dt_bias=dt_bias,
+                dt_softplus=dt_softplus, seq_idx=seq_idx, initial_state=initial_state,
+                return_final_state=return_final_state)
+
+
+def selective_scan_torch(u_BTD: torch.Tensor, dt_BTD: torch.Tensor, A_DN: torch.Tensor,
+                         B_BTN: torch.Tensor, C_BTN: torch.Tensor, D: torch.Tensor | None = None,
+                         z_BTD: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                         dt_softplus: bool = False, seq_idx: torch.Tensor | None = None,
+                         initial_state: torch.Tensor | None = None,
+                         return_final_state: bool = False, chunk_size: int = CHUNK_SIZE):
+    """The chunked torch path (the module docstring)."""
     dtype = _compute_dtype(u_BTD)
     batch, length, channels = u_BTD.shape
     u, dt = u_BTD.to(dtype), dt_BTD.to(dtype)
