@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.triton_kernels import DEVICE, kernels_on
 from tests.unit.test_compile import loss_and_grads, tiny_model
 from titan_hybrid.config.sections import ActivationCheckpointSection as ActivationCheckpoint
+from titan_hybrid.model.args import hybrid_flavors
+from titan_hybrid.model.model import HybridModel
 from titan_hybrid.parallel.activation_checkpoint import apply_activation_checkpointing
 
 MODES = {
@@ -166,6 +168,30 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
     assert runs == {"none": [1, 1, 1], "full": [2, 2, 2], "selective op": [1, 1, 1]}
 
 
+@pytest.mark.triton_interpreter
+def test_selective_ac_keeps_mamba1s_scan_kernel_output():
+    """Mamba1 (m_layers "mamba1") on our Triton selective scan: full AC runs the scan's forward
+    again in the backward, per-op selective AC keeps its output; gradients bit for bit."""
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M-", dim=64,
+                               vocab_size=128, max_seq_len=64, m_layers="mamba1")
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    scan = "titan_hybrid.triton_selective_scan_fwd"
+    with kernels_on():
+        loss, grads, plain = _run(model, tokens.to(DEVICE))
+        runs = {"none": plain[scan]}
+        for mode in ("full", "selective op"):
+            ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
+            runs[mode] = counts[scan]
+            assert torch.equal(ac_loss, loss), mode
+            for name, grad in grads.items():
+                assert torch.equal(ac_grads[name], grad), (mode, name)
+    assert runs == {"none": 1, "full": 2, "selective op": 1}
+
+
 def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
     """Every sequence-mixing kind's kernel forward is in the save set because its op module
     says so (ops/custom_ops.py), not because a list here names it; the set is read when AC is
@@ -178,7 +204,8 @@ def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
              torch.ops.titan_hybrid.mamba2_core_fwd.default,
              torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
              torch.ops.titan_hybrid.fla_kda_fwd.default,
-             torch.ops.titan_hybrid.fla_gdn2_fwd.default}
+             torch.ops.titan_hybrid.fla_gdn2_fwd.default,
+             torch.ops.titan_hybrid.triton_selective_scan_fwd.default}
     assert scans <= selective_ac_saved_ops()
     assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in selective_ac_saved_ops()
 

@@ -42,24 +42,23 @@ def _softplus(x):
 
 
 @triton.jit
-def _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, valid, row, offs_d, offs_n, mask_d,
-           mask_n, stride_ut, stride_dtt, stride_bt, stride_ct, HAS_BIAS: tl.constexpr,
+def _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, row, offs_d, offs_n, mask_d, mask_n,
+           stride_ut, stride_dtt, stride_bt, stride_ct, HAS_BIAS: tl.constexpr,
            SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Token t's u, raw dt, dt [D] and B, C [N] (zeros where not `valid`), and its document
-    id (0 without seq_idx)."""
-    md, mn = mask_d & valid, mask_n & valid
-    u = tl.load(u_ptr + t * stride_ut + offs_d, mask=md, other=0.0).to(tl.float32)
-    dt_raw = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=md, other=0.0).to(tl.float32)
+    """Token t's u, raw dt (with its bias), dt [D] and B, C [N], and its document id (0
+    without seq_idx)."""
+    u = tl.load(u_ptr + t * stride_ut + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    dt_raw = tl.load(dt_ptr + t * stride_dtt + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if HAS_BIAS:
         dt_raw += bias
     dt = dt_raw
     if SOFTPLUS:
         dt = _softplus(dt_raw)
-    b = tl.load(b_ptr + t * stride_bt + offs_n, mask=mn, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + t * stride_ct + offs_n, mask=mn, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * stride_bt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + t * stride_ct + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     doc = 0
     if HAS_SEQ:
-        doc = tl.load(seq_ptr + t, mask=valid, other=0)
+        doc = tl.load(seq_ptr + t)
     return u, dt_raw, dt, b, c, doc
 
 
@@ -100,10 +99,9 @@ def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
         # the state entering every CHUNK-th token, for the backward
         tl.store(chunks_ptr + (row * chunk_count + t // CHUNK) * channels * state_size
                  + state_offs, h, mask=mask_dn & (t % CHUNK == 0))
-        u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
-                                          t < length, row, offs_d, offs_n, mask_d, mask_n, stride_ut,
-                                          stride_dtt, stride_bt, stride_ct, HAS_BIAS, SOFTPLUS,
-                                          HAS_SEQ)
+        u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, row,
+                                          offs_d, offs_n, mask_d, mask_n, stride_ut, stride_dtt,
+                                          stride_bt, stride_ct, HAS_BIAS, SOFTPLUS, HAS_SEQ)
         if HAS_SEQ:
             h = tl.where(doc == previous, h, 0.0)
             previous = doc.to(tl.int64)
@@ -173,65 +171,63 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
         previous = tl.full([], 0, tl.int64)
         if HAS_SEQ:
             previous = tl.load(seq_ptr + start - 1, mask=start > 0, other=0).to(tl.int64)
-        for k in range(CHUNK):  # the chunk's states, after each of its tokens
+        steps = tl.minimum(CHUNK, length - start)
+        for k in range(steps):  # the chunk's states, after each of its tokens
             t = start + k
             u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
-                                              t < length, row, offs_d, offs_n, mask_d, mask_n,
-                                              stride_ut, stride_dtt, stride_bt, stride_ct,
-                                              HAS_BIAS, SOFTPLUS, HAS_SEQ)
+                                              row, offs_d, offs_n, mask_d, mask_n, stride_ut,
+                                              stride_dtt, stride_bt, stride_ct, HAS_BIAS,
+                                              SOFTPLUS, HAS_SEQ)
             if HAS_SEQ:
                 h = tl.where(doc == previous, h, 0.0)
                 previous = doc.to(tl.int64)
             h = tl.exp(dt[:, None] * a) * h + (dt * u)[:, None] * b[None, :]
             tl.store(scratch_ptr + k * BLOCK_D * BLOCK_N + local, h)
-        for k_from_end in range(CHUNK):
-            k = CHUNK - 1 - k_from_end
+        for k_from_end in range(steps):
+            k = steps - 1 - k_from_end
             t = start + k
-            valid = t < length
             u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
-                                              valid, row, offs_d, offs_n, mask_d, mask_n,
-                                              stride_ut, stride_dtt, stride_bt, stride_ct,
-                                              HAS_BIAS, SOFTPLUS, HAS_SEQ)
+                                              row, offs_d, offs_n, mask_d, mask_n, stride_ut,
+                                              stride_dtt, stride_bt, stride_ct, HAS_BIAS,
+                                              SOFTPLUS, HAS_SEQ)
             h_t = tl.load(scratch_ptr + k * BLOCK_D * BLOCK_N + local)
             h_before = (tl.load(scratch_ptr + (k - 1) * BLOCK_D * BLOCK_N + local,
                                 mask=(k > 0) & (local >= 0), other=0.0)
                         + tl.load(entering_ptr + state_offs, mask=mask_dn & (k == 0),
                                   other=0.0))
-            keep = valid
-            if HAS_SEQ:
-                before = tl.load(seq_ptr + t - 1, mask=valid & (t > 0), other=0)
-                keep = valid & (doc == before)
-            h_before = tl.where(keep, h_before, 0.0)
-            dout = tl.load(dout_ptr + dense + t * channels + offs_d, mask=mask_d & valid,
+            if HAS_SEQ:  # whether the state before t enters t
+                keep = doc == tl.load(seq_ptr + t - 1, mask=t > 0, other=0)
+                h_before = tl.where(keep, h_before, 0.0)
+            dout = tl.load(dout_ptr + dense + t * channels + offs_d, mask=mask_d,
                            other=0.0).to(tl.float32)
             dy = dout
             if HAS_Z:
-                z = tl.load(z_ptr + row * stride_zb + t * stride_zt + offs_d,
-                            mask=mask_d & valid, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + row * stride_zb + t * stride_zt + offs_d, mask=mask_d,
+                            other=0.0).to(tl.float32)
                 sig = tl.sigmoid(z)
                 y = tl.sum(h_t * c[None, :], axis=1) + skip * u
                 tl.store(dz_ptr + dense + t * channels + offs_d,
-                         dout * y * sig * (1.0 + z * (1.0 - sig)), mask=mask_d & valid)
+                         dout * y * sig * (1.0 + z * (1.0 - sig)), mask=mask_d)
                 dy = dout * z * sig
             g += dy[:, None] * c[None, :]
             tl.store(dc_part_ptr + part + t * state_size + offs_n,
-                     tl.sum(dy[:, None] * h_t, axis=0), mask=mask_n & valid)
+                     tl.sum(dy[:, None] * h_t, axis=0), mask=mask_n)
             tl.store(db_part_ptr + part + t * state_size + offs_n,
-                     tl.sum(g * (dt * u)[:, None], axis=0), mask=mask_n & valid)
-            decay = tl.where(valid, tl.exp(dt[:, None] * a), 1.0)
+                     tl.sum(g * (dt * u)[:, None], axis=0), mask=mask_n)
+            decay = tl.exp(dt[:, None] * a)
             g_decay = g * h_before * decay  # d loss / d (dt A), before the sum over n
             g_b = tl.sum(g * b[None, :], axis=1)
             ddt = u * g_b + tl.sum(g_decay * a, axis=1)
             if SOFTPLUS:
                 ddt = ddt * tl.sigmoid(dt_raw)
-            ddt = tl.where(valid, ddt, 0.0)
             da += g_decay * dt[:, None]
             dskip += dy * u
             dbias += ddt
-            tl.store(du_ptr + dense + t * channels + offs_d, dt * g_b + skip * dy,
-                     mask=mask_d & valid)
-            tl.store(ddt_ptr + dense + t * channels + offs_d, ddt, mask=mask_d & valid)
-            g = tl.where(keep | (valid == 0), g * decay, 0.0)
+            tl.store(du_ptr + dense + t * channels + offs_d, dt * g_b + skip * dy, mask=mask_d)
+            tl.store(ddt_ptr + dense + t * channels + offs_d, ddt, mask=mask_d)
+            g = g * decay
+            if HAS_SEQ:
+                g = tl.where(keep, g, 0.0)
     if HAS_INIT:
         tl.store(dinit_ptr + row * channels * state_size + state_offs, g, mask=mask_dn)
     tl.store(da_part_ptr + row * channels * state_size + state_offs, da, mask=mask_dn)
