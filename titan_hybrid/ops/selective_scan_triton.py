@@ -42,7 +42,7 @@ def _softplus(x):
 
 
 @triton.jit
-def _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, row, offs_d, offs_n, mask_d, mask_n,
+def _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, offs_d, offs_n, mask_d, mask_n,
            stride_ut, stride_dtt, stride_bt, stride_ct, HAS_BIAS: tl.constexpr,
            SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Token t's u, raw dt (with its bias), dt [D] and B, C [N], and its document id (0
@@ -63,6 +63,36 @@ def _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, row, offs_d, offs_n, m
 
 
 @triton.jit
+def _channel_block(a_ptr, bias_ptr, d_ptr, channels, state_size, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr):
+    """This program's channel block: its offsets and masks, the offsets of its rows in a
+    [d, n] state, and its A [D, N], dt bias and D [D] (zeros where absent), float32."""
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d, mask_n = offs_d < channels, offs_n < state_size
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    state_offs = offs_d[:, None] * state_size + offs_n[None, :]
+    a = tl.load(a_ptr + state_offs, mask=mask_dn, other=0.0).to(tl.float32)
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    skip = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_D:
+        skip = tl.load(d_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return offs_d, offs_n, mask_d, mask_n, mask_dn, state_offs, a, bias, skip
+
+
+@triton.jit
+def _row_starts(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, row, stride_ub, stride_dtb, stride_bb,
+                stride_cb, stride_sb, HAS_SEQ: tl.constexpr):
+    """The per-token inputs' pointers at this program's row."""
+    if HAS_SEQ:
+        seq_ptr += row * stride_sb
+    return (u_ptr + row * stride_ub, dt_ptr + row * stride_dtb, b_ptr + row * stride_bb,
+            c_ptr + row * stride_cb, seq_ptr)
+
+
+@triton.jit
 def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, seq_ptr,
                      init_ptr, out_ptr, final_ptr, chunks_ptr, length, channels, state_size,
                      stride_ub, stride_ut, stride_dtb, stride_dtt, stride_bb, stride_bt,
@@ -71,35 +101,22 @@ def _scan_fwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
                      SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d, mask_n = offs_d < channels, offs_n < state_size
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    state_offs = offs_d[:, None] * state_size + offs_n[None, :]  # in a [d, n] state
-    a = tl.load(a_ptr + state_offs, mask=mask_dn, other=0.0).to(tl.float32)
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    skip = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        skip = tl.load(d_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    offs_d, offs_n, mask_d, mask_n, mask_dn, state_offs, a, bias, skip = _channel_block(
+        a_ptr, bias_ptr, d_ptr, channels, state_size, BLOCK_D, BLOCK_N, HAS_BIAS, HAS_D)
     h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     if HAS_INIT:
         h = tl.load(init_ptr + row * channels * state_size + state_offs, mask=mask_dn,
                     other=0.0).to(tl.float32)
-    u_ptr += row * stride_ub
-    dt_ptr += row * stride_dtb
-    b_ptr += row * stride_bb
-    c_ptr += row * stride_cb
-    if HAS_SEQ:
-        seq_ptr += row * stride_sb
+    u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr = _row_starts(
+        u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, row, stride_ub, stride_dtb, stride_bb, stride_cb,
+        stride_sb, HAS_SEQ)
     chunk_count = tl.cdiv(length, CHUNK)
     previous = tl.full([], 0, tl.int64)
     for t in range(length):
         # the state entering every CHUNK-th token, for the backward
         tl.store(chunks_ptr + (row * chunk_count + t // CHUNK) * channels * state_size
                  + state_offs, h, mask=mask_dn & (t % CHUNK == 0))
-        u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t, row,
+        u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
                                           offs_d, offs_n, mask_d, mask_n, stride_ut, stride_dtt,
                                           stride_bt, stride_ct, HAS_BIAS, SOFTPLUS, HAS_SEQ)
         if HAS_SEQ:
@@ -133,18 +150,8 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     blocks = tl.num_programs(1)
-    offs_d = block * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d, mask_n = offs_d < channels, offs_n < state_size
-    mask_dn = mask_d[:, None] & mask_n[None, :]
-    state_offs = offs_d[:, None] * state_size + offs_n[None, :]
-    a = tl.load(a_ptr + state_offs, mask=mask_dn, other=0.0).to(tl.float32)
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    skip = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_D:
-        skip = tl.load(d_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    offs_d, offs_n, mask_d, mask_n, mask_dn, state_offs, a, bias, skip = _channel_block(
+        a_ptr, bias_ptr, d_ptr, channels, state_size, BLOCK_D, BLOCK_N, HAS_BIAS, HAS_D)
     g = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)  # d loss / d (the state after token t)
     if HAS_DFINAL:
         g = tl.load(dfinal_ptr + row * channels * state_size + state_offs, mask=mask_dn,
@@ -152,12 +159,9 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
     da = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     dskip = tl.zeros([BLOCK_D], dtype=tl.float32)
     dbias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    u_ptr += row * stride_ub
-    dt_ptr += row * stride_dtb
-    b_ptr += row * stride_bb
-    c_ptr += row * stride_cb
-    if HAS_SEQ:
-        seq_ptr += row * stride_sb
+    u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr = _row_starts(
+        u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, row, stride_ub, stride_dtb, stride_bb, stride_cb,
+        stride_sb, HAS_SEQ)
     dense = row * length * channels  # du, ddt, dz, dout: contiguous [b, t, d]
     part = (row * blocks + block) * length * state_size  # db, dc: [b, blocks, t, n]
     local = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + offs_n[None, :]
@@ -175,7 +179,7 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
         for k in range(steps):  # the chunk's states, after each of its tokens
             t = start + k
             u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
-                                              row, offs_d, offs_n, mask_d, mask_n, stride_ut,
+                                              offs_d, offs_n, mask_d, mask_n, stride_ut,
                                               stride_dtt, stride_bt, stride_ct, HAS_BIAS,
                                               SOFTPLUS, HAS_SEQ)
             if HAS_SEQ:
@@ -187,7 +191,7 @@ def _scan_bwd_kernel(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr,
             k = steps - 1 - k_from_end
             t = start + k
             u, dt_raw, dt, b, c, doc = _token(u_ptr, dt_ptr, b_ptr, c_ptr, seq_ptr, bias, t,
-                                              row, offs_d, offs_n, mask_d, mask_n, stride_ut,
+                                              offs_d, offs_n, mask_d, mask_n, stride_ut,
                                               stride_dtt, stride_bt, stride_ct, HAS_BIAS,
                                               SOFTPLUS, HAS_SEQ)
             h_t = tl.load(scratch_ptr + k * BLOCK_D * BLOCK_N + local)
