@@ -1,8 +1,9 @@
 """Mamba1 (`debug_mamba1`: `M-*-M-` with `m_layers = "mamba1"`) in the real trainer: the
-one-process curve under FSDP2, PP2 and TP2 with packed documents, a TP2 checkpoint resumed at
-TP1 onto the same curve; context parallelism, which it does not take yet, refused in one line
-before any worker starts. The mixer against transformers' in float64:
-tests/unit/test_mamba1.py."""
+one-process curve under FSDP2, PP2, TP2 and CP2 in both linear modes (the head exchange, with
+x_proj's partial sums summed over the CP group; chunkwise state passing) with packed
+documents, and a TP2 checkpoint resumed at TP1 onto the same curve. The mixer against
+transformers' in float64: tests/unit/test_mamba1.py; the chunkwise pieces in one process:
+tests/unit/test_context_parallel_chunkwise.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ JOB = ("--model.flavor", "debug_mamba1", "--training.steps", "4", "--training.se
 LAYOUTS = {
     "fsdp2": (),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*|-M-"),
+    "cp2_head_a2a": ("--parallelism.context_parallel_degree", "2"),
+    "cp2_chunkwise": ("--parallelism.context_parallel_degree", "2",
+                      "--parallelism.context_parallel_linear_mode", "chunkwise"),
 }
 TP2 = ("--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8")
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",
@@ -27,7 +31,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
 # On CI's reference torch leg: the layouts' code it runs is every kind's.
 @pytest.mark.extended
 @pytest.mark.once_per_ci
-def test_fsdp2_pp2_and_tp2_give_the_one_process_curve_and_a_tp2_checkpoint_resumes_at_tp1(
+def test_fsdp2_pp2_tp2_and_cp2_give_the_one_process_curve_and_a_tp2_checkpoint_resumes_at_tp1(
         tmp_path, reference_run):
     single = reference_run(*JOB).losses
     for name, layout in LAYOUTS.items():
@@ -44,9 +48,3 @@ def test_fsdp2_pp2_and_tp2_give_the_one_process_curve_and_a_tp2_checkpoint_resum
     assert "Training starts at step 3" in resumed.output
     assert resumed.losses == pytest.approx(single[2:], rel=1e-5)
 
-    refused = run_training(tmp_path / "cp2", *JOB, "--parallelism.context_parallel_degree", "2",
-                           nproc=2)
-    assert refused.returncode == 2, refused.output[-3000:]
-    lines = [line for line in refused.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, refused.output[-3000:]
-    assert "context parallelism (head_a2a) is not implemented for Mamba1 ('M') layers" in lines[0]

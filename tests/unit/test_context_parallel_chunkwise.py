@@ -17,6 +17,7 @@ from titan_hybrid.model.gdn import GatedDeltaNet
 from titan_hybrid.model.kda import KDAArgs, KimiDeltaAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
+from titan_hybrid.model.mamba1 import Mamba1Args, Mamba1Mixer
 from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
 
 
@@ -87,6 +88,21 @@ def kda_inputs(dtype, seq_len=48, seed=0):
                                        for t in (qkv, f, beta, *params)]
 
 
+def mamba1_inputs(dtype, seq_len=48, seed=0):
+    torch.manual_seed(seed)
+    mixer = Mamba1Mixer(dim=16, args=Mamba1Args(d_state=4, expand=2, dt_bc_norm="weighted"))
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.5, out_std=0.5)
+        for norm in (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm):
+            norm.weight.normal_(1, 0.2)
+    mixer.to(dtype)
+    x, z = (torch.randn(2, seq_len, 32, dtype=dtype) for _ in range(2))
+    params = [mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.x_proj.weight.t(),
+              mixer.dt_proj.weight, mixer.dt_proj.bias, mixer.A_log, mixer.D,
+              mixer.dt_layernorm.weight, mixer.b_layernorm.weight, mixer.c_layernorm.weight]
+    return mixer.core, [t.detach().clone().requires_grad_() for t in (x, z, *params)]
+
+
 # Each kind: its inputs and the names of (output, *inputs). The wrapper is the one of the
 # state passing its core declares (model/recurrent.py): KDA's transition is GDN's with a
 # decay per key channel, the same wrapper.
@@ -95,6 +111,8 @@ KINDS = {
               ["y", "xbc", "dt", "conv_weight", "conv_bias", "A_log", "D", "dt_bias"]),
     "gdn": (gdn_inputs, ["o", "qkv", "alpha", "beta", "conv_weight", "A_log", "dt_bias"]),
     "kda": (kda_inputs, ["o", "qkv", "f", "beta", "conv_weight", "A_log", "dt_bias"]),
+    "mamba1": (mamba1_inputs, ["y", "x", "z", "conv_weight", "conv_bias", "x_proj", "dt_proj",
+                               "dt_proj_bias", "A_log", "D", "dt_norm", "b_norm", "c_norm"]),
 }
 
 

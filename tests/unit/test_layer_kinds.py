@@ -77,7 +77,8 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
             if "A_log" in names:
                 tensors["A_log"] = layer.mixer.A_log
             plan = rule.head_channels(core.args, tensors)
-            assert set(plan.exchanged) | set(plan.sliced) == set(names) - {"layout"}
+            assert (set(plan.exchanged) | set(plan.sliced) | set(plan.whole)
+                    == set(names) - {"layout"})
             if "A_log" in names:
                 # one per head (or, GDN2's, one per key group) of those the plan counts
                 (_, per), = plan.sliced["A_log"]

@@ -1,21 +1,24 @@
 """Mamba1 (`m_layers = "mamba1"`, model/mamba1.py) against transformers' own Mamba1 mixers in
 float64, their weights loaded as they are: MambaMixer (no dt / B / C norms), FalconMambaMixer
 (weightless RMS norms) and JambaMambaMixer (weighted ones), outputs and every gradient; packed
-documents against each document alone; its FLOPs against torch's FLOP counter; and the
-layouts it does not take yet, refused by name. The scan itself: tests/unit/test_selective_scan.py."""
+documents against each document alone; its FLOPs against torch's FLOP counter; and how tensor
+and context parallelism cut its channels. The scan itself: tests/unit/test_selective_scan.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
+from titan_hybrid.config.sections import ParallelismSection, TrainingSection
 from titan_hybrid.model.args import resolve_model_args
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba1 import KIND, Mamba1Args, Mamba1Mixer
+from titan_hybrid.parallel.validate import validate_context_parallel, validate_tensor_parallel
 
 DIM, STATE, LENGTH = 16, 4, 21
 FAMILIES = {  # name: (transformers mixer, its config, our dt_bc_norm)
@@ -103,12 +106,12 @@ def test_mfu_counts_the_scans_matmuls():
     assert core == KIND.core_flops(args, DIM, 64)
 
 
-def test_tensor_parallelism_splits_the_channels_and_context_parallelism_is_refused():
+def test_tensor_and_context_parallelism_split_the_channels():
     """TP2 is accepted: in_proj's x and z parts, the conv, dt_proj, A_log, D by channel, x_proj
-    and out_proj by their input channels, the dt / B / C norms replicated (the TP2 curve:
+    and out_proj by their input channels, the dt / B / C norms replicated. CP2 in both modes:
+    the head exchange takes every channel-wise argument by channel, and a channel count that
+    CP does not divide is refused by name (the TP2 and CP2 curves:
     tests/distributed/test_mamba1.py)."""
-    from titan_hybrid.parallel.validate import validate_tensor_parallel
-
     args = resolve_model_args("debug_mamba1", seq_len=64)
     validate_tensor_parallel(args, 2, seq_len=64, sequence_parallel=True)
     mixer = Mamba1Mixer(dim=32, args=args.mamba1)
@@ -118,5 +121,23 @@ def test_tensor_parallelism_splits_the_channels_and_context_parallelism_is_refus
     assert all(layouts[name].shard_dim == 0 for name in ("conv1d.weight", "dt_proj.bias",
                                                           "A_log", "D"))
     assert not any("layernorm" in name for name in layouts)
-    assert KIND.context_parallel is None  # refused under CP by name, as any such kind
+    rule = KIND.context_parallel
+    plan = rule.head_channels(args.mamba1, {"conv_weight_CW": torch.empty(64, 4)})
+    assert (plan.heads, plan.groups) == (64, 64)
+    assert sorted(plan.exchanged) == ["x_BTC", "z_BTC"]
+    # every other channel-wise argument is cut; the norms' weights (over dt / B / C) are whole
+    core_arguments = inspect.signature(mixer.core.forward).parameters
+    assert sorted(plan.whole) == sorted(name for name in core_arguments if "norm" in name)
+    assert sorted(plan.sliced) == sorted(
+        set(core_arguments) - {"x_BTC", "z_BTC", "layout", *plan.whole})
+    for mode in ("head_a2a", "chunkwise"):
+        validate_context_parallel(args, ParallelismSection(
+            context_parallel_degree=2, context_parallel_linear_mode=mode),
+            TrainingSection(seq_len=64))
+    channels = args.mamba1.d_inner(args.dim)
+    with pytest.raises(ValueError, match=rf"^mamba1 d_inner \(channels\)={channels} \(per "
+                                         r"tensor-parallel rank\) is not divisible by "
+                                         r"context_parallel_degree=3"):
+        validate_context_parallel(args, ParallelismSection(context_parallel_degree=3),
+                                  TrainingSection(seq_len=96))
     assert dataclasses.replace(args).m_layers == "mamba1"

@@ -97,10 +97,12 @@ def init_ssm_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, *, a_range: tuple
 
 
 class TensorParallelPartialSum(nn.Module):
-    """The identity, marking a sum over heads that the rest of a TP region computes with (the
-    sum of squares of a norm over all heads' channels): under tensor parallelism each rank
-    holds its own heads' share, and the TP plan sums the output over the group, and its
-    gradient too (parallel/tensor_parallel.py)."""
+    """The identity, marking a sum over heads or channels that the rest of a TP region
+    computes with (the sum of squares of a norm over all heads' channels, Mamba1's x_proj):
+    under tensor parallelism each rank holds its own heads' share, and the TP plan sums the
+    output over the group, and its gradient too (parallel/tensor_parallel.py). Inside a
+    recurrent core under context parallelism's head exchange, where a rank holds 1/cp of the
+    heads, it is summed over the CP group as well (parallel/context_parallel.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -77,12 +77,15 @@ class HeadChannels:
     argument it names is a run of parts, each part `(channels per head or group, HEADS or
     GROUPS)` over all `heads` or `groups` (Mamba2's B / C groups, GDN's key heads): `exchanged`
     are per-token [B, T, channels] tensors, sent by all-to-all; `sliced` are per-channel
-    parameters [channels, ...], of which each rank keeps its heads' rows."""
+    parameters [channels, ...], of which each rank keeps its heads' rows; `whole` are the other
+    arguments, which every rank takes as they are (Mamba1's dt / B / C norm weights: the norms
+    act after x_proj's sum over all channels)."""
 
     heads: int
     groups: int
     exchanged: dict[str, tuple[tuple[int, str], ...]]
     sliced: dict[str, tuple[tuple[int, str], ...]]
+    whole: tuple[str, ...] = ()
 
 
 # The parallel dimensions over which a kind's statistics add up (KindStatistics.summed_over).

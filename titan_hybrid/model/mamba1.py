@@ -12,8 +12,11 @@ Legend: B batch, T time, D hidden, C d_inner channels, R dt rank, N state size.
 Tensor parallelism splits the channels: in_proj's x and z parts, the conv, dt_proj's rows, A_log,
 D and out_proj's columns. x_proj contracts over the channels, so each rank's output is a partial
 sum of dt, B and C, which every channel uses: it is marked TensorParallelPartialSum (summed over
-the TP group, forward and backward), and the dt / B / C norms after it are replicated. Not yet
-under context parallelism: refused by name (parallel/validate.py).
+the TP group, forward and backward), and the dt / B / C norms after it are replicated.
+Everything from the conv to the gate is the core (SelectiveScanCore, model/recurrent.py's
+DiagonalDecayCore), so context parallelism cuts it by channel (head_a2a: each channel a head of
+width 1, x_proj's partial sums summed over the CP group as well) or passes each piece the state
+entering it (chunkwise: parallel/context_parallel_chunkwise.py).
 """
 
 from __future__ import annotations
@@ -34,11 +37,11 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kind import HEADS, ContextParallelRule, HeadChannels, LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.recurrent import DiagonalDecayCore
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
-from titan_hybrid.ops.conv import causal_depthwise_conv1d
 from titan_hybrid.ops.selective_scan import CHUNK_SIZE, selective_scan
 
 DT_BC_NORMS = ("none", "weightless", "weighted")
@@ -72,6 +75,68 @@ class Mamba1Args:
         return self.dt_rank or math.ceil(dim / 16)
 
 
+class SelectiveScanCore(DiagonalDecayCore):
+    """Mamba1's part that runs along time (model/recurrent.py's DiagonalDecayCore): the conv
+    with bias and SiLU over x, x_proj to [dt | B | C] and their norms, dt_proj, and the
+    selective scan with D and the gate. Its parameters come in as arguments, each by channel
+    in its rows (x_proj's weight transposed: [C, R + 2N]), so that tensor and context
+    parallelism cut them by channel. x_proj contracts over the channels, so a rank that holds
+    some of them (TP's shard, head exchange's 1/cp) has a partial sum of dt, B and C: it is
+    marked TensorParallelPartialSum, summed over the TP group, and over the CP group under the
+    head exchange (parallel/context_parallel.py)."""
+
+    conv_input = "x_BTC"
+
+    def __init__(self, args: Mamba1Args, eps: float) -> None:
+        super().__init__(args)
+        self.eps = eps
+        self.x_proj_sum = TensorParallelPartialSum()
+
+    def forward(self, x_BTC: torch.Tensor, z_BTC: torch.Tensor, conv_weight_CW: torch.Tensor,
+                conv_bias_C: torch.Tensor, x_proj_weight_CR: torch.Tensor,
+                dt_proj_weight_CR: torch.Tensor, dt_proj_bias_C: torch.Tensor,
+                A_log: torch.Tensor, D: torch.Tensor, dt_norm_weight: torch.Tensor | None,
+                b_norm_weight: torch.Tensor | None, c_norm_weight: torch.Tensor | None,
+                layout: TokenLayout | None) -> torch.Tensor:
+        seq_idx = None if layout is None else layout.seq_idx
+        x = self.conv(x_BTC, conv_weight_CW, conv_bias_C, seq_idx)
+        return self.scan(x, seq_idx, z_BTC, x_proj_weight_CR, dt_proj_weight_CR, dt_proj_bias_C,
+                         A_log, D, dt_norm_weight, b_norm_weight, c_norm_weight)
+
+    def _dt_b_c(self, x_conv_BTC, x_proj_weight_CR, dt_proj_weight_CR, dt_norm_weight,
+                b_norm_weight, c_norm_weight):
+        """dt before its bias [B, T, C], B and C [B, T, N] of the conv's output."""
+        args = self.args
+        rank = dt_proj_weight_CR.shape[1]
+        dt, B, C = self.x_proj_sum(x_conv_BTC @ x_proj_weight_CR).split(
+            [rank, args.d_state, args.d_state], -1)
+        if args.dt_bc_norm != "none":
+            weights = (dt_norm_weight, b_norm_weight, c_norm_weight)
+            dt, B, C = (self._rms_norm(t, w) for t, w in zip((dt, B, C), weights, strict=True))
+        return F.linear(dt, dt_proj_weight_CR), B, C  # dt_proj's bias enters the softplus
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """RMSNorm's arithmetic (model/norms.py), weightless without a weight."""
+        normed = F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps)
+        return (normed if weight is None else normed * upcast(weight)).type_as(x)
+
+    def scan(self, x_conv_BTC, seq_idx, z_BTC, x_proj_weight_CR, dt_proj_weight_CR,
+             dt_proj_bias_C, A_log, D, dt_norm_weight, b_norm_weight, c_norm_weight,
+             initial_state=None, return_final_state=False):
+        dt, B, C = self._dt_b_c(x_conv_BTC, x_proj_weight_CR, dt_proj_weight_CR,
+                                dt_norm_weight, b_norm_weight, c_norm_weight)
+        return selective_scan(x_conv_BTC, dt, -torch.exp(upcast(A_log)), B, C, D=D, z_BTD=z_BTC,
+                              dt_bias=dt_proj_bias_C, dt_softplus=True, seq_idx=seq_idx,
+                              initial_state=initial_state,
+                              return_final_state=return_final_state)
+
+    def step_sizes(self, x_conv_BTC, x_proj_weight_CR, dt_proj_weight_CR, dt_proj_bias_C, A_log,
+                   dt_norm_weight, b_norm_weight, c_norm_weight):
+        dt, _, _ = self._dt_b_c(x_conv_BTC, x_proj_weight_CR, dt_proj_weight_CR,
+                                dt_norm_weight, b_norm_weight, c_norm_weight)
+        return F.softplus(upcast(dt) + upcast(dt_proj_bias_C)), -torch.exp(upcast(A_log))
+
+
 class Mamba1Mixer(nn.Module):
     def __init__(self, *, dim: int, args: Mamba1Args, norm_eps: float = 1e-5) -> None:
         super().__init__()
@@ -82,7 +147,6 @@ class Mamba1Mixer(nn.Module):
         self.fused_parts = {"in_proj.weight": {part: inner for part in IN_PROJ_PARTS}}
         self.conv1d = nn.Conv1d(inner, inner, args.conv_width, groups=inner, bias=True)
         self.x_proj = nn.Linear(inner, rank + 2 * state, bias=False)
-        self.x_proj_sum = TensorParallelPartialSum()  # over the channels' TP shards
         self.dt_proj = nn.Linear(rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(inner, state, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(inner, dtype=torch.float32))
@@ -91,6 +155,7 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = RMSNorm(rank, eps=self.eps)
             self.b_layernorm = RMSNorm(state, eps=self.eps)
             self.c_layernorm = RMSNorm(state, eps=self.eps)
+        self.core = SelectiveScanCore(args, self.eps)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         by_channel = ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias",
@@ -100,21 +165,14 @@ class Mamba1Mixer(nn.Module):
                 "x_proj.weight": sharded(1), "out_proj.weight": sharded(1)}
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
-        args = self.args
         x, z = self.in_proj(x_BTD).chunk(2, -1)
-        seq_idx = None if layout is None else layout.seq_idx
-        x = causal_depthwise_conv1d(x, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                    seq_idx=seq_idx, activation="silu")
-        dt, B, C = self.x_proj_sum(self.x_proj(x)).split(
-            [args.rank(x_BTD.shape[-1]), args.d_state, args.d_state], -1)
-        if args.dt_bc_norm == "weighted":
-            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        elif args.dt_bc_norm == "weightless":
-            dt, B, C = (F.rms_norm(upcast(t), (t.shape[-1],), eps=self.eps).to(t.dtype)
-                        for t in (dt, B, C))
-        dt = F.linear(dt, self.dt_proj.weight)  # its bias enters the scan's softplus
-        y = selective_scan(x, dt, -torch.exp(upcast(self.A_log)), B, C, D=self.D, z_BTD=z,
-                           dt_bias=self.dt_proj.bias, dt_softplus=True, seq_idx=seq_idx)
+        norms = {f"{kind}_norm_weight": getattr(self, f"{name}_layernorm").weight
+                 for kind, name in (("dt", "dt"), ("b", "b"), ("c", "c"))
+                 if hasattr(self, f"{name}_layernorm")}
+        y = self.core(x, z, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight.t(),
+                      self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D,
+                      norms.get("dt_norm_weight"), norms.get("b_norm_weight"),
+                      norms.get("c_norm_weight"), layout)
         return self.out_proj(y)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
@@ -159,10 +217,29 @@ def _core_flops(args: Mamba1Args, dim: int, seq_len: int) -> int:
     return args.d_inner(dim) * args.d_state * (2 * chunk + 2)
 
 
+def _head_channels(args: Mamba1Args, tensors: dict) -> HeadChannels:
+    """Every per-token argument and every channel-wise parameter by channel: each channel a
+    head of width 1, its own group (x_proj's partial sums are summed over the CP group); the
+    dt / B / C norms' weights whole."""
+    channels = tensors["conv_weight_CW"].shape[0]
+    per_channel = ((1, HEADS),)
+    return HeadChannels(
+        channels, channels, exchanged={"x_BTC": per_channel, "z_BTC": per_channel},
+        sliced={name: per_channel for name in (
+            "conv_weight_CW", "conv_bias_C", "x_proj_weight_CR", "dt_proj_weight_CR",
+            "dt_proj_bias_C", "A_log", "D")},
+        whole=("dt_norm_weight", "b_norm_weight", "c_norm_weight"))
+
+
 KIND = LayerKind(
     symbol="M", variant=LayerSymbol(symbol="M", name="mamba1", title="Mamba1", namespace=MIXER),
     args_type=Mamba1Args,
     build=lambda args, dim, norm_eps: Mamba1Mixer(dim=dim, args=args, norm_eps=norm_eps),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
     full_precision_params=("A_log", "D"),
+    context_parallel=ContextParallelRule(
+        core="core",
+        head_groups=lambda args, dim: (("mamba1 d_inner (channels)", args.d_inner(dim)),
+                                       ("mamba1 d_inner (channels)", args.d_inner(dim))),
+        head_channels=_head_channels),
 )

@@ -3,7 +3,8 @@
 A recurrent kind (its ContextParallelRule has `head_channels`) keeps the part of its mixer that
 runs along time in one submodule, its core (`ContextParallelRule.core` names it), a
 `RecurrentCore`. Everything per token enters the core's `forward` as an argument, and so does
-everything per head or channel (conv weights, decay parameters), so that context parallelism
+everything per head or channel (conv weights, decay parameters) and every other weight it uses
+(Mamba1's norm weights, which the head exchange passes whole), so that context parallelism
 can cut it by sequence or by head without knowing the kind
 (titan_hybrid.parallel.context_parallel and context_parallel_chunkwise). Both CP modes read the
 core's arguments by NAME, never by position:
@@ -20,6 +21,8 @@ core's arguments by NAME, never by position:
   classes below, each with the methods its algorithm calls:
   - `ScalarDecayCore` ("decay": a scalar decay per head and step, Mamba2): `scan`,
     `log_decay`, `readout`;
+  - `DiagonalDecayCore` ("diagonal": a decay per channel and state entry and step, Mamba1):
+    `scan` (with an initial state) and `step_sizes`;
   - `DeltaRuleCore` ("delta_rule": the delta rule's K x K transition matrices, GDN, KDA, GDP,
     GDN2): `delta_rule_inputs` and `delta_rule`; its `forward` is written here once;
   - `ConvolutionCore` ("convolution": no state beyond the conv's window, LFM2's short conv):
@@ -45,7 +48,7 @@ from torch import nn
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 
-DECAY, DELTA_RULE, CONVOLUTION = "decay", "delta_rule", "convolution"
+DECAY, DIAGONAL, DELTA_RULE, CONVOLUTION = "decay", "diagonal", "delta_rule", "convolution"
 
 
 def is_per_token(argument: str) -> bool:
@@ -71,7 +74,7 @@ class RecurrentCore(nn.Module, metaclass=abc.ABCMeta):
     """The contract's common part: the kind's args and its causal conv. A core lacking a
     method of its state passing cannot be built (abstract methods)."""
 
-    state_passing: ClassVar[str]  # DECAY, DELTA_RULE or CONVOLUTION
+    state_passing: ClassVar[str]  # DECAY, DIAGONAL, DELTA_RULE or CONVOLUTION
     conv_input: ClassVar[str]  # the forward argument the conv runs over
     conv_activation: ClassVar[str | None] = "silu"  # after the conv
 
@@ -107,6 +110,25 @@ class ScalarDecayCore(RecurrentCore):
     @abc.abstractmethod
     def readout(self, x_conv_BTC, **inputs) -> torch.Tensor:
         """[B, T, G, N]: what each token's output reads of the state (Mamba2's C)."""
+
+
+class DiagonalDecayCore(RecurrentCore):
+    """A state [C, N] that decays by its own rate per channel and state entry: each step's log
+    decay is dt_t[c] * A[c, n] (Mamba1's selective scan). The methods take the forward's other
+    arguments by name."""
+
+    state_passing = DIAGONAL
+
+    @abc.abstractmethod
+    def scan(self, x_conv_BTC, seq_idx, *args, initial_state=None, return_final_state=False):
+        """y [B, T, C]; `initial_state` [B, C, N] enters each row's leading document (seq_idx
+        0); with `return_final_state`, also the state at the end of each row (float32, float64
+        for float64 inputs)."""
+
+    @abc.abstractmethod
+    def step_sizes(self, x_conv_BTC, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dt [B, T, C], A [C, N]) as the scan computes them: each step's log decay is
+        dt[..., None] * A."""
 
 
 class DeltaRuleCore(RecurrentCore):

@@ -6,6 +6,9 @@ context parallelism. `all_gather` (an all-gather whose backward is a reduce-scat
 key / value gather of attention under context parallelism (context_parallel.py), the chunkwise
 halos and state summaries, and the compressed rows of `C` / `H`: one all_gather_into_tensor of
 the rank's block, the collective NCCL and gloo implement for it, and no per-destination copy.
+`all_reduce_sum` (an all-reduce whose backward is an all-reduce) sums a partial sum over the
+heads or channels a rank holds (TensorParallelPartialSum: tensor_parallel.py, and the head
+exchange of context_parallel.py).
 
 Why not torch.distributed.nn.functional: its `all_to_all_single` and `all_gather` do run on
 gloo and give the same numbers (checked, forward and backward), but torch 2.13 deprecates both
@@ -161,3 +164,26 @@ def all_gather(x: torch.Tensor, *, group) -> torch.Tensor:
     """[world, *x.shape]: every rank's x, by rank. The backward is the reduce-scatter: each rank
     gets the sum, over all ranks, of the gradients held for its block."""
     return _AllGather.apply(x, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Summed over the group forward; the gradient summed over it too (every rank computes
+    with the same total, each for its own heads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def all_reduce_sum(x: torch.Tensor, *, group) -> torch.Tensor:
+    """The sum of every rank's x, on every rank; its backward sums the gradients the same way."""
+    return _AllReduceSum.apply(x, group)

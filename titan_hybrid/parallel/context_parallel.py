@@ -33,11 +33,11 @@ from torch import nn
 from titan_hybrid.compat.collectives import traceable_all_reduce
 from titan_hybrid.config.sections import ParallelismSection, section_choices
 from titan_hybrid.data.zigzag import zigzag_index
-from titan_hybrid.model.common import WholeSequenceSum
+from titan_hybrid.model.common import TensorParallelPartialSum, WholeSequenceSum
 from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
-from titan_hybrid.parallel.collectives import all_gather, all_to_all
+from titan_hybrid.parallel.collectives import all_gather, all_reduce_sum, all_to_all
 from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
 from titan_hybrid.parallel.context_parallel_compressed import ContextParallelCompressedRows
 from titan_hybrid.parallel.context_parallel_window import ContextParallelWindowHalo
@@ -176,6 +176,12 @@ class ContextParallelHeadExchange(nn.Module):
         super().__init__()
         self.core, self.group, self.head_channels = core, group, head_channels
         self.names = list(inspect.signature(core.forward).parameters)
+        # A sum over the core's heads or channels (Mamba1's x_proj) holds the rank's heads'
+        # share here, as under TP: summed over the CP group too.
+        for module in core.modules():
+            if isinstance(module, TensorParallelPartialSum):
+                module.register_forward_hook(
+                    lambda _module, _args, partial: all_reduce_sum(partial, group=group))
 
     def forward(self, *args):
         named = dict(zip(self.names, args, strict=True))

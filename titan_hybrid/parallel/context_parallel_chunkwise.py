@@ -9,8 +9,9 @@ that enters it:
     y = y_0 + (what S_in adds),        S_out = M S_in + S_0
 
 where y_0 and S_0 come from running the piece from a zero state, and M is the piece's
-transition: a ScalarDecayCore's total decay (a number per head, Mamba2), a DeltaRuleCore's
-product of delta-rule steps (a K x K matrix per head, GDN and its kin). A forward runs:
+transition: a ScalarDecayCore's total decay (a number per head, Mamba2), a DiagonalDecayCore's
+(a number per channel and state entry, Mamba1), a DeltaRuleCore's product of delta-rule steps
+(a K x K matrix per head, GDN and its kin). A forward runs:
 
 1. the conv's left context: every rank all-gathers the last width-1 conv inputs of every piece,
    and each piece's conv reads those of the piece before it in row order (as its initial
@@ -20,8 +21,8 @@ product of delta-rule steps (a K x K matrix per head, GDN and its kin). A forwar
    before it); every rank chains them in row order, S_in[i] = c_i (M_{i-1} S_in[i-1] +
    S_0[i-1]), and corrects its pieces' outputs. Scalar decay: y_t += C_t . (decay_t S_in),
    with decay_t the decay from the piece's start to t; delta rule: o_t += (P_t^T q_t) S_in,
-   with P_t the transition from the piece's start to t (in the wrappers below, one per
-   `RecurrentCore.state_passing`).
+   with P_t the transition from the piece's start to t; diagonal decay: the scan again, from
+   S_in (in the wrappers below, one per `RecurrentCore.state_passing`).
 
 Packed documents: a state does not cross a document start. A piece that starts a document has
 c = 0; a document start inside a piece zeroes its M (the decay, or the delta-rule product,
@@ -46,6 +47,7 @@ from titan_hybrid.model.recurrent import (
     CONVOLUTION,
     DECAY,
     DELTA_RULE,
+    DIAGONAL,
     RecurrentCore,
     call_by_name,
     is_per_token,
@@ -214,6 +216,28 @@ class ChunkwiseScalarDecay(ChunkwiseStatePassing):
         return y + (added * decay[..., None]).to(y.dtype)
 
 
+class ChunkwiseDiagonalDecay(ChunkwiseStatePassing):
+    """A DiagonalDecayCore (Mamba1's conv and selective scan): M is the piece's total decay
+    per channel and state entry, exp(A * the sum of its steps). The scan takes an initial
+    state, so each piece runs it twice, from a zero state (for S_0) and from S_in (its
+    outputs), rather than forming a correction of [L, C, N] decays."""
+
+    def pass_states(self, x_conv, inputs, seq_idx, continues, pieces):
+        core = self.core
+        # The piece's documents numbered from 0: the scan's initial state enters the first.
+        local_idx = None if seq_idx is None else seq_idx - seq_idx[:, :1]
+        _, exit_state = call_by_name(core.scan, inputs, x_conv, local_idx,
+                                     return_final_state=True)  # S_0 [2B, C, N]
+        dt, A = call_by_name(core.step_sizes, inputs, x_conv)
+        transition = torch.exp(dt.sum(1)[..., None] * A).to(exit_state.dtype)
+        in_first = first_document(seq_idx)
+        if in_first is not None:  # a document start inside the piece: nothing gets through
+            transition = transition * in_first[:, -1, None, None]
+        state_in = pieces.incoming_states(transition, exit_state,
+                                          continues.to(exit_state.dtype), torch.mul)
+        return call_by_name(core.scan, inputs, x_conv, local_idx, initial_state=state_in)
+
+
 class ChunkwiseDeltaRule(ChunkwiseStatePassing):
     """A DeltaRuleCore (GDN, KDA, GDP, GDN2). The delta rule updates each column of the state
     [K, V] on its own (the same k, beta and decay act on every value dimension), so K extra
@@ -255,6 +279,7 @@ class ChunkwiseConvolution(ChunkwiseStatePassing):
 # The wrapper of each state-passing algorithm a RecurrentCore declares.
 STATE_PASSING: dict[str, type[ChunkwiseStatePassing]] = {
     DECAY: ChunkwiseScalarDecay,
+    DIAGONAL: ChunkwiseDiagonalDecay,
     DELTA_RULE: ChunkwiseDeltaRule,
     CONVOLUTION: ChunkwiseConvolution,
 }

@@ -36,7 +36,6 @@ one on each rank (each rank's heads use it), all-reduced backward too.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -52,6 +51,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from titan_hybrid.model.common import TensorParallelHeadSum, TensorParallelPartialSum, TPLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.model.module_classes import extend_class
+from titan_hybrid.parallel.collectives import all_reduce_sum
 
 
 def placement_of(layout: TPLayout) -> Placement:
@@ -154,24 +154,6 @@ def _leave_region(y: torch.Tensor, mesh: DeviceMesh, sequence_parallel: bool) ->
     return dy.redistribute(mesh, [Shard(1)] if sequence_parallel else [Replicate()]).to_local()
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Sum over the TP group forward; the gradient summed over it too (each rank's is its own
-    heads' part)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        total = x.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        total = grad.clone()
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
-
-
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -258,7 +240,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, layouts: dict[s
                 lambda module, args, output: _leave_region(output, tp_mesh, False))
         elif isinstance(module, TensorParallelPartialSum):
             module.register_forward_hook(
-                lambda module, args, output: _SumOverGroup.apply(output, tp_mesh.get_group()))
+                lambda module, args, output: all_reduce_sum(output, group=tp_mesh.get_group()))
 
     sequence = Shard(1) if sequence_parallel else Replicate()
     plan = {
