@@ -33,6 +33,8 @@ from titan_hybrid.ops.gated_norm import gated_group_rms_norm, gated_group_rms_no
 from titan_hybrid.ops.gdn2 import chunk_gdn2, chunk_gdn2_torch
 from titan_hybrid.ops.kda import chunk_kda, chunk_kda_torch
 from titan_hybrid.ops.kernels import force_kernels, kernel_op_refused, probe_kernels
+from titan_hybrid.ops.selective_scan import selective_scan_torch
+from titan_hybrid.ops.selective_scan_triton import selective_scan_triton
 from titan_hybrid.ops.ssd import mamba_chunk_scan_combined, ssd_chunked_torch
 
 TF32 = {torch.float32: 5e-3, torch.bfloat16: 5e-2}  # tf32 / bf16 dots in the kernel
@@ -113,6 +115,18 @@ def _conv(dtype, gen):  # width 4, 8-aligned channels: the shapes the CUDA kerne
                 bias_C=_rand(gen, 256)), dict(seq_idx=seq_idx, activation="silu")
 
 
+def _selective_scan(dtype, gen):  # jamba_hybrid_2b's Mamba1 at 512 channels: state 16, documents
+    b, t, d, n = 2, 200, 512, 16
+    seq_idx = torch.zeros(b, t, dtype=torch.int32, device=DEVICE)
+    seq_idx[:, 130:] = 1
+    return (dict(u_BTD=_rand(gen, b, t, d, dtype=dtype), dt_BTD=_rand(gen, b, t, d, dtype=dtype),
+                 A_DN=-torch.exp(_rand(gen, d, n, scale=0.5)),
+                 B_BTN=_rand(gen, b, t, n, dtype=dtype), C_BTN=_rand(gen, b, t, n, dtype=dtype),
+                 D=_rand(gen, d), z_BTD=_rand(gen, b, t, d, dtype=dtype),
+                 dt_bias=_rand(gen, d, scale=0.5), initial_state=_rand(gen, b, d, n)),
+            dict(seq_idx=seq_idx, dt_softplus=True, return_final_state=True))
+
+
 CASES = (
     Case("SSD scan", "mamba_ssm", mamba_chunk_scan_combined, ssd_chunked_torch, _ssd,
          ("mamba_ssd_fwd", "mamba_ssd_bwd"), TF32),
@@ -133,6 +147,11 @@ CASES = (
          causal_depthwise_conv1d_torch, _conv,
          ("triton_causal_conv1d_fwd", "triton_causal_conv1d_bwd"),
          {torch.float32: 1e-5, torch.bfloat16: 5e-2}),
+    # ours (titan_hybrid/ops/selective_scan_triton.py): float32 in registers on both paths
+    Case("selective scan (Mamba1), our Triton kernel", "triton", selective_scan_triton,
+         selective_scan_torch, _selective_scan,
+         ("triton_selective_scan_fwd", "triton_selective_scan_bwd"),
+         {torch.float32: 1e-4, torch.bfloat16: 2e-2}),
 )
 
 
