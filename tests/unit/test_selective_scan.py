@@ -81,10 +81,10 @@ def test_a_broken_scan_would_fail_these_tests():
     assert (no_reset - reference).abs().max() > 1e-3
 
 
-def test_backward_keeps_no_pairwise_decays():
-    """What autograd keeps for backward is no larger than a chunk's states: the pairwise
-    decays [b, d, n, q, s] of a chunk (chunk_size times larger) are recomputed, not kept.
-    Kept, they cost about 700 MB a layer at b 8, t 64, d 512, n 16."""
+def test_backward_keeps_no_states():
+    """What autograd keeps for backward is smaller than a chunk's states [b, q, d, n]: each
+    chunk is recomputed in backward from its inputs and entering state. Kept, the states of
+    every token cost T x d x n floats a row (1 GB a layer at t 2048, d 1024, n 16, b 2)."""
     kept = []
 
     def pack(tensor):
@@ -93,9 +93,9 @@ def test_backward_keeps_no_pairwise_decays():
 
     tensors = {name: value.float().requires_grad_() for name, value in inputs().items()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        y = selective_scan_torch(**tensors, dt_softplus=True, seq_idx=documents(), chunk_size=16)
+        y = selective_scan_torch(**tensors, dt_softplus=True, seq_idx=documents(),
+                                 chunk_size=16)
     y.sum().backward()
     assert kept, "autograd kept nothing: the hook saw no saved tensor"
-    one_chunks_decays = BATCH * CHANNELS * STATE * 16 * 16
-    assert max(kept) < one_chunks_decays / 4, max(kept)
+    assert max(kept) < BATCH * 16 * CHANNELS * STATE, max(kept)
     assert tensors["A_DN"].grad is not None and tensors["u_BTD"].grad.abs().sum() > 0

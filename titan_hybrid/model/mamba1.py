@@ -42,7 +42,7 @@ from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.model.recurrent import DiagonalDecayCore
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
-from titan_hybrid.ops.selective_scan import CHUNK_SIZE, selective_scan
+from titan_hybrid.ops.selective_scan import selective_scan
 
 DT_BC_NORMS = ("none", "weightless", "weighted")
 # The mixer's tensors under transformers' names (MambaMixer's, which Falcon-Mamba's and Jamba's
@@ -210,11 +210,10 @@ def _validate(args: Mamba1Args, dim: int) -> None:
 
 
 def _core_flops(args: Mamba1Args, dim: int, seq_len: int) -> int:
-    """The scan's matmuls per token, forward, as the chunked path computes them (what torch's
-    FLOP counter sees): per channel and state entry, the chunk's pairwise decays applied to its
-    inputs (2 Q) and the read-out C . h (2)."""
-    chunk = min(CHUNK_SIZE, seq_len)
-    return args.d_inner(dim) * args.d_state * (2 * chunk + 2)
+    """The scan's FLOPs per token, forward, per channel and state entry: the state's update
+    (a multiply-add, elementwise) and the read-out C . h (a multiply-add, the product that
+    torch's FLOP counter sees)."""
+    return args.d_inner(dim) * args.d_state * (2 + 2)
 
 
 def _head_channels(args: Mamba1Args, tensors: dict) -> HeadChannels:

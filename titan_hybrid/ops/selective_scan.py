@@ -11,15 +11,15 @@ Shapes: u, dt, z [b, t, d]; A [d, n] (negative: -exp(A_log)); B, C [b, t, n], on
 token shared by every channel; D [d]. Unlike Mamba2 (a scalar decay per head), the state
 decays by its own rate per (channel, state entry).
 
-The scan runs chunk by chunk (CHUNK_SIZE tokens), each chunk in closed form: with L_t the
-cumulative log decay since the chunk's start and X_s = dt_s B_s u_s,
-h_t = exp(L_t) h_0 + sum_{s <= t} exp(L_t - L_s) X_s, every exponent <= 0 (the differences are
-taken per pair, so nothing overflows), and the chunk's last state enters the next.
+The torch path walks the tokens, one multiply-add of the state [b, d, n] each
+(`h = dt B u + exp(dt A) h`), with each step's decay and input made for a chunk of CHUNK_SIZE
+tokens at a time and the read-out C . h taken over the chunk's states in one product. That is
+the recurrence's own arithmetic (nothing is formed per pair of tokens, and no exponent is
+rescaled), one small step per token: on a CPU its ops are memory-bound either way.
 
-Memory: a chunk's pairwise decays [b, q, s, d, n] are chunk_size times the size of its states.
-Kept for backward they cost about 700 MB a layer at b 8, t 64, d 512, n 16, so under autograd
-each chunk is checkpointed: backward keeps only the chunk's inputs and entering state, and
-recomputes the chunk's forward (bit for bit the same) when it reaches it.
+Memory: under autograd each chunk is checkpointed: backward keeps only the chunk's inputs and
+entering state, and recomputes the chunk (bit for bit the same) when it reaches it, so what a
+layer keeps is about its inputs, not its T x d x n states.
 
 Packed documents (`seq_idx [b, t]`): the state does not cross a document start. As in
 titan_hybrid.ops.ssd (and mamba_ssm), the position before the sequence counts as seq_idx 0, so
@@ -32,7 +32,7 @@ otherwise: the reference, and the CPU path.
 
 Precision: computed in float32, or float64 for float64 inputs; y is cast back to u's dtype, the
 final state stays in the compute dtype. Legend: b batch, t time, d channels, n state size,
-q / s positions in a chunk (target / source).
+q positions in a chunk.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ if importlib.util.find_spec("triton") is not None:
 else:  # a CPU-only torch without triton: the torch path everywhere
     selective_scan_triton = None
 
-CHUNK_SIZE = 16  # the [q, s, d, n] decays of one chunk are what the scan holds at a time
+CHUNK_SIZE = 64  # tokens whose decays, inputs and states [b, q, d, n] are made at a time
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -90,21 +90,21 @@ def selective_scan_torch(u_BTD: torch.Tensor, dt_BTD: torch.Tensor, A_DN: torch.
     A, B, C = A_DN.to(dtype), B_BTN.to(dtype), C_BTN.to(dtype)
     state = (u.new_zeros(batch, channels, A.shape[-1]) if initial_state is None
              else initial_state.to(dtype))
-    previous_doc = (None if seq_idx is None
-                    else torch.zeros(batch, 1, dtype=seq_idx.dtype, device=seq_idx.device))
+    carried = None  # [b, t]: whether the state before t enters t
+    if seq_idx is not None:
+        before = torch.cat((torch.zeros_like(seq_idx[:, :1]), seq_idx[:, :-1]), 1)
+        carried = (seq_idx == before).to(dtype)
     recompute = torch.is_grad_enabled() and any(
         t.requires_grad for t in (u, dt, A, B, C, state))
     outputs = []
     for start in range(0, length, chunk_size):
         stop = min(start + chunk_size, length)
-        chunk_doc = None if seq_idx is None else seq_idx[:, start:stop]
         chunk_inputs = (u[:, start:stop], dt[:, start:stop], A, B[:, start:stop],
-                        C[:, start:stop], state, chunk_doc, previous_doc)
+                        C[:, start:stop], state,
+                        None if carried is None else carried[:, start:stop])
         y, state = (checkpoint(_chunk, *chunk_inputs, use_reentrant=False) if recompute
                     else _chunk(*chunk_inputs))
         outputs.append(y)
-        if chunk_doc is not None:
-            previous_doc = chunk_doc[:, -1:]
     y = torch.cat(outputs, 1)
     if D is not None:
         y = y + u * D.to(dtype)
@@ -114,27 +114,20 @@ def selective_scan_torch(u_BTD: torch.Tensor, dt_BTD: torch.Tensor, A_DN: torch.
     return (y, state) if return_final_state else y
 
 
-def _chunk(u, dt, A, B, C, state, chunk_doc, previous_doc):
-    """One chunk: (y [b, q, d], the state after its last token [b, d, n]).
-
-    Channel-major ([b, d, n, q]) so that the pairwise decays are made in place and enter a
-    batched matmul without a copy."""
-    dt_BD1Q = dt.permute(0, 2, 1)[:, :, None]
-    log_decay = torch.cumsum(dt_BD1Q * A[..., None], dim=-1)  # L [b, d, n, q]
-    inputs = (dt_BD1Q * u.permute(0, 2, 1)[:, :, None]) * B.permute(0, 2, 1)[:, None]  # X
-    positions = torch.arange(u.shape[1], device=u.device)
-    blocked = (positions[:, None] < positions[None, :])[None]  # s > t  [1, q, s]
-    carried = torch.ones_like(u[:, :, 0])  # whether h_0 reaches t  [b, q]
-    if chunk_doc is not None:
-        blocked = blocked | (chunk_doc[:, :, None] != chunk_doc[:, None, :])
-        carried = (chunk_doc == previous_doc).to(u.dtype)
-    # L_t - L_s [b, d, n, q, s], exp'd in place
-    decays = (log_decay[..., :, None] - log_decay[..., None, :])
-    decays = decays.masked_fill_(blocked[:, None, None], float("-inf")).exp_()
-    states = (decays @ inputs[..., None])[..., 0]  # [b, d, n, q]
-    states = states + log_decay.exp() * carried[:, None, None] * state[..., None]
-    y = torch.einsum("bqn,bdnq->bqd", C, states)
-    return y, states[..., -1]
+def _chunk(u, dt, A, B, C, state, carried):
+    """One chunk: (y [b, q, d], the state after its last token [b, d, n])."""
+    decay = torch.exp(dt[..., None] * A)  # [b, q, d, n]
+    if carried is not None:  # a document start drops the state before it
+        decay = decay * carried[:, :, None, None]
+    inputs = (dt * u)[..., None] * B[:, :, None, :]  # [b, q, d, n]
+    states = []
+    # unbind, not indexing: its backward stacks the steps' gradients once, where each
+    # index's backward would fill a whole [b, q, d, n] of zeros
+    for step_input, step_decay in zip(inputs.unbind(1), decay.unbind(1), strict=True):
+        state = torch.addcmul(step_input, step_decay, state)
+        states.append(state)
+    y = torch.einsum("bqn,bqdn->bqd", C, torch.stack(states, 1))
+    return y, state
 
 
 def selective_scan_reference(u_BTD, dt_BTD, A_DN, B_BTN, C_BTN, D=None, z_BTD=None,
