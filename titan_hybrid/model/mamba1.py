@@ -166,13 +166,13 @@ class Mamba1Mixer(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         x, z = self.in_proj(x_BTD).chunk(2, -1)
-        norms = {f"{kind}_norm_weight": getattr(self, f"{name}_layernorm").weight
-                 for kind, name in (("dt", "dt"), ("b", "b"), ("c", "c"))
-                 if hasattr(self, f"{name}_layernorm")}
-        y = self.core(x, z, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight.t(),
-                      self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D,
-                      norms.get("dt_norm_weight"), norms.get("b_norm_weight"),
-                      norms.get("c_norm_weight"), layout)
+        # the dt / B / C norms' weights (Jamba's), or None
+        norm_weights = [getattr(self, f"{name}_layernorm").weight
+                        if hasattr(self, f"{name}_layernorm") else None
+                        for name in ("dt", "b", "c")]
+        y = self.core(x, z, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                      self.x_proj.weight.t(), self.dt_proj.weight, self.dt_proj.bias, self.A_log,
+                      self.D, *norm_weights, layout)
         return self.out_proj(y)
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:

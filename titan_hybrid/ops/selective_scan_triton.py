@@ -255,7 +255,7 @@ def _strides(u, dt, B, C, z, seq_idx) -> tuple[int, ...]:
             seq_idx.stride(0) if seq_idx is not None else 0)
 
 
-def _state_sizes(u: torch.Tensor, A: torch.Tensor) -> dict:
+def _tile_sizes(A: torch.Tensor) -> dict:
     return dict(BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(A.shape[1]), CHUNK=CHUNK)
 
 
@@ -269,7 +269,7 @@ def scan_forward(u, dt, A, B, C, D, z, dt_bias, seq_idx, initial_state, softplus
     _scan_fwd_kernel[_grid(u)](
         u, dt, A, B, C, D, z, dt_bias, seq_idx, initial_state, out, final, chunks,
         length, channels, A.shape[1], *_strides(u, dt, B, C, z, seq_idx), *out.stride()[:2],
-        **_state_sizes(u, A), **_flags(D, z, dt_bias, seq_idx, initial_state, softplus))
+        **_tile_sizes(A), **_flags(D, z, dt_bias, seq_idx, initial_state, softplus))
     return out, final, chunks
 
 
@@ -279,7 +279,7 @@ def scan_backward(dout, dfinal, u, dt, A, B, C, D, z, dt_bias, seq_idx, initial_
     batch, length, channels = u.shape
     state_size = A.shape[1]
     blocks = triton.cdiv(channels, BLOCK_D)
-    sizes = _state_sizes(u, A)
+    sizes = _tile_sizes(A)
     f32 = dict(dtype=torch.float32, device=u.device)
     du, ddt = torch.empty(batch, length, channels, **f32), torch.empty(batch, length, channels,
                                                                        **f32)
