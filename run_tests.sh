@@ -8,9 +8,11 @@ ruff check --quiet .  # pyflakes + import order on the whole tree (pyproject.tom
 # process leaves much of a 2-core machine's second core idle (process starts, gloo waits); two
 # workers run the default suite in ~380 s instead of ~570 s (a fresh clone, issue 45). Each
 # test is still the same real run.
-# TITAN_HYBRID_TEST_WORKERS=1 (or -n 0) runs them in this process, in order.
+# A worker takes whole modules (loadfile), so a module's shared runs are made once, in the
+# order tests/conftest.py puts them: the longest modules first (tests/ci_shards.py).
+# TITAN_HYBRID_TEST_WORKERS=1 (or -n 0) runs them in this process, in that order.
 workers="${TITAN_HYBRID_TEST_WORKERS:-$(nproc)}"
 if [ "$workers" -gt 4 ]; then workers=4; fi
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers"); fi
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 exec python -m pytest -q "${parallel[@]}" "$@"

@@ -15,6 +15,11 @@ one leg.
 The legs run one after the other, so the split does not change CI's time: the balance spreads
 the default suite over the torches. The plan is a function of the collected tests alone, so
 every pytest-xdist worker makes the same one.
+
+The same durations order the modules for the workers (`longest_modules_first`): run_tests.sh
+gives each pytest-xdist worker whole modules (`--dist loadfile`), so a module's shared runs
+(its module-scoped fixtures) are made once, not once per worker; and the longest modules go
+first, so no worker is left running a long module alone at the end.
 """
 
 from __future__ import annotations
@@ -58,6 +63,17 @@ def plan(items: list, count: int, durations: dict[str, float]) -> list[int]:
         for position in free[module]:
             shards[position] = shard
     return shards
+
+
+def longest_modules_first(items: list, durations: dict[str, float]) -> list:
+    """`items` with their modules in order of their total seconds, longest first (ties by
+    name), each module's tests together in their own order."""
+    module_seconds: dict[str, float] = defaultdict(float)
+    for item in items:
+        module_seconds[item.nodeid.split("::")[0]] += durations.get(item.nodeid,
+                                                                   SHORT_TEST_SECONDS)
+    return sorted(items, key=lambda item: (-module_seconds[item.nodeid.split("::")[0]],
+                                           item.nodeid.split("::")[0]))
 
 
 def read_durations() -> dict[str, float]:

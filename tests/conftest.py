@@ -26,18 +26,19 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config, items):
+    durations = ci_shards.read_durations()
     shard = config.getoption("--ci-shard")
-    if not shard:
-        return
-    index, count = (int(part) for part in shard.split("/"))
-    if not 0 <= index < count:
-        raise pytest.UsageError(f"--ci-shard {shard}: K must be in [0, N)")
-    shards = ci_shards.plan(items, count, ci_shards.read_durations())
-    keep = [item for item, item_shard in zip(items, shards) if item_shard == index]
-    drop = [item for item, item_shard in zip(items, shards) if item_shard != index]
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    if shard:
+        index, count = (int(part) for part in shard.split("/"))
+        if not 0 <= index < count:
+            raise pytest.UsageError(f"--ci-shard {shard}: K must be in [0, N)")
+        shards = ci_shards.plan(items, count, durations)
+        keep = [item for item, item_shard in zip(items, shards) if item_shard == index]
+        drop = [item for item, item_shard in zip(items, shards) if item_shard != index]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    items[:] = ci_shards.longest_modules_first(items, durations)
 
 
 def pytest_sessionstart(session):

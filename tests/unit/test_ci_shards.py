@@ -60,3 +60,16 @@ def test_the_recorded_durations_name_collected_tests():
     root = ci_shards.DURATIONS.parents[1]
     existing = [module for module in modules if (root / module).exists()]
     assert len(existing) >= 0.9 * len(modules)
+
+
+def test_the_workers_get_the_longest_modules_first_each_module_together():
+    items = [Collected("tests/a.py::test_1"), Collected("tests/b.py::test_1"),
+             Collected("tests/a.py::test_2"), Collected("tests/c.py::test_1"),
+             Collected("tests/b.py::test_2"), Collected("tests/d.py::test_1")]
+    durations = {"tests/a.py::test_1": 3.0, "tests/a.py::test_2": 3.0,  # a: 6 s
+                 "tests/b.py::test_2": 9.0,  # b: 9.2 s (test_1 unknown: SHORT_TEST_SECONDS)
+                 "tests/d.py::test_1": 6.0}  # d: 6 s, after a by name
+    ordered = ci_shards.longest_modules_first(items, durations)
+    assert [item.nodeid for item in ordered] == [
+        "tests/b.py::test_1", "tests/b.py::test_2", "tests/a.py::test_1", "tests/a.py::test_2",
+        "tests/d.py::test_1", "tests/c.py::test_1"]
