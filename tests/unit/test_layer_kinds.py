@@ -165,5 +165,5 @@ def test_a_variant_is_one_table_entry(monkeypatch):
     assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
     assert "layers.0.throwaway.in_proj.weight" in model.state_dict()
     with pytest.raises(ValueError, match=r"^m_layers='gdn' is not one of \['mamba2', 'gdp', "
-                                         r"'mamba1', 'throwaway'\]"):
+                                         r"'mamba1', 'mamba3', 'throwaway'\]"):
         dataclasses.replace(args, m_layers="gdn").validate()

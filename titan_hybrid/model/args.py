@@ -27,6 +27,7 @@ from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layer_kinds import LAYER_KINDS, VARIANTS, default_variant, kind_of
 from titan_hybrid.model.mamba import MambaArgs
 from titan_hybrid.model.mamba1 import Mamba1Args
+from titan_hybrid.model.mamba3 import Mamba3Args
 from titan_hybrid.model.mla import MLAArgs
 from titan_hybrid.model.mlp import MLPArgs
 from titan_hybrid.model.moe import MoEArgs
@@ -102,6 +103,7 @@ class HybridModelArgs:
     mamba: MambaArgs = field(default_factory=MambaArgs)
     gdp: GDPArgs = field(default_factory=GDPArgs)
     mamba1: Mamba1Args = field(default_factory=Mamba1Args)
+    mamba3: Mamba3Args = field(default_factory=Mamba3Args)
     gdn2: GDNArgs = field(default_factory=GDNArgs)
     gdn: GDNArgs = field(default_factory=GDNArgs)
     kda: KDAArgs = field(default_factory=KDAArgs)
@@ -323,6 +325,16 @@ hybrid_flavors = FlavorRegistry({
     "debug_mamba1": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="mamba1",
         mamba1=Mamba1Args(d_state=16, expand=2, dt_bc_norm="weighted")),
+    # Mamba-3 (SISO: trapezoidal steps, rotated B / C, a decay rate per token) in the `M`
+    # layers.
+    "debug_mamba3": dataclasses.replace(
+        _debug(), pattern="M-*-M-", m_layers="mamba3",
+        mamba3=Mamba3Args(d_state=32, head_dim=32, chunk_size=32)),
+    # ... MIMO (2 inputs and read-outs per head and token) with the output norm, 2 groups.
+    "debug_mamba3_mimo": dataclasses.replace(
+        _debug(), pattern="M-*-M-", m_layers="mamba3",
+        mamba3=Mamba3Args(d_state=32, head_dim=32, n_groups=2, chunk_size=16, mimo=True,
+                          mimo_rank=2, outproj_norm=True)),
     # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").
     "debug_gdn2": dataclasses.replace(
         _debug(), pattern="G-*-G-", g_layers="gdn2",
@@ -360,6 +372,9 @@ hybrid_flavors = FlavorRegistry({
     "gdp_hybrid_1b": dataclasses.replace(
         _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"), m_layers="gdp",
         gdp=GDPArgs(num_householder=3, d_state=128, head_dim=64, n_groups=8)),
+    # ... with Mamba-3 (SISO, mamba_ssm's defaults: state 128, heads of 64) in the `M` layers.
+    "mamba3_hybrid_1b": dataclasses.replace(
+        _gpu_sized("M-M*-M-M-M*-M-M-M*-M-M-M-"), m_layers="mamba3"),
     # Jamba's block (hf/jamba.py) twice: Mamba1 layers (weighted dt / B / C norms) with one
     # attention layer without RoPE in 8, a MoE layer after every second.
     "jamba_hybrid_2b": dataclasses.replace(

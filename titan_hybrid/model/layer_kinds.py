@@ -27,6 +27,7 @@ from titan_hybrid.model import (
     kda,
     mamba,
     mamba1,
+    mamba3,
     mla,
     mlp,
     moe,
@@ -47,7 +48,7 @@ LAYER_KINDS: dict[str, LayerKind] = {
 # Megatron's names: gdp_stack_spec (GDP), experimental_attention_variant "gdn2".
 VARIANTS: dict[str, tuple[str, dict[str, LayerKind]]] = {
     mamba.KIND.symbol: ("m_layers", {"mamba2": mamba.KIND, "gdp": gdp.KIND,
-                                      "mamba1": mamba1.KIND}),
+                                      "mamba1": mamba1.KIND, "mamba3": mamba3.KIND}),
     gdn.KIND.symbol: ("g_layers", {"gdn": gdn.KIND, "gdn2": gdn2.KIND}),
 }
 

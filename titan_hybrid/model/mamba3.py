@@ -1,0 +1,241 @@
+"""Mamba-3 mixer (arXiv 2603.15569; mamba_ssm 2.3.2.post1's `Mamba3`), what `M` builds with
+`hybrid.m_layers = "mamba3"`. Parameter names and layouts are mamba_ssm's, so its module's
+state dict loads as it is.
+
+in_proj: hidden -> [z | x | B | C | dd_dt | dd_A | trap | angles] (d_inner, d_inner, R*G*N,
+R*G*N, H, H, H, S). No conv. Per token and head: dt = softplus(dd_dt + dt_bias); A =
+min(-softplus(dd_A), -A_floor) (a decay rate per token, no A_log); the trapezoid's weight
+lam = sigmoid(trap); B and C RMS-normed over N (B_norm, C_norm, shared by groups and ranks),
+plus per-head biases B_bias / C_bias [H, R, N], then rotated by the cumulative angle
+theta_t = sum_{s <= t} tanh(angles_s) * pi * dt_s (the S angles shared by all heads, each head
+scaling them by its dt; restarted at each document). SISO rotates interleaved pairs (2i, 2i+1),
+MIMO half-split pairs (i, i + N/2), the first S pairs (rope_fraction 0.5: half of N; 1.0: all).
+The scan (ops/mamba3_scan.py) with D; MIMO up-projects x by mimo_x [H, R, P] into R inputs and
+reads R outputs. The output: y * silu(z) (SISO), or sum_r mimo_o[r] * o_r * silu(z * mimo_z[r])
+(MIMO); with `outproj_norm`, a gated RMS norm per head (norm before the gate) in place of the
+plain gate. Then out_proj.
+
+What differs from mamba_ssm's module: its SISO kernel computes q, k, x, z and the angles in
+bfloat16 whatever the model's dtype; here the torch path computes in float32. The angle's
+running sum is not taken modulo 2 pi (the same rotation). mamba_ssm ignores unknown options
+and `seq_idx`; here packed documents restart the state, the previous token's term and the
+angle, as its kernels do for `cu_seqlens`.
+Legend: B batch, T time, D hidden, H heads, P head dim, G groups, R rank, N state size, S angles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_hybrid.model.common import init_linear, upcast
+from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.symbols import MIXER, LayerSymbol
+from titan_hybrid.ops.gated_norm import gated_group_rms_norm
+from titan_hybrid.ops.mamba3_scan import mamba3_scan
+
+ROPE_FRACTIONS = (0.5, 1.0)
+NORM_EPS = 1e-5  # mamba_ssm's B / C norms and output norm
+
+
+@dataclass
+class Mamba3Args:
+    d_state: int = 128
+    head_dim: int = 64
+    n_groups: int = 1
+    expand: int = 2
+    rope_fraction: float = 0.5  # the share of N that the angles rotate: 0.5 or 1.0
+    mimo: bool = False  # MIMO: mimo_rank inputs and read-outs per head and token
+    mimo_rank: int = 4
+    a_floor: float = 1e-4  # A <= -a_floor
+    outproj_norm: bool = False  # mamba_ssm's is_outproj_norm
+    chunk_size: int = 64
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+
+    def d_inner(self, dim: int) -> int:
+        return self.expand * dim
+
+    def n_heads(self, dim: int) -> int:
+        return self.d_inner(dim) // self.head_dim
+
+    def rank(self) -> int:
+        return self.mimo_rank if self.mimo else 1
+
+    def angles(self) -> int:
+        """S, the angles per token (mamba_ssm's num_rope_angles)."""
+        rotated = int(self.d_state * self.rope_fraction)
+        return (rotated - rotated % 2) // 2
+
+    def in_proj_sizes(self, dim: int) -> dict[str, int]:
+        inner, heads = self.d_inner(dim), self.n_heads(dim)
+        bc = self.rank() * self.n_groups * self.d_state
+        return {"z": inner, "x": inner, "b": bc, "c": bc, "dd_dt": heads, "dd_A": heads,
+                "trap": heads, "angles": self.angles()}
+
+
+def rotate(x_BTRHN: torch.Tensor, theta_BTHS: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """The first S pairs of N rotated by theta (pairs (2i, 2i+1), or (i, i + N/2)); the other
+    entries as they are."""
+    angles = theta_BTHS.shape[-1]
+    n = x_BTRHN.shape[-1]
+    index = torch.arange(angles, device=x_BTRHN.device)
+    first, second = (2 * index, 2 * index + 1) if interleaved else (index, index + n // 2)
+    cos, sin = theta_BTHS.cos()[:, :, None], theta_BTHS.sin()[:, :, None]
+    a, b = x_BTRHN[..., first], x_BTRHN[..., second]
+    rotated = x_BTRHN.clone()
+    rotated[..., first] = a * cos - b * sin
+    rotated[..., second] = a * sin + b * cos
+    return rotated
+
+
+def cumulative_angles(step_BTHS: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+    """theta_t = the sum of the steps from the document's first token to t."""
+    theta = step_BTHS.cumsum(1)
+    if seq_idx is None:
+        return theta
+    # subtract the running sum before each document's first token
+    starts_BT = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0), value=True)
+    before_BTHS = F.pad(theta, (0, 0, 0, 0, 1, 0))[:, :-1] * starts_BT[..., None, None]
+    # carry each document's offset forward: the last start at or before t
+    start_position_BT = torch.where(starts_BT, torch.arange(seq_idx.shape[1],
+                                                            device=seq_idx.device), 0)
+    start_position_BT = start_position_BT.cummax(1).values
+    offset = before_BTHS.gather(1, start_position_BT[..., None, None].expand_as(theta))
+    return theta - offset
+
+
+class Mamba3Mixer(nn.Module):
+    def __init__(self, *, dim: int, args: Mamba3Args) -> None:
+        super().__init__()
+        self.args = args
+        heads, rank, state = args.n_heads(dim), args.rank(), args.d_state
+        self.sizes = args.in_proj_sizes(dim)
+        self.in_proj = nn.Linear(dim, sum(self.sizes.values()), bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        self.B_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
+        self.C_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
+        if args.mimo:  # the inputs' up-projection, the gate's and the output's scales
+            self.mimo_x = nn.Parameter(torch.empty(heads, rank, args.head_dim))
+            self.mimo_z = nn.Parameter(torch.empty(heads, rank, args.head_dim))
+            self.mimo_o = nn.Parameter(torch.empty(heads, rank, args.head_dim))
+        self.D = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        self.B_norm = RMSNorm(state, eps=NORM_EPS)
+        self.C_norm = RMSNorm(state, eps=NORM_EPS)
+        if args.outproj_norm:
+            self.norm = RMSNorm(args.d_inner(dim), eps=NORM_EPS)  # per head: forward
+        self.out_proj = nn.Linear(args.d_inner(dim), dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        args = self.args
+        b, t, _ = x_BTD.shape
+        heads, rank, p = self.D.shape[0], args.rank(), args.head_dim
+        groups, n = args.n_groups, args.d_state
+        z, x, B, C, dd_dt, dd_A, trap, angles = self.in_proj(x_BTD).split(
+            list(self.sizes.values()), -1)
+        seq_idx = None if layout is None else layout.seq_idx
+        dt_BTH = F.softplus(upcast(dd_dt) + upcast(self.dt_bias))
+        log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A)), max=-args.a_floor) * dt_BTH
+        lam_BTH = torch.sigmoid(upcast(trap))
+        step_BTHS = (torch.tanh(upcast(angles))[:, :, None] * math.pi * dt_BTH[..., None])
+        theta_BTHS = cumulative_angles(step_BTHS, seq_idx)
+
+        def per_head(bc, norm, bias):  # [B, T, R*G*N] -> normed, biased, rotated [B, T, R, H, N]
+            normed = upcast(norm(bc.view(b, t, rank, groups, n)))
+            normed = normed.repeat_interleave(heads // groups, dim=3)
+            return rotate(normed + upcast(bias).transpose(0, 1), theta_BTHS,
+                          interleaved=not args.mimo)
+
+        k_BTRHN = per_head(B, self.B_norm, self.B_bias)
+        q_BTRHN = per_head(C, self.C_norm, self.C_bias)
+        x_BTHP = upcast(x.view(b, t, heads, p))
+        x_BTRHP = (x_BTHP[:, :, None] * upcast(self.mimo_x).transpose(0, 1) if args.mimo
+                   else x_BTHP[:, :, None])
+        o_BTRHP = mamba3_scan(x_BTRHP, q_BTRHN, k_BTRHN, dt_BTH, log_decay_BTH, lam_BTH,
+                              self.D, args.chunk_size, seq_idx_BT=seq_idx)
+        z_BTRHP = upcast(z.view(b, t, 1, heads, p))
+        if args.mimo:
+            z_BTRHP = z_BTRHP * upcast(self.mimo_z).transpose(0, 1)
+        if args.outproj_norm:  # norm before the gate, over each head's P channels
+            y_BTRHP = gated_group_rms_norm(
+                o_BTRHP.flatten(-2), z_BTRHP.flatten(-2), self.norm.weight, group_size=p,
+                eps=NORM_EPS, norm_before_gate=True).view_as(o_BTRHP)
+        else:
+            y_BTRHP = o_BTRHP * F.silu(z_BTRHP)
+        y_BTHP = ((y_BTRHP * upcast(self.mimo_o).transpose(0, 1)).sum(2) if args.mimo
+                  else y_BTRHP[:, :, 0])
+        return self.out_proj(y_BTHP.flatten(-2).type_as(x_BTD))
+
+    def init_weights(self, *, init_std: float, out_std: float) -> None:
+        """mamba_ssm's initialisation: dt_bias the inverse softplus of a log-uniform step,
+        B_bias / C_bias / D / the norms ones, MIMO's x and output scales 1 / R, its gate
+        scale 1."""
+        args = self.args
+        init_linear(self.in_proj, std=init_std)
+        init_linear(self.out_proj, std=out_std)
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(
+            math.log(args.dt_min), math.log(args.dt_max))).clamp(min=args.dt_init_floor)
+        with torch.no_grad():
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        for parameter in (self.B_bias, self.C_bias, self.D):
+            nn.init.ones_(parameter)
+        if args.mimo:
+            nn.init.constant_(self.mimo_x, 1 / args.mimo_rank)
+            nn.init.ones_(self.mimo_z)
+            nn.init.constant_(self.mimo_o, 1 / args.mimo_rank)
+        for norm in (self.B_norm, self.C_norm, getattr(self, "norm", None)):
+            if norm is not None:
+                norm.init_weights()
+
+
+def _validate(args: Mamba3Args, dim: int) -> None:
+    for field in ("d_state", "head_dim", "n_groups", "expand", "mimo_rank", "chunk_size"):
+        if getattr(args, field) < 1:
+            raise ValueError(f"mamba3: {field}={getattr(args, field)} must be at least 1")
+    if args.rope_fraction not in ROPE_FRACTIONS:
+        raise ValueError(f"mamba3: rope_fraction={args.rope_fraction} must be 0.5 or 1.0 (as "
+                         "mamba_ssm's)")
+    if args.angles() < 1:
+        raise ValueError(f"mamba3: d_state={args.d_state} with rope_fraction="
+                         f"{args.rope_fraction} rotates no pair of state entries")
+    if args.d_inner(dim) % args.head_dim:
+        raise ValueError(f"mamba3: d_inner = expand*dim = {args.d_inner(dim)} is not divisible "
+                         f"by mamba3.head_dim={args.head_dim}")
+    if args.n_heads(dim) % args.n_groups:
+        raise ValueError(f"mamba3: nheads={args.n_heads(dim)} is not divisible by "
+                         f"mamba3.n_groups={args.n_groups} (each group must own whole heads)")
+    if args.a_floor <= 0:
+        raise ValueError(f"mamba3: a_floor={args.a_floor} must be > 0 (A <= -a_floor)")
+
+
+def _refuse_tensor_parallel(args: Mamba3Args) -> None:
+    raise ValueError("hybrid.m_layers 'mamba3': tensor parallelism does not split Mamba-3 "
+                     "layers yet (issue 60); use tensor_parallel_degree = 1")
+
+
+def _core_flops(args: Mamba3Args, dim: int, seq_len: int) -> int:
+    """The chunked scan per head per token, forward (ops/mamba3_scan.py, the products torch's
+    FLOP counter sees): within a chunk, the scores q k^T over R x R rank pairs (2 Q R^2 N) and
+    their product with the inputs (2 Q R^2 P); the chunk's state from its inputs (2 R P N),
+    the read-out of the entering state (2 R P N), and the token's own term (2 R^2 (N + P))."""
+    chunk, rank = min(args.chunk_size, seq_len), args.rank()
+    n, p = args.d_state, args.head_dim
+    return args.n_heads(dim) * (2 * chunk * rank * rank * (n + p) + 4 * rank * p * n
+                                + 2 * rank * rank * (n + p))
+
+
+KIND = LayerKind(
+    symbol="M", variant=LayerSymbol(symbol="M", name="mamba3", title="Mamba-3", namespace=MIXER),
+    args_type=Mamba3Args,
+    build=lambda args, dim, norm_eps: Mamba3Mixer(dim=dim, args=args),
+    mixes_sequence=True, validate=_validate, core_flops=_core_flops,
+    validate_tensor_parallel=_refuse_tensor_parallel,
+    full_precision_params=("dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o"),
+)
