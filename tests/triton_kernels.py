@@ -231,3 +231,31 @@ def expect_custom_ops(*names: str, not_run: tuple[str, ...] = ()):
     assert not missing, f"custom ops {missing} did not run"
     ran = [name for name in not_run if f"titan_hybrid::{name}" in seen]
     assert not ran, f"custom ops {ran} ran"
+
+
+# mamba_ssm's Mamba-3 kernels call PTX approximations through tl.inline_asm_elementwise (its
+# ops/triton/mamba3/utils.py), which the interpreter cannot run: inside `mamba3_kernels_on`
+# each kernel module's names for them point at the exact functions (cos, sin, tanh and
+# sech^2 = 1 - tanh^2: tests/mamba3_exact_functions.py), so a comparison with them holds to the approximations' error on a GPU.
+MAMBA3_KERNEL_MODULES = ("mamba_ssm.ops.triton.mamba3.angle_dt",
+                         "mamba_ssm.ops.triton.mamba3.mamba3_siso_fwd",
+                         "mamba_ssm.ops.triton.mamba3.mamba3_siso_bwd",
+                         "mamba_ssm.ops.triton.mamba3.mamba3_siso_step")
+MAMBA3_APPROXIMATIONS = ("cos_approx", "sin_approx", "tanh_approx", "sech2_approx")
+
+
+@contextlib.contextmanager
+def mamba3_kernels_on():
+    """kernels_on(), with mamba_ssm's Mamba-3 kernel modules importable; on CPU their PTX
+    approximations replaced by the exact functions (above)."""
+    with kernels_on(), contextlib.ExitStack() as stack:
+        if INTERPRETED:
+            from tests import mamba3_exact_functions as exact
+            for name in MAMBA3_KERNEL_MODULES:
+                module = importlib.import_module(name)
+                _check_interpreted(module)
+                for function in MAMBA3_APPROXIMATIONS:
+                    if hasattr(module, function):
+                        stack.enter_context(mock.patch.object(
+                            module, function, getattr(exact, function)))
+        yield
