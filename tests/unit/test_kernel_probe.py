@@ -29,6 +29,7 @@ from titan_hybrid.ops.kernels import (
     kernel_fallbacks,
     kernel_op_refused,
     kernel_path_field,
+    mamba3_siso_refusal,
     simulate_gpu_runtime,
 )
 from titan_hybrid.training.metrics import step_line
@@ -115,6 +116,31 @@ def test_fla_refuses_its_gated_delta_backward_on_hopper_with_old_triton():
         assert fla_gated_delta_bwd_refusal(capability, triton) is None, (capability, triton)
 
 
+def test_mamba_ssm_refuses_its_mamba3_siso_scan_on_blackwell_up_to_2_3_2_post1(monkeypatch):
+    """mamba-ssm <= 2.3.2.post1's SISO forward is wrong on compute capability 10 (#997): the
+    Mamba-3 layers take the torch path there, mamba_ssm's other kernels run."""
+    reason = mamba3_siso_refusal((10, 0), "2.3.2.post1+cu12torch2.6cxx11abiTRUE")
+    assert "Blackwell" in reason and "#997" in reason
+    assert mamba3_siso_refusal((10, 3), "2.3.2") is not None
+    for capability, version in [((10, 0), "2.3.3"), ((9, 0), "2.3.2.post1"),
+                                ((12, 0), "2.3.2.post1"), (None, "2.3.2.post1"),
+                                ((10, 0), None)]:
+        assert mamba3_siso_refusal(capability, version) is None, (capability, version)
+    mamba_ssm = kernels.KERNEL_PACKAGES["mamba_ssm"]
+    monkeypatch.setitem(kernels.KERNEL_PACKAGES, "mamba_ssm",
+                        dataclasses.replace(mamba_ssm, launchers=()))
+    _installed(monkeypatch, {"mamba-ssm": "2.3.2.post1"})
+    with simulate_gpu_runtime((10, 0), "3.6.0"):
+        assert kernels.probe_kernels()["mamba_ssm"] is None
+        assert set(kernels.refused_ops()) == {"mamba3_siso_fwd"}
+        assert kernel_op_refused("mamba3_siso_fwd")
+        assert ("kernel package mamba_ssm is used except for Mamba-3's SISO scan, which the "
+                "torch path runs: " + mamba3_siso_refusal((10, 0), "2.3.2.post1")
+                ) in kernel_fallbacks()
+    with simulate_gpu_runtime((9, 0), "3.6.0"):
+        assert "mamba3_siso_fwd" not in kernels.refused_ops()
+
+
 def _fla_usable_without_import(monkeypatch):
     """fla at an accepted version with no launchers to import or check: usable here, so what
     the runtime refuses of it shows."""
@@ -194,7 +220,8 @@ def test_a_version_outside_the_range_is_refused_by_version(monkeypatch, stand_in
                                  eps=1e-5)
     by_package = {line.split()[2]: line for line in lines}
     assert by_package["mamba_ssm"] == (f"kernel package mamba_ssm is not used: {reason}; the "
-                                       "torch path runs the Mamba2 SSD scan and gated RMS norm")
+                                       "torch path runs the Mamba2 SSD scan, the gated RMS "
+                                       "norm and Mamba-3's SISO scan")
     assert "causal_conv1d" not in by_package, lines
     assert field.startswith(f"kernels: torch path (mamba_ssm: {reason}"), field
     assert line == f"step: 20  moe/aux_loss: 0.5000  {field}"

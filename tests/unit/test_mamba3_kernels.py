@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.triton_kernels import mamba3_kernels_on
+from tests.triton_kernels import expect_custom_ops, mamba3_kernels_on
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
 
@@ -87,3 +87,39 @@ def test_our_packed_documents_are_their_documents_one_by_one():
     got = ours(u, TokenLayout(positions=None, seq_idx=seq_idx))
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("documents", [False, True], ids=["rows", "documents"])
+def test_our_layer_on_their_kernels_gives_the_torch_paths_output(options, documents):
+    """Our dispatch to mamba_ssm's kernels (ops/mamba3_kernel.py: its biases, angles, rotation
+    and gate inside the kernels; packed documents as its cu_seqlens), forward."""
+    _, ours = theirs_and_ours(options)
+    u = torch.randn(2, LENGTH, DIM)
+    layout = None
+    if documents:
+        seq_idx = torch.zeros(2, LENGTH, dtype=torch.long)
+        seq_idx[:, 7:], seq_idx[1:, 8:], seq_idx[:, 30:] = 1, 2, 3
+        layout = TokenLayout(positions=None, seq_idx=seq_idx)
+    want = ours(u, layout)
+    with torch.no_grad(), mamba3_kernels_on(), expect_custom_ops("mamba3_siso_fwd"):
+        assert ours.runs_kernel(u)
+        got = ours(u, layout)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_their_kernels_compile_into_one_graph_with_documents_and_without():
+    """Under torch.compile(fullgraph=True) the forward custom op's fake outputs stand in for
+    mamba_ssm's residuals, whose chunk count with packed documents depends on the data."""
+    _, ours = theirs_and_ours("plain")
+    u = torch.randn(2, LENGTH, DIM)
+    seq_idx = torch.zeros(2, LENGTH, dtype=torch.long)
+    seq_idx[:, 7:], seq_idx[1:, 8:] = 1, 2
+    layout = TokenLayout(positions=None, seq_idx=seq_idx)
+    want = (ours(u, layout), ours(u))
+    with torch.no_grad(), mamba3_kernels_on(), expect_custom_ops("mamba3_siso_fwd"):
+        compiled = torch.compile(ours, fullgraph=True)
+        got = (compiled(u, layout), compiled(u, None))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())

@@ -223,6 +223,39 @@ gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd",
                               ("dy", "x", "weight", "bias", "eps", "mean", "rstd"),
                               _NORM_OPTIONS + ("dz",))
 
+# ... and what its Mamba-3 SISO function (_Mamba3Function, ops/triton/mamba3/
+# mamba3_siso_combined.py) calls, without entering or final states. The angles' running sum
+# -> (its values, the final one); the scan -> (out, out before the z gate, the chunks' states,
+# the cumulative log decays and their sums, q rotated, k rotated and scaled, q . k, the
+# trapezoid's scale and gamma, None); its backward in four steps, then the angles' sum's.
+# Importing the scan's modules sets Triton's allocator for the whole process (their kernels
+# build TMA descriptors): the start-up probe does it once it imports them.
+_MAMBA3 = "mamba_ssm.ops.triton.mamba3"
+mamba3_angles_fwd = Launcher("mamba_ssm", f"{_MAMBA3}.angle_dt", "angle_dt_fwd",
+                             ("angle", "dt"), ("chunk_size", "cu_seqlens"))
+mamba3_siso_fwd = Launcher(
+    "mamba_ssm", f"{_MAMBA3}.mamba3_siso_fwd", "mamba3_siso_fwd",
+    ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z"),
+    ("chunk_size", "store_states_adt_outv", "cu_seqlens"))
+mamba3_siso_bwd_dz = Launcher("mamba_ssm", f"{_MAMBA3}.mamba3_siso_bwd", "compute_dzdo",
+                              ("do", "z", "o"), ("chunk_size",))
+mamba3_siso_bwd_dqkv = Launcher(
+    "mamba_ssm", f"{_MAMBA3}.mamba3_siso_bwd", "compute_dqkv",
+    keywords=("q", "k", "v", "da_cs", "da_cs_sum", "qk_dot", "SSM_States", "do", "D",
+              "chunk_size", "Cu_Seqlens"))
+mamba3_siso_bwd_rotation = Launcher(
+    "mamba_ssm", f"{_MAMBA3}.mamba3_siso_bwd", "compute_dqktheta",
+    keywords=("q", "k", "scale", "gamma", "q_bias", "k_bias", "angles", "dq_in", "dk_in",
+              "dqk", "chunk_size", "Cu_Seqlens"))
+mamba3_siso_bwd_steps = Launcher(
+    "mamba_ssm", f"{_MAMBA3}.mamba3_siso_bwd", "compute_ddt_dtrap_dinput_states",
+    keywords=("dscale", "dgamma", "dt", "trap", "Cu_Seqlens"))
+mamba3_angles_bwd = Launcher("mamba_ssm", f"{_MAMBA3}.angle_dt", "angle_dt_bwd",
+                             keywords=("grad_out", "angle", "dt", "chunk_size", "cu_seqlens"))
+MAMBA3_SISO_STEPS = (mamba3_angles_fwd, mamba3_siso_fwd, mamba3_siso_bwd_dz,
+                     mamba3_siso_bwd_dqkv, mamba3_siso_bwd_rotation, mamba3_siso_bwd_steps,
+                     mamba3_angles_bwd)
+
 # fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls. Forward -> (g cumulative, o, A,
 # final_state, initial_state, g_input); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log,
 # ddt_bias). The backward raises on Hopper with triton >= 3.4.0, < 3.7.1, where the runtime
@@ -264,6 +297,7 @@ causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function
     "return_dinitial_states", "silu_activation"))
 
 LAUNCHERS = (ssd_scan_fwd, *SSD_BACKWARD_STEPS, gated_rms_norm_fwd, gated_rms_norm_bwd,
+             *MAMBA3_SISO_STEPS,
              gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, gdn2_fwd, gdn2_bwd,
              l2norm_fwd, l2norm_bwd, prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 

@@ -38,6 +38,8 @@ from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import RMSNorm
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
+from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
+from titan_hybrid.ops.mamba3_kernel import mamba3_siso
 from titan_hybrid.ops.mamba3_scan import mamba3_scan
 
 ROPE_FRACTIONS = (0.5, 1.0)
@@ -136,42 +138,69 @@ class Mamba3Mixer(nn.Module):
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
         b, t, _ = x_BTD.shape
-        heads, rank, p = self.D.shape[0], args.rank(), args.head_dim
-        groups, n = args.n_groups, args.d_state
+        heads, rank, p, n = self.D.shape[0], args.rank(), args.head_dim, args.d_state
         z, x, B, C, dd_dt, dd_A, trap, angles = self.in_proj(x_BTD).split(
             list(self.sizes.values()), -1)
         seq_idx = None if layout is None else layout.seq_idx
         dt_BTH = F.softplus(upcast(dd_dt) + upcast(self.dt_bias))
         log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A)), max=-args.a_floor) * dt_BTH
-        lam_BTH = torch.sigmoid(upcast(trap))
-        step_BTHS = (torch.tanh(upcast(angles))[:, :, None] * math.pi * dt_BTH[..., None])
+        # the B / C norms over N, per token, rank and group
+        B, C = (norm(bc.view(b, t, rank, args.n_groups, n))
+                for bc, norm in ((B, self.B_norm), (C, self.C_norm)))
+        x_BTHP, z_BTHP = x.view(b, t, heads, p), z.view(b, t, heads, p)
+        if self.runs_kernel(x_BTD):
+            y_BTHP = mamba3_siso(
+                C[:, :, 0], B[:, :, 0], x_BTHP, log_decay_BTH, dt_BTH, trap, self.C_bias[:, 0],
+                self.B_bias[:, 0], angles, self.D, None if args.outproj_norm else z_BTHP,
+                seq_idx, args.chunk_size)
+            if args.outproj_norm:
+                y_BTHP = self._output_norm(y_BTHP, z_BTHP)
+        else:
+            y_BTHP = self._torch_path(B, C, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap, angles,
+                                      seq_idx)
+        return self.out_proj(y_BTHP.flatten(-2).type_as(x_BTD))
+
+    def runs_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the layer runs mamba_ssm's SISO kernels (ops/mamba3_kernel.py): on CUDA
+        where the package is usable, for SISO with an even number of angles (its kernel's
+        condition); else the torch path."""
+        args = self.args
+        return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
+                and not kernel_op_refused("mamba3_siso_fwd"))
+
+    def _output_norm(self, y, z):
+        """The gated RMS norm per head (norm before the gate), in place of the plain gate."""
+        return gated_group_rms_norm(y.flatten(-2), z.flatten(-2), self.norm.weight,
+                                    group_size=self.args.head_dim, eps=NORM_EPS,
+                                    norm_before_gate=True).view_as(y)
+
+    def _torch_path(self, B_BTRGN, C_BTRGN, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
+                    angles_BTS, seq_idx):
+        """ops/mamba3_scan.py, with the biases, the rotation and the gates around it."""
+        args = self.args
+        heads = self.D.shape[0]
+        step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
         theta_BTHS = cumulative_angles(step_BTHS, seq_idx)
 
-        def per_head(bc, norm, bias):  # [B, T, R*G*N] -> normed, biased, rotated [B, T, R, H, N]
-            normed = upcast(norm(bc.view(b, t, rank, groups, n)))
-            normed = normed.repeat_interleave(heads // groups, dim=3)
+        def per_head(normed, bias):  # -> biased, rotated [B, T, R, H, N]
+            normed = upcast(normed).repeat_interleave(heads // args.n_groups, dim=3)
             return rotate(normed + upcast(bias).transpose(0, 1), theta_BTHS,
                           interleaved=not args.mimo)
 
-        k_BTRHN = per_head(B, self.B_norm, self.B_bias)
-        q_BTRHN = per_head(C, self.C_norm, self.C_bias)
-        x_BTHP = upcast(x.view(b, t, heads, p))
-        x_BTRHP = (x_BTHP[:, :, None] * upcast(self.mimo_x).transpose(0, 1) if args.mimo
-                   else x_BTHP[:, :, None])
-        o_BTRHP = mamba3_scan(x_BTRHP, q_BTRHN, k_BTRHN, dt_BTH, log_decay_BTH, lam_BTH,
-                              self.D, args.chunk_size, seq_idx_BT=seq_idx)
-        z_BTRHP = upcast(z.view(b, t, 1, heads, p))
+        x_BTRHP = upcast(x_BTHP)[:, :, None]
+        z_BTRHP = upcast(z_BTHP)[:, :, None]
         if args.mimo:
+            x_BTRHP = x_BTRHP * upcast(self.mimo_x).transpose(0, 1)
             z_BTRHP = z_BTRHP * upcast(self.mimo_z).transpose(0, 1)
-        if args.outproj_norm:  # norm before the gate, over each head's P channels
-            y_BTRHP = gated_group_rms_norm(
-                o_BTRHP.flatten(-2), z_BTRHP.flatten(-2), self.norm.weight, group_size=p,
-                eps=NORM_EPS, norm_before_gate=True).view_as(o_BTRHP)
-        else:
-            y_BTRHP = o_BTRHP * F.silu(z_BTRHP)
-        y_BTHP = ((y_BTRHP * upcast(self.mimo_o).transpose(0, 1)).sum(2) if args.mimo
-                  else y_BTRHP[:, :, 0])
-        return self.out_proj(y_BTHP.flatten(-2).type_as(x_BTD))
+        o_BTRHP = mamba3_scan(x_BTRHP, per_head(C_BTRGN, self.C_bias),
+                              per_head(B_BTRGN, self.B_bias), dt_BTH, log_decay_BTH,
+                              torch.sigmoid(upcast(trap_BTH)), self.D, args.chunk_size,
+                              seq_idx_BT=seq_idx)
+        y_BTRHP = (self._output_norm(o_BTRHP, z_BTRHP) if args.outproj_norm
+                   else o_BTRHP * F.silu(z_BTRHP))
+        if args.mimo:
+            return (y_BTRHP * upcast(self.mimo_o).transpose(0, 1)).sum(2)
+        return y_BTRHP[:, :, 0]
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         """mamba_ssm's initialisation: dt_bias the inverse softplus of a log-uniform step,

@@ -76,6 +76,25 @@ def fla_gated_delta_bwd_refusal(capability: tuple[int, int] | None,
     return None
 
 
+def mamba3_siso_refusal(capability: tuple[int, int] | None,
+                        mamba_ssm_version: str | None) -> str | None:
+    """Why mamba_ssm's Mamba-3 SISO kernels may not run on a GPU of this compute capability:
+    mamba-ssm <= 2.3.2.post1's SISO forward computes wrong outputs on Blackwell (compute
+    capability 10; fixed on its main branch, state-spaces/mamba#997). The layers then take the
+    torch path; mamba_ssm's other kernels run."""
+    if capability is None or capability[0] != 10 or mamba_ssm_version is None:
+        return None
+    from packaging.version import InvalidVersion, Version
+    try:
+        fixed = Version(Version(mamba_ssm_version).public) > Version("2.3.2.post1")
+    except InvalidVersion:
+        fixed = False
+    if fixed:
+        return None
+    return (f"mamba-ssm {mamba_ssm_version}'s Mamba-3 SISO forward is wrong on Blackwell "
+            "(compute capability 10; state-spaces/mamba#997, fixed after 2.3.2.post1)")
+
+
 _simulated_gpu: tuple[tuple[int, int], str] | None = None
 
 
@@ -128,6 +147,15 @@ def _fla_ops_this_runtime_refuses() -> tuple[RefusedOp, ...]:
     return (RefusedOp("fla", "fla_gated_delta_bwd", "the gated delta rule's backward", reason),)
 
 
+def _mamba_ssm_ops_this_runtime_refuses() -> tuple[RefusedOp, ...]:
+    runtime = _gpu_runtime()
+    reason = runtime and mamba3_siso_refusal(runtime[0],
+                                             kernel_packages.installed_version("mamba_ssm"))
+    if not reason:
+        return ()
+    return (RefusedOp("mamba_ssm", "mamba3_siso_fwd", "Mamba-3's SISO scan", reason),)
+
+
 @dataclass(frozen=True)
 class KernelPackage:
     name: str
@@ -144,7 +172,8 @@ class KernelPackage:
 
 KERNEL_PACKAGES = {package.name: package for package in (
     KernelPackage("mamba_ssm", kernel_packages.launchers_of("mamba_ssm"),
-                  "the Mamba2 SSD scan and gated RMS norm"),
+                  "the Mamba2 SSD scan, the gated RMS norm and Mamba-3's SISO scan",
+                  refuses_ops=_mamba_ssm_ops_this_runtime_refuses),
     KernelPackage("fla", kernel_packages.launchers_of("fla"),
                   "the gated delta rule and KDA", refuses_ops=_fla_ops_this_runtime_refuses),
     KernelPackage("causal_conv1d", kernel_packages.launchers_of("causal_conv1d"),
