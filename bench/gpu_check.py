@@ -54,7 +54,8 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.layer_kinds import LAYER_KINDS
 
 GPU_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b", "mla_hybrid_1b", "dsa_hybrid_1b",
-               "kda_hybrid_1b", "gdn_hybrid_1b", "gdp_hybrid_1b", "jamba_hybrid_2b"]
+               "kda_hybrid_1b", "gdn_hybrid_1b", "gdp_hybrid_1b", "jamba_hybrid_2b",
+               "mamba3_hybrid_1b"]
 FP8_FLAVORS = ["nemotron_h_1b", "hybrid_moe_2b"]
 FP8_RECIPES = ["rowwise", "tensorwise"]
 # torchtitan 0.2.2's MetricsProcessor.log line (components/metrics.py), colours off:

@@ -26,6 +26,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from titan_hybrid.model.layout import TokenLayout
+from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.conv_triton import causal_depthwise_conv1d_triton
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_torch
@@ -127,6 +129,25 @@ def _selective_scan(dtype, gen):  # jamba_hybrid_2b's Mamba1 at 512 channels: st
             dict(seq_idx=seq_idx, dt_softplus=True, return_final_state=True))
 
 
+def _mamba3_layer(dtype, gen):  # mamba3_hybrid_1b's Mamba-3 layer at 512 wide, documents
+    torch.manual_seed(0)
+    mixer = Mamba3Mixer(dim=512, args=Mamba3Args()).to(DEVICE)
+    mixer.init_weights(init_std=0.02, out_std=0.02)
+    seq_idx = torch.zeros(2, 200, dtype=torch.int32, device=DEVICE)
+    seq_idx[:, 130:] = 1
+    return (dict(u_BTD=_rand(gen, 2, 200, 512, dtype=dtype)),
+            dict(mixer=mixer.to(dtype), layout=TokenLayout(positions=None, seq_idx=seq_idx)))
+
+
+def _mamba3_kernel_path(u_BTD, mixer, layout):
+    return mixer(u_BTD, layout)
+
+
+def _mamba3_torch_path(u_BTD, mixer, layout):
+    with mock.patch.object(Mamba3Mixer, "runs_kernel", lambda self, x: False):
+        return mixer(u_BTD, layout)
+
+
 CASES = (
     Case("SSD scan", "mamba_ssm", mamba_chunk_scan_combined, ssd_chunked_torch, _ssd,
          ("mamba_ssd_fwd", "mamba_ssd_bwd"), TF32),
@@ -152,6 +173,11 @@ CASES = (
          selective_scan_torch, _selective_scan,
          ("triton_selective_scan_fwd", "triton_selective_scan_bwd"),
          {torch.float32: 1e-4, torch.bfloat16: 2e-2}),
+    # the whole layer, its input's gradient through every kernel step: mamba_ssm's SISO kernels
+    # take q, k, x, z and the angles in bfloat16 whatever the layer's dtype (as its module does)
+    Case("Mamba-3 SISO layer (mamba_ssm's kernels)", "mamba_ssm", _mamba3_kernel_path,
+         _mamba3_torch_path, _mamba3_layer, ("mamba3_siso_fwd", "mamba3_siso_bwd"),
+         {torch.float32: 3e-2, torch.bfloat16: 5e-2}),
 )
 
 
