@@ -223,8 +223,8 @@ gated_rms_norm_bwd = Launcher("mamba_ssm", _GATED_NORM, "_layer_norm_bwd",
                               ("dy", "x", "weight", "bias", "eps", "mean", "rstd"),
                               _NORM_OPTIONS + ("dz",))
 
-# ... and what its Mamba-3 SISO function (_Mamba3Function, ops/triton/mamba3/
-# mamba3_siso_combined.py) calls, without entering or final states. The angles' running sum
+# ... and what its Mamba-3 SISO function (_Mamba3Function, in its module
+# mamba_ssm.ops.triton.mamba3.mamba3_siso_combined) calls, without entering or final states. The angles' running sum
 # -> (its values, the final one); the scan -> (out, out before the z gate, the chunks' states,
 # the cumulative log decays and their sums, q rotated, k rotated and scaled, q . k, the
 # trapezoid's scale and gamma, None); its backward in four steps, then the angles' sum's.
