@@ -27,6 +27,10 @@ Compared, forward + backward on CPU in fp32 (issue 7, item 1):
     weights (same parameter names), hidden 512, expand 2, state 16, dt rank 32, conv width 4;
     and (`mamba1_vs_mamba2`) the same Mamba1 mixer vs our Mamba2 mixer of the shapes above at
     about the same parameter count (1.69M against 1.85M): what the per-channel state costs.
+  * Mamba-3 mixer (issue 60, `M` with `m_layers = "mamba3"`): `titan_hybrid.model.mamba3.
+    Mamba3Mixer` (its chunked torch path, ops/mamba3_scan.py) at half our Mamba2 mixer's state
+    (32) and about its parameters, vs that Mamba2 mixer: SISO with 4 B / C groups
+    (`mamba3_siso_vs_mamba2`), MIMO of rank 4 with one group (`mamba3_mimo_vs_mamba2`).
   Baselines are named "transformers NemotronH torch path" / "transformers Qwen3-Next torch path".
   * MLA / DSA layers (issue 17): `titan_hybrid.model.mla.MultiLatentAttention` vs
     transformers' `DeepseekV3Attention` (SDPA), and `model.dsa.DeepSeekSparseAttention` (indexer
@@ -129,6 +133,7 @@ from titan_hybrid.model.dsa import DeepSeekSparseAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mamba1 import Mamba1Args, Mamba1Mixer
+from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
 from titan_hybrid.model.mla import MultiLatentAttention
 from titan_hybrid.model.short_conv import ShortConv, ShortConvArgs
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule
@@ -158,8 +163,21 @@ OPS = {  # op -> (label, baseline)
                    "transformers Lfm2ShortConv torch path (conv1d)"),
     "mamba1": ("Mamba1 mixer", "transformers MambaMixer torch path (sequential scan)"),
     "mamba1_vs_mamba2": ("Mamba1 mixer", "our Mamba2 mixer (SSD chunked scan), ~equal params"),
+    "mamba3_siso_vs_mamba2": ("Mamba-3 SISO mixer, half the state",
+                              "our Mamba2 mixer (SSD chunked scan), ~equal params"),
+    "mamba3_mimo_vs_mamba2": ("Mamba-3 MIMO (rank 4) mixer, half the state",
+                              "our Mamba2 mixer (SSD chunked scan), ~equal params"),
 }
-UNRELATED = ("mamba1_vs_mamba2",)  # two different layers: no agreement column
+# two different layers: no agreement column
+UNRELATED = ("mamba1_vs_mamba2", "mamba3_siso_vs_mamba2", "mamba3_mimo_vs_mamba2")
+# Mamba-3 at half our Mamba2's state (32) and about its parameters: SISO with Mamba2's 4 B / C
+# groups, MIMO with one group and rank 4 (mamba_ssm's default rank, its chunk of 64 / R)
+MAMBA3_CASES = {
+    "mamba3_siso_vs_mamba2": Mamba3Args(d_state=STATE // 2, head_dim=HEAD_DIM, n_groups=GROUPS,
+                                        chunk_size=64),
+    "mamba3_mimo_vs_mamba2": Mamba3Args(d_state=STATE // 2, head_dim=HEAD_DIM, n_groups=1,
+                                        mimo=True, mimo_rank=4, chunk_size=16),
+}
 TARGET_OPS = ("ssd", "mixer", "gdn")  # issue 7's targets
 MLA_SHAPES = dict(n_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
                   qk_rope_head_dim=32, v_head_dim=64)
@@ -306,6 +324,15 @@ def make_case(op: str, T: int, batch: int = BATCH, seed: int = 0):
         x = rnd(batch, T, DIM).requires_grad_()
         return {name: (lambda m=m: m(x), [x] + [p for _, p in sorted(m.named_parameters())])
                 for name, m in (("ours", ours.train()), ("theirs", theirs.train()))}
+    if op in MAMBA3_CASES:
+        torch.manual_seed(seed)
+        ours = Mamba3Mixer(dim=DIM, args=MAMBA3_CASES[op])
+        with torch.no_grad():
+            ours.init_weights(init_std=0.02, out_std=0.02)
+        theirs = our_mamba2_mixer(seed)
+        x = rnd(batch, T, DIM).requires_grad_()
+        return {name: (lambda m=m: m(x), [x] + [p for _, p in sorted(m.named_parameters())])
+                for name, m in (("ours", ours.train()), ("theirs", theirs.train()))}
     if op == "mixer":
         ours = our_mamba2_mixer(seed)
         config = NemotronHConfig(
@@ -442,7 +469,9 @@ def main() -> None:
                          ("dsa", args.mla_seq_lens), ("v4", args.mla_seq_lens),
                          ("v4_csa", args.mla_seq_lens), ("v4_hca", args.mla_seq_lens),
                          ("short_conv", args.conv_seq_lens), ("mamba1", args.conv_seq_lens),
-                         ("mamba1_vs_mamba2", args.conv_seq_lens)):
+                         ("mamba1_vs_mamba2", args.conv_seq_lens),
+                         ("mamba3_siso_vs_mamba2", args.conv_seq_lens),
+                         ("mamba3_mimo_vs_mamba2", args.conv_seq_lens)):
         if op not in args.ops:
             continue
         for T in seq_lens:
