@@ -113,7 +113,7 @@ def test_m_builds_gdp_only_when_the_option_says_so():
     assert list(model.layers["0"].mixer.fused_parts["conv1d.weight"]) == [
         ".V0", ".V1", ".K0", ".K1", ".Q"]
     with pytest.raises(ValueError,
-                       match=r"^m_layers='gdn' is not one of \['mamba2', 'gdp', 'mamba1'\]"):
+                       match=r"^m_layers='gdn' is not one of \['mamba2', 'gdp', 'mamba1', 'mamba3'\]"):
         dataclasses.replace(args, m_layers="gdn").validate()
     with pytest.raises(ValueError, match=r"^gdp: num_householder=0 must be >= 1"):
         dataclasses.replace(args, gdp=GDPArgs(num_householder=0)).validate()
