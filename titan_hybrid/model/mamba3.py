@@ -15,8 +15,11 @@ reads R outputs. The output: y * silu(z) (SISO), or sum_r mimo_o[r] * o_r * silu
 (MIMO); with `outproj_norm`, a gated RMS norm per head (norm before the gate) in place of the
 plain gate. Then out_proj.
 
-What differs from mamba_ssm's module: its SISO kernel computes q, k, x, z and the angles in
-bfloat16 whatever the model's dtype; here the torch path computes in float32. The angle's
+On CUDA, where mamba_ssm is usable, SISO runs its Triton kernels (ops/mamba3_kernel.py: the
+biases, angles, rotation and gate inside them), in bfloat16 as its module does; MIMO, and any
+layer elsewhere, the torch path. What differs from mamba_ssm's module: its SISO kernel computes
+q, k, x, z and the angles in bfloat16 whatever the model's dtype; the torch path computes in
+float32. The angle's
 running sum is not taken modulo 2 pi (the same rotation). mamba_ssm ignores unknown options
 and `seq_idx`; here packed documents restart the state, the previous token's term and the
 angle, as its kernels do for `cu_seqlens`.
