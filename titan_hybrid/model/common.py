@@ -86,14 +86,22 @@ def inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
+def init_dt_bias(dt_bias: torch.Tensor, *, dt_min: float, dt_max: float,
+                 dt_floor: float) -> None:
+    """mamba_ssm's time-step init (Mamba1, Mamba2, Mamba-3, GDN): dt log-uniform in
+    [dt_min, dt_max], floored, stored as softplus^-1(dt) in the bias that softplus takes."""
+    nn.init.uniform_(dt_bias, math.log(dt_min), math.log(dt_max))
+    with torch.no_grad():
+        dt_bias.copy_(inverse_softplus(torch.exp(upcast(dt_bias)).clamp(min=dt_floor)))
+
+
 def init_ssm_decay(A_log: torch.Tensor, dt_bias: torch.Tensor, *, a_range: tuple[float, float],
                    dt_min: float, dt_max: float, dt_floor: float) -> None:
-    """Mamba2's init, shared by GDN: A uniform in a_range (stored as log), and a time step dt
-    log-uniform in [dt_min, dt_max], floored, stored as softplus^-1(dt) in dt_bias."""
+    """Mamba2's init, shared by GDN: A uniform in a_range (stored as log), and dt_bias as
+    init_dt_bias."""
     nn.init.uniform_(A_log, *a_range)
     A_log.copy_(torch.log(A_log))
-    nn.init.uniform_(dt_bias, math.log(dt_min), math.log(dt_max))
-    dt_bias.copy_(inverse_softplus(torch.exp(upcast(dt_bias)).clamp(min=dt_floor)))
+    init_dt_bias(dt_bias, dt_min=dt_min, dt_max=dt_max, dt_floor=dt_floor)
 
 
 class TensorParallelPartialSum(nn.Module):

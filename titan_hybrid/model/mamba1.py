@@ -33,6 +33,7 @@ from titan_hybrid.model.common import (
     TensorParallelPartialSum,
     TPLayout,
     init_depthwise_conv,
+    init_dt_bias,
     init_linear,
     sharded,
     upcast,
@@ -184,10 +185,9 @@ class Mamba1Mixer(nn.Module):
         rank = self.dt_proj.weight.shape[1]
         bound = rank ** -0.5  # mamba_ssm's dt_init "random"
         nn.init.uniform_(self.dt_proj.weight, -bound, bound)
-        dt = torch.exp(torch.empty_like(self.dt_proj.bias, dtype=torch.float32).uniform_(
-            math.log(args.dt_min), math.log(args.dt_max))).clamp(min=args.dt_init_floor)
+        init_dt_bias(self.dt_proj.bias, dt_min=args.dt_min, dt_max=args.dt_max,
+                     dt_floor=args.dt_init_floor)
         with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
             # S4D-real: A = -(1 .. N) for every channel
             self.A_log.copy_(torch.log(torch.arange(1, args.d_state + 1, dtype=torch.float32,
                                                     device=self.A_log.device)).expand_as(

@@ -35,12 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import init_linear, upcast
+from titan_hybrid.model.common import init_dt_bias, init_linear, upcast
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.norms import RMSNorm
+from titan_hybrid.model.norms import GatedGroupRMSNorm, RMSNorm
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
-from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
 from titan_hybrid.ops.mamba3_kernel import mamba3_siso
 from titan_hybrid.ops.mamba3_scan import mamba3_scan
@@ -134,8 +133,9 @@ class Mamba3Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         self.B_norm = RMSNorm(state, eps=NORM_EPS)
         self.C_norm = RMSNorm(state, eps=NORM_EPS)
-        if args.outproj_norm:
-            self.norm = RMSNorm(args.d_inner(dim), eps=NORM_EPS)  # per head: forward
+        if args.outproj_norm:  # per head, the norm before the gate
+            self.norm = GatedGroupRMSNorm(args.d_inner(dim), group_size=args.head_dim,
+                                          eps=NORM_EPS, norm_before_gate=True)
         self.out_proj = nn.Linear(args.d_inner(dim), dim, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
@@ -157,7 +157,7 @@ class Mamba3Mixer(nn.Module):
                 self.B_bias[:, 0], angles, self.D, None if args.outproj_norm else z_BTHP,
                 seq_idx, args.chunk_size)
             if args.outproj_norm:
-                y_BTHP = self._output_norm(y_BTHP, z_BTHP)
+                y_BTHP = self.norm(y_BTHP.flatten(-2), z_BTHP.flatten(-2)).view_as(y_BTHP)
         else:
             y_BTHP = self._torch_path(B, C, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap, angles,
                                       seq_idx)
@@ -170,12 +170,6 @@ class Mamba3Mixer(nn.Module):
         args = self.args
         return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
                 and not kernel_op_refused("mamba3_siso_fwd"))
-
-    def _output_norm(self, y, z):
-        """The gated RMS norm per head (norm before the gate), in place of the plain gate."""
-        return gated_group_rms_norm(y.flatten(-2), z.flatten(-2), self.norm.weight,
-                                    group_size=self.args.head_dim, eps=NORM_EPS,
-                                    norm_before_gate=True).view_as(y)
 
     def _torch_path(self, B_BTRGN, C_BTRGN, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
                     angles_BTS, seq_idx):
@@ -199,8 +193,8 @@ class Mamba3Mixer(nn.Module):
                               per_head(B_BTRGN, self.B_bias), dt_BTH, log_decay_BTH,
                               torch.sigmoid(upcast(trap_BTH)), self.D, args.chunk_size,
                               seq_idx_BT=seq_idx)
-        y_BTRHP = (self._output_norm(o_BTRHP, z_BTRHP) if args.outproj_norm
-                   else o_BTRHP * F.silu(z_BTRHP))
+        y_BTRHP = (self.norm(o_BTRHP.flatten(-2), z_BTRHP.flatten(-2)).view_as(o_BTRHP)
+                   if args.outproj_norm else o_BTRHP * F.silu(z_BTRHP))
         if args.mimo:
             return (y_BTRHP * upcast(self.mimo_o).transpose(0, 1)).sum(2)
         return y_BTRHP[:, :, 0]
@@ -212,10 +206,8 @@ class Mamba3Mixer(nn.Module):
         args = self.args
         init_linear(self.in_proj, std=init_std)
         init_linear(self.out_proj, std=out_std)
-        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(
-            math.log(args.dt_min), math.log(args.dt_max))).clamp(min=args.dt_init_floor)
-        with torch.no_grad():
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        init_dt_bias(self.dt_bias, dt_min=args.dt_min, dt_max=args.dt_max,
+                     dt_floor=args.dt_init_floor)
         for parameter in (self.B_bias, self.C_bias, self.D):
             nn.init.ones_(parameter)
         if args.mimo:

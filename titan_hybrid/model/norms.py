@@ -53,24 +53,28 @@ class AcrossHeadsRMSNorm(nn.Module):
 
 
 class GatedGroupRMSNorm(nn.Module):
-    """norm(y * silu(z)) with the RMS taken over groups of `group_size` channels.
+    """norm(y * silu(z)) with the RMS taken over groups of `group_size` channels; with
+    `norm_before_gate`, norm(y) * silu(z) (Mamba-3's output norm, a group per head).
 
     Mamba2's norm: each group of channels (one per SSM group) is normalised on its own, so the
     result does not depend on how the channels are split across tensor-parallel ranks as long as
     a rank holds whole groups. Its weight is sharded with the channels, unlike ordinary norms.
     """
 
-    def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, *, group_size: int, eps: float = 1e-5,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         if dim % group_size != 0:
             raise ValueError(f"gated norm: dim {dim} is not a multiple of group_size {group_size}")
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # mamba_ssm's Triton kernel on CUDA, else the torch path (titan_hybrid.ops.gated_norm).
-        return gated_group_rms_norm(y, z, self.weight, group_size=self.group_size, eps=self.eps)
+        return gated_group_rms_norm(y, z, self.weight, group_size=self.group_size, eps=self.eps,
+                                    norm_before_gate=self.norm_before_gate)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

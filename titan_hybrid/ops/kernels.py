@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from titan_hybrid.compat import kernel_packages
 
@@ -84,7 +85,6 @@ def mamba3_siso_refusal(capability: tuple[int, int] | None,
     torch path; mamba_ssm's other kernels run."""
     if capability is None or capability[0] != 10 or mamba_ssm_version is None:
         return None
-    from packaging.version import InvalidVersion, Version
     try:
         fixed = Version(Version(mamba_ssm_version).public) > Version("2.3.2.post1")
     except InvalidVersion:

@@ -52,6 +52,19 @@ def _per_head_time(tensor: torch.Tensor, cu_seqlens) -> torch.Tensor:
     return _one_row(tensor, cu_seqlens).transpose(1, 2).contiguous()
 
 
+def _kernel_inputs(C, B, x, dt, trap, angles, z, seq_idx):
+    """What both directions pass mamba_ssm, in its layouts and dtypes: (cu_seqlens, q, k, v,
+    dt, the trapezoid, the angles per head, z or None)."""
+    b, t, h, _ = x.shape
+    cu_seqlens = sequence_starts(seq_idx)
+    low = _kernel_dtype(x)
+    q, k, v = (_one_row(tensor.to(low), cu_seqlens).contiguous() for tensor in (C, B, x))
+    gate = None if z is None else _one_row(z.to(low), cu_seqlens).contiguous()
+    step, trap_ = (_per_head_time(tensor, cu_seqlens) for tensor in (dt.float(), trap.to(low)))
+    angle = _one_row(angles.to(low)[:, :, None].expand(b, t, h, -1), cu_seqlens).contiguous()
+    return cu_seqlens, q, k, v, step, trap_, angle, gate
+
+
 @kernel_op("mamba3_siso_fwd", saved_by_selective_ac=True)
 def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch.Tensor,
              dt: torch.Tensor, trap: torch.Tensor, C_bias: torch.Tensor, B_bias: torch.Tensor,
@@ -60,14 +73,9 @@ def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch
     """[y, *the residuals]: y [B, T, H, P] in x's dtype, then the angles' running sum, the
     output before the gate, the chunks' states, the cumulative log decays and their sums, q
     rotated, k rotated and scaled, q . k, the trapezoid's scale and gamma (mamba_ssm's)."""
-    b, t, h, _ = x.shape
-    cu_seqlens = sequence_starts(seq_idx)
-    low = _kernel_dtype(x)
-    q, k, v = (_one_row(tensor.to(low), cu_seqlens).contiguous() for tensor in (C, B, x))
-    gate = None if z is None else _one_row(z.to(low), cu_seqlens).contiguous()
-    adt, step, trap_ = (_per_head_time(tensor, cu_seqlens)
-                        for tensor in (log_decay.float(), dt.float(), trap.to(low)))
-    angle = _one_row(angles.to(low)[:, :, None].expand(b, t, h, -1), cu_seqlens).contiguous()
+    cu_seqlens, q, k, v, step, trap_, angle, gate = _kernel_inputs(C, B, x, dt, trap, angles,
+                                                                   z, seq_idx)
+    adt = _per_head_time(log_decay.float(), cu_seqlens)
     cumulative = kernel_packages.mamba3_angles_fwd(angle, step, chunk_size=chunk_size,
                                                    cu_seqlens=cu_seqlens)
     out, *residuals, _ = kernel_packages.mamba3_siso_fwd(
@@ -104,17 +112,13 @@ def _backward(dy: torch.Tensor, C: torch.Tensor, B: torch.Tensor, x: torch.Tenso
     """The gradients of C, B, x, the log decay, dt, the trapezoid, the biases, the angles, D
     and z (empty without z), each in its input's dtype."""
     b, t, h, _ = x.shape
-    cu_seqlens = sequence_starts(seq_idx)
-    low = _kernel_dtype(x)
     (cumulative, out_before_gate, states, decay_cumsum, decay_sums, q_rotated, k_scaled,
      qk_dot, scale, gamma) = residuals
-    q, k, v = (_one_row(tensor.to(low), cu_seqlens).contiguous() for tensor in (C, B, x))
-    step, trap_ = (_per_head_time(tensor, cu_seqlens) for tensor in (dt.float(), trap.to(low)))
-    angle = _one_row(angles.to(low)[:, :, None].expand(b, t, h, -1), cu_seqlens).contiguous()
-    do = _one_row(dy.to(low), cu_seqlens).contiguous()
+    cu_seqlens, q, k, v, step, trap_, angle, gate = _kernel_inputs(C, B, x, dt, trap, angles,
+                                                                   z, seq_idx)
+    do = _one_row(dy.to(_kernel_dtype(x)), cu_seqlens).contiguous()
     dz = None
     if z is not None:
-        gate = _one_row(z.to(low), cu_seqlens).contiguous()
         dz, do = kernel_packages.mamba3_siso_bwd_dz(do, gate, out_before_gate,
                                                     chunk_size=chunk_size)
     dq_mid, dk_mid, dv, dadt, dqk, dD, _ = kernel_packages.mamba3_siso_bwd_dqkv(
