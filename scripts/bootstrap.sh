@@ -93,20 +93,33 @@ quiet_pip() {
         | { grep -v "^WARNING: Location '.*' is ignored" || true; }
 }
 
-# A CUDA build (the 2.11, 2.14 and 2.15 lines; any line on a GPU host) is about 2.6 GB of
-# wheels: uv unpacks them in ~45 s where pip takes ~200 s (a 2-core machine). uv comes from the
-# registry into the venv, with its cache inside the venv (removed with it, hard links to the
-# installed files); pip installs where uv cannot be had or fails. 2.13's CPU build is a local
-# file that pip's configuration names (find-links), which uv does not read.
+# uv installs where it can: a CUDA build (the 2.11, 2.14 and 2.15 lines; any line on a GPU
+# host) is about 2.6 GB of wheels, which uv unpacks in ~45 s where pip takes ~200 s, and uv
+# resolves and installs titan_hybrid's own requirements in ~7 s where pip takes ~75 s (a 2-core
+# machine; CI makes five venvs a run). uv comes from the registry into the venv, with its cache
+# inside the venv (removed after each install; the installed files are hard links); pip
+# installs where uv cannot be had or fails. 2.13's CPU build is a local file that pip's
+# configuration names (find-links), which uv does not read: pip installs it.
+uv_install() {
+    { [ -x "$VENV/bin/uv" ] || quiet_pip install --quiet uv; } || return 1
+    local status=0
+    env ${PIP_CERT:+SSL_CERT_FILE="$PIP_CERT"} UV_CACHE_DIR="$VENV/.uv-cache" \
+        "$VENV/bin/uv" pip install --quiet --python "$PY" --constraint "$CONSTRAINTS" "$@" \
+        || status=$?
+    rm -rf "$VENV/.uv-cache"
+    return $status
+}
+
 install_torch() {
-    if [ "$torch_requirement" != "torch==2.13.0" ] && quiet_pip install --quiet uv \
-        && env ${PIP_CERT:+SSL_CERT_FILE="$PIP_CERT"} UV_CACHE_DIR="$VENV/.uv-cache" \
-            "$VENV/bin/uv" pip install --quiet --python "$PY" --constraint "$CONSTRAINTS" \
-            "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}"; then
-        rm -rf "$VENV/.uv-cache"
-        return
-    fi
-    quiet_pip install --quiet "$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}"
+    local wheels=("$torch_requirement" "triton==$TRITON_VERSION" "${EXTRA[@]}")
+    if [ "$torch_requirement" != "torch==2.13.0" ] && uv_install "${wheels[@]}"; then return; fi
+    quiet_pip install --quiet "${wheels[@]}"
+}
+
+# titan_hybrid (editable) with its test extras; torch and triton are already in place, and the
+# constraints keep them.
+install_project() {
+    uv_install -e "$REPO_ROOT[test]" || quiet_pip install --quiet -e "$REPO_ROOT[test]"
 }
 
 # The venv is current when its stamp names what this host wants (the stamp is written last).
@@ -116,12 +129,12 @@ install_venv() {
     echo "== bootstrap: installing $want into $VENV_NAME" >&2
     [ -x "$PY" ] || python3 -m venv "$VENV"
     rm -f "$STAMP"
-    # The constraints (quiet_pip) keep the editable install from swapping torch or triton for
+    # The constraints (quiet_pip, uv_install) keep the editable install from swapping torch or triton for
     # whatever pyproject.toml's range would pick.
     printf '%s\n' "$torch_requirement" "triton==$TRITON_VERSION" \
         "torchtitan==$TORCHTITAN_VERSION" "${EXTRA[@]}" > "$CONSTRAINTS"
     install_torch
-    quiet_pip install --quiet -e "$REPO_ROOT[test]"
+    install_project
     if [ "$has_gpu" = 0 ]; then
         # The GPU kernels' Python + Triton sources, which the triton_interpreter tests run in
         # Triton's interpreter (tests/triton_kernels.py), at the versions they were checked on.
