@@ -12,6 +12,8 @@ from tests.launch import REPO_ROOT, TrainResult, run_training, start_fork_server
 from tests.torchtitan_generation import INSTALLED
 
 DISTRIBUTED = REPO_ROOT / "tests" / "distributed"
+# The folders whose tests launch training runs (tests/launch.py's fork server serves them).
+LAUNCHING = (DISTRIBUTED, REPO_ROOT / "tests" / "torchtitan_0_3")
 # The torchtitan 0.3 adapter's tests run in the 0.3 venv (CI's 0.3 leg names the folder); under
 # 0.2 they are not collected, so the default suite neither runs nor skips them.
 collect_ignore = [] if INSTALLED == (0, 3) else ["torchtitan_0_3"]
@@ -50,8 +52,8 @@ def pytest_sessionstart(session):
         return  # a pytest-xdist controller: its workers run the tests
     paths = [Path(session.config.invocation_params.dir, arg.split("::")[0]).resolve()
              for arg in session.config.args]
-    if any(path == DISTRIBUTED or DISTRIBUTED in path.parents or path in DISTRIBUTED.parents
-           for path in paths):
+    if any(path == folder or folder in path.parents or path in folder.parents
+           for path in paths for folder in LAUNCHING):
         start_fork_server()
 
 

@@ -4,8 +4,9 @@ Every launch is a real process tree: a launcher process and its workers, with th
 status and output. To save each launch the seconds a fresh interpreter spends importing torch,
 torchtitan and titan_hybrid, the launcher process is forked from a per-session fork server that
 imported them once (tests/zygote.py), and the trainer's launcher forks its workers in turn
-(titan_hybrid.launch does that on CPU-only hosts); worker scripts are forked by the same
-server under torchrun's environment contract. A launch whose environment differs from the one
+(titan_hybrid.launch does that on CPU-only hosts); worker scripts and modules (torchtitan
+0.3's `torchrun -m torchtitan.train`) are forked by the same server under torchrun's
+environment contract. A launch whose environment differs from the one
 the fork server imported with runs as a fresh subprocess instead, as does everything when
 TITAN_HYBRID_TEST_FORK=0.
 """
@@ -30,6 +31,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # launch imports: pytest's per-test marker, and output buffering (the server's children write
 # unbuffered, as run_training asks for).
 _ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"}
+# Variables a forked child applies itself as a fresh interpreter would: PYTHONPATH's entries go
+# in front of sys.path (tests/zygote.py). Modules the server imported stay as imported, so a
+# test's PYTHONPATH adds modules of its own (a user's registry), never other copies of these.
+_ENV_APPLIED = {"PYTHONPATH"}
 
 
 # A few steps of a small job with every sequence-mixing kind (Mamba2, attention, GDN, MLP):
@@ -161,7 +166,7 @@ class _ForkServer:
             return False
         imported_in = {**self.env, **self.set_by_imports}
         differ = tuple(sorted(
-            key for key in (set(env) | set(imported_in)) - _ENV_IGNORED
+            key for key in (set(env) | set(imported_in)) - _ENV_IGNORED - _ENV_APPLIED
             if env.get(key) != imported_in.get(key)
             and not (key in self.set_by_imports and key not in env)))
         if differ and differ not in self.refused:
@@ -309,6 +314,27 @@ def launch_workers(script: Path, *args: str, nproc: int = 2,
                str(script), *args]
     return _run(command, _launch_env(), timeout,
                 call=("tests.zygote:fork_workers", [str(script), str(nproc), *args]))
+
+
+def torchrun(*words: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """`torchrun WORDS` in REPO_ROOT with ENV added to the launch environment: torchrun's own
+    launcher (forked by the fork server where it can be) starts fresh worker processes, as it
+    does for a user."""
+    return _run(["-m", "torch.distributed.run", *words], _launch_env(**env), timeout)
+
+
+def torchrun_module(module: str, *args: str, nproc: int = 1, fork_workers: bool = True,
+                    timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC -m MODULE ARGS` in REPO_ROOT with ENV
+    added to the launch environment. With fork_workers, the fork server forks NPROC workers
+    under torchrun's environment contract (tests/zygote.py), which saves each worker its
+    imports; without, this is `torchrun` (above), for what torchrun itself prints and
+    returns."""
+    words = ("--standalone", f"--nproc_per_node={nproc}", "-m", module, *args)
+    if not fork_workers:
+        return torchrun(*words, timeout=timeout, **env)
+    return _run(["-m", "torch.distributed.run", *words], _launch_env(**env), timeout,
+                call=("tests.zygote:fork_module_workers", [module, str(nproc), *args]))
 
 
 def run_worker(script: Path, *args: str, nproc: int = 2) -> dict:

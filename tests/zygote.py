@@ -22,12 +22,16 @@ import json
 import os
 import sys
 
-# Library modules only: importing them changes nothing in torch or torchtitan (the entry points,
-# titan_hybrid.train / launch / torchtitan_plugin, are imported by each child as a fresh process
-# would), so a child starts in the state of a fresh interpreter that imported these.
-PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train",
-           "titan_hybrid.adapters.torchtitan_0_2.trainer", "titan_hybrid.torchtitan_plugin",
-           "titan_hybrid.training.preflight")
+# What every child would import, imported once here; none of it runs a torch operation. Which
+# modules depends on the installed torchtitan's generation: under 0.2, the plugin that every
+# run imports first (it activates titan_hybrid); under 0.3, the library modules behind the
+# config registry, which torchtitan imports in each child (`--module titan_hybrid`).
+PRELOAD = ("torch", "torch.distributed.run", "torchtitan.train", "titan_hybrid.training.preflight")
+PRELOAD_BY_GENERATION = {
+    (0, 2): ("titan_hybrid.adapters.torchtitan_0_2.trainer", "titan_hybrid.torchtitan_plugin"),
+    (0, 3): ("torchtitan.trainer", "titan_hybrid.adapters.torchtitan_0_3.trainer",
+             "titan_hybrid.adapters.torchtitan_0_3.model_spec"),
+}
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -63,8 +67,15 @@ def _run_child(request: dict, set_by_imports: dict[str, str]) -> None:
             os.dup2(target, fd)
             os.close(target)
         os.chdir(request["cwd"])
+        imported_with = os.environ.get("PYTHONPATH", "")
         os.environ.clear()
         os.environ.update({**set_by_imports, **request["env"]})
+        # A PYTHONPATH of the request's own (a test's folder of user modules) goes in front of
+        # sys.path, where a fresh interpreter puts it.
+        if os.environ.get("PYTHONPATH", "") != imported_with:
+            extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                     if entry and entry not in sys.path]
+            sys.path[:0] = extra
         if "module" in request:
             sys.argv = [request["module"], *request["args"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -87,16 +98,38 @@ def _run_child(request: dict, set_by_imports: dict[str, str]) -> None:
 
 def fork_workers(script: str, nproc: str, *args: str) -> int:
     """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS` by fork: NPROC workers with
-    torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT), each running SCRIPT as `python SCRIPT
-    ARGS` would. Like torchrun, the first worker to fail stops the others; the result is 0 or
-    that worker's status (1 when a signal ended it)."""
+    torchrun's environment contract, each running SCRIPT as `python SCRIPT ARGS` would."""
     import runpy
+
+    def run() -> None:
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+    return _fork_ranks(int(nproc), run)
+
+
+def fork_module_workers(module: str, nproc: str, *args: str) -> int:
+    """`torchrun --standalone --nproc_per_node NPROC -m MODULE ARGS` by fork: each of NPROC
+    workers runs MODULE as `python -m MODULE ARGS` would."""
+    import runpy
+
+    def run() -> None:
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+    return _fork_ranks(int(nproc), run)
+
+
+def _fork_ranks(world: int, run) -> int:
+    """WORLD forked workers with torchrun's environment contract (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT), each calling RUN. Like
+    torchrun, the first worker to fail stops the others; the result is 0 or that worker's
+    status (1 when a signal ended it)."""
     import signal
     import socket
     import traceback
 
-    world = int(nproc)
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -112,9 +145,7 @@ def fork_workers(script: str, nproc: str, *args: str) -> int:
                     RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank), GROUP_RANK="0",
                     WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                sys.argv = [script, *args]
-                sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-                runpy.run_path(script, run_name="__main__")
+                run()
                 code = 0
             except SystemExit as error:
                 code = _exit_code(error)
@@ -144,12 +175,16 @@ def main(request_fd: int, reply_fd: int) -> None:
     import importlib
 
     started_with = dict(os.environ)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    # Warm the job parser's caches (tyro reads the source of every config class): pure Python.
-    from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job
+    from titan_hybrid.compat import TORCHTITAN_RELEASE
 
-    parse_job(["--job.config_file", "train_configs/hybrid.toml"])
+    for name in (*PRELOAD, *PRELOAD_BY_GENERATION[TORCHTITAN_RELEASE]):
+        importlib.import_module(name)
+    if TORCHTITAN_RELEASE == (0, 2):
+        # Warm the job parser's caches (tyro reads the source of every config class): pure
+        # Python.
+        from titan_hybrid.adapters.torchtitan_0_2.job_config import parse_job
+
+        parse_job(["--job.config_file", "train_configs/hybrid.toml"])
     requests = os.fdopen(request_fd, "r")
     replies = os.fdopen(reply_fd, "w", buffering=1)
     # e.g. TORCHINDUCTOR_CACHE_DIR, which importing torch's inductor sets.

@@ -15,7 +15,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -24,21 +23,21 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from tests.launch import REPO_ROOT
+from tests.launch import REPO_ROOT, torchrun, torchrun_module
 
 TRAIN_CONFIGS = REPO_ROOT / "train_configs"
 SMALL = ("--training.steps", "3", "--training.seq_len", "64")
 
 
 
-def torchtitan_run(tmp_path, *args: str, nproc: int = 1, config: str = "hybrid"):
-    """`torchrun -m torchtitan.train --module titan_hybrid --config CONFIG ARGS`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", "-m", "torchtitan.train", "--module", "titan_hybrid",
-         "--config", config, "--dump_folder", str(tmp_path), *args],
-        capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+def torchtitan_run(tmp_path, *args: str, nproc: int = 1, config: str = "hybrid",
+                   fork_workers: bool = True):
+    """`torchrun -m torchtitan.train --module titan_hybrid --config CONFIG ARGS`, its workers
+    forked by the tests' fork server (tests/launch.py), or with fork_workers=False started by
+    torchrun's own launcher (for what torchrun prints)."""
+    return torchrun_module(
+        "torchtitan.train", "--module", "titan_hybrid", "--config", config, "--dump_folder",
+        str(tmp_path), *args, nproc=nproc, fork_workers=fork_workers, PYTHONUNBUFFERED="1")
 
 
 def torchtitan_0_2_run(dump_folder, *args: str, config: str = "hybrid"):
@@ -219,18 +218,18 @@ def readme_user_command() -> list[str]:
 
 
 def user_job_run(tmp_path, *args: str, nproc: int = 1, command: list[str] | None = None,
-                 registry: str | None = None):
+                 registry: str | None = None, fork_workers: bool = True):
     """The README's registry (or `registry`, its source) under torchrun: `command` (the
-    README's own) or `nproc` processes with `args`."""
+    README's own, run by torchrun's launcher) or `nproc` processes with `args` (forked by the
+    tests' fork server unless fork_workers=False)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "my_registry.py").write_text(registry or readme_registry())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
-    if command is None:
-        command = ["torchrun", "--standalone", f"--nproc_per_node={nproc}", "-m",
-                   "torchtitan.train", "--module", "my_registry", "--config", "hybrid_in_my_job"]
-    words = [sys.executable, "-m", "torch.distributed.run", *command[1:]]  # torchrun itself
-    return subprocess.run([*words, "--dump_folder", str(tmp_path / "out"), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    dump = ("--dump_folder", str(tmp_path / "out"))
+    if command is not None:
+        return torchrun(*command[1:], *dump, *args, PYTHONPATH=str(tmp_path))
+    return torchrun_module("torchtitan.train", "--module", "my_registry", "--config",
+                           "hybrid_in_my_job", *dump, *args, nproc=nproc,
+                           fork_workers=fork_workers, PYTHONPATH=str(tmp_path))
 
 
 def logged_losses(output: str) -> list[float]:

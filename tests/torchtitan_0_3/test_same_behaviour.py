@@ -38,7 +38,8 @@ PIPELINE = ("--parallelism.pipeline_parallel_degree", "2")
 
 
 def test_divergence_stops_every_stage_before_the_step_is_applied_or_saved(tmp_path):
-    stock = torchtitan_run(tmp_path / "stock", *DIVERGING, *PIPELINE, nproc=2)
+    stock = torchtitan_run(tmp_path / "stock", *DIVERGING, *PIPELINE, nproc=2,
+                           fork_workers=False)  # what torchrun's recorder prints
     output = stock.stdout + stock.stderr
     assert stock.returncode != 0
     assert "error: training diverged at step 2:" in output
