@@ -3,10 +3,12 @@ whole layer written from mamba_ssm 2.3.2.post1's module (its in_proj split, norm
 rotation pairs, trapezoid, gates; the scan's per-token recurrence: test_mamba3_scan.py), with
 every parameter perturbed: SISO, MIMO, the output norm, groups, both rope fractions, packed
 documents. Its parameters carry mamba_ssm's names and shapes; its FLOPs are what torch's FLOP
-counter sees; what it cannot run yet (tensor and context parallelism) is refused by name."""
+counter sees; what tensor parallelism cannot split (groups) and what it cannot run yet
+(context parallelism) is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -41,6 +43,16 @@ def mixer_of(options: dict, seed: int = 0) -> Mamba3Mixer:
     return mixer
 
 
+def mamba_ssms_in_proj(mixer: Mamba3Mixer) -> torch.Tensor:
+    """mamba_ssm's fused in_proj [z | x | B | C | dd_dt | dd_A | trap | angles] of the mixer's
+    two projections (in_proj: the per-head parts; bc_proj: B, C and the angles)."""
+    sizes = mixer.args.in_proj_sizes(DIM)
+    z, x, dd_dt, dd_a, trap = mixer.in_proj.weight.split(
+        [sizes[part] for part in ("z", "x", "dd_dt", "dd_A", "trap")])
+    b, c, angles = mixer.bc_proj.weight.split([sizes[part] for part in ("b", "c", "angles")])
+    return torch.cat([z, x, b, c, dd_dt, dd_a, trap, angles])
+
+
 def rms(x, weight):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
 
@@ -53,7 +65,7 @@ def reference(mixer: Mamba3Mixer, u: torch.Tensor, seq_idx=None) -> torch.Tensor
     heads, rank, p, n, g = mixer.D.shape[0], args.rank(), args.head_dim, args.d_state, \
         args.n_groups
     angles = args.angles()
-    z, x, B, C, dd_dt, dd_A, trap, angle = (u @ mixer.in_proj.weight.T).split(
+    z, x, B, C, dd_dt, dd_A, trap, angle = (u @ mamba_ssms_in_proj(mixer).T).split(
         list(args.in_proj_sizes(DIM).values()), -1)
     B = rms(B.view(b, length, rank, g, n), mixer.B_norm.weight)
     C = rms(C.view(b, length, rank, g, n), mixer.C_norm.weight)
@@ -114,18 +126,28 @@ def test_packed_documents_are_each_document_alone(options):
     torch.testing.assert_close(packed_run, alone, rtol=1e-10, atol=1e-10)
 
 
-def test_the_parameters_are_mamba_ssms():
+def test_the_parameters_are_mamba_ssms_and_its_state_dict_loads():
     """mamba_ssm's Mamba3(d_model=32, d_state=8, headdim=8, is_mimo=True, mimo_rank=2,
     is_outproj_norm=True, ngroups=2): its state dict's names and shapes (its parameter list,
-    modules/mamba3.py; d_in_proj = 2 d_inner + 2 R G N + 3 H + S)."""
+    modules/mamba3.py; d_in_proj = 2 d_inner + 2 R G N + 3 H + S), but for in_proj, held as
+    two projections. Its state dict, one fused in_proj, loads into a mixer of other weights,
+    which then computes the same output; a state dict of the mixer's own loads as it is."""
     mixer = mixer_of(OPTIONS["mimo-norm-groups"])
     heads, inner = 8, 64
-    assert {name: tuple(t.shape) for name, t in mixer.state_dict().items()} == {
+    theirs = {**mixer.state_dict(), "in_proj.weight": mamba_ssms_in_proj(mixer)}
+    del theirs["bc_proj.weight"]
+    assert {name: tuple(t.shape) for name, t in theirs.items()} == {
         "dt_bias": (heads,), "B_bias": (heads, 2, 8), "C_bias": (heads, 2, 8),
         "mimo_x": (heads, 2, 8), "mimo_z": (heads, 2, 8), "mimo_o": (heads, 2, 8),
         "D": (heads,), "in_proj.weight": (2 * inner + 2 * 2 * 2 * 8 + 3 * heads + 2, DIM),
         "B_norm.weight": (8,), "C_norm.weight": (8,), "norm.weight": (inner,),
         "out_proj.weight": (DIM, inner)}
+    u = torch.randn(2, LENGTH, DIM, dtype=torch.float64)
+    for state_dict in (theirs, mixer.state_dict()):
+        other = mixer_of(OPTIONS["mimo-norm-groups"], seed=1)
+        assert not torch.equal(other(u), mixer(u))
+        other.load_state_dict(state_dict, strict=True)
+        assert torch.equal(other(u), mixer(u))
 
 
 def test_mfu_counts_the_chunked_scans_products():
@@ -154,8 +176,14 @@ def test_a_bad_option_or_layout_is_refused_by_name():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
             KIND.validate(Mamba3Args(**options), DIM)
     args = resolve_model_args("debug_mamba3", seq_len=64)
-    with pytest.raises(ValueError, match="hybrid.m_layers 'mamba3': tensor parallelism"):
-        validate_tensor_parallel(args, 2, seq_len=64, sequence_parallel=True)
+    validate_tensor_parallel(args, 2, seq_len=64, sequence_parallel=True)  # one group: taken
+    with pytest.raises(ValueError, match=r"mamba3\.nheads=16 is not divisible by "
+                                         r"parallelism\.tensor_parallel_degree=32"):
+        validate_tensor_parallel(args, 32, seq_len=64, sequence_parallel=False)
+    grouped = dataclasses.replace(args, mamba3=dataclasses.replace(args.mamba3, n_groups=2))
+    with pytest.raises(ValueError, match=r"mamba3\.n_groups=2 with tensor parallelism: "
+                                         r"Mamba-3's B / C projection is replicated"):
+        validate_tensor_parallel(grouped, 2, seq_len=64, sequence_parallel=False)
     for mode in ("head_a2a", "chunkwise"):
         with pytest.raises(ValueError, match=rf"context parallelism \({mode}\) is not "
                                              r"implemented for Mamba-3 \('M'\) layers"):

@@ -330,11 +330,11 @@ hybrid_flavors = FlavorRegistry({
     "debug_mamba3": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="mamba3",
         mamba3=Mamba3Args(d_state=32, head_dim=32, chunk_size=32)),
-    # ... MIMO (2 inputs and read-outs per head and token) with the output norm, 2 groups.
+    # ... MIMO (2 inputs and read-outs per head and token) with the output norm.
     "debug_mamba3_mimo": dataclasses.replace(
         _debug(), pattern="M-*-M-", m_layers="mamba3",
-        mamba3=Mamba3Args(d_state=32, head_dim=32, n_groups=2, chunk_size=16, mimo=True,
-                          mimo_rank=2, outproj_norm=True)),
+        mamba3=Mamba3Args(d_state=32, head_dim=32, chunk_size=16, mimo=True, mimo_rank=2,
+                          outproj_norm=True)),
     # Gated DeltaNet-2 in the `G` layers (Megatron's experimental_attention_variant "gdn2").
     "debug_gdn2": dataclasses.replace(
         _debug(), pattern="G-*-G-", g_layers="gdn2",

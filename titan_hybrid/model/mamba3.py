@@ -1,9 +1,12 @@
 """Mamba-3 mixer (arXiv 2603.15569; mamba_ssm 2.3.2.post1's `Mamba3`), what `M` builds with
-`hybrid.m_layers = "mamba3"`. Parameter names and layouts are mamba_ssm's, so its module's
-state dict loads as it is.
+`hybrid.m_layers = "mamba3"`. Parameter names and layouts are mamba_ssm's but for in_proj
+(below), and its module's state dict loads as it is.
 
-in_proj: hidden -> [z | x | B | C | dd_dt | dd_A | trap | angles] (d_inner, d_inner, R*G*N,
-R*G*N, H, H, H, S). No conv. Per token and head: dt = softplus(dd_dt + dt_bias); A =
+mamba_ssm's in_proj: hidden -> [z | x | B | C | dd_dt | dd_A | trap | angles] (d_inner, d_inner,
+R*G*N, R*G*N, H, H, H, S), held here as two projections: in_proj [z | x | dd_dt | dd_A | trap],
+the parts per head, which tensor parallelism splits with the heads, and bc_proj [B | C |
+angles], which every head reads (replicated under TP); its state dicts load (their in_proj is
+split on load). No conv. Per token and head: dt = softplus(dd_dt + dt_bias); A =
 min(-softplus(dd_A), -A_floor) (a decay rate per token, no A_log); the trapezoid's weight
 lam = sigmoid(trap); B and C RMS-normed over N (B_norm, C_norm, shared by groups and ranks),
 plus per-head biases B_bias / C_bias [H, R, N], then rotated by the cumulative angle
@@ -19,10 +22,9 @@ On CUDA, where mamba_ssm is usable, SISO runs its Triton kernels (ops/mamba3_ker
 biases, angles, rotation and gate inside them), in bfloat16 as its module does; MIMO, and any
 layer elsewhere, the torch path. What differs from mamba_ssm's module: its SISO kernel computes
 q, k, x, z and the angles in bfloat16 whatever the model's dtype; the torch path computes in
-float32. The angle's
-running sum is not taken modulo 2 pi (the same rotation). mamba_ssm ignores unknown options
-and `seq_idx`; here packed documents restart the state, the previous token's term and the
-angle, as its kernels do for `cu_seqlens`.
+float32. The angle's running sum is not taken modulo 2 pi (the same rotation). mamba_ssm
+ignores unknown options and `seq_idx`; here packed documents restart the state, the previous
+token's term and the angle, as its kernels do for `cu_seqlens`.
 Legend: B batch, T time, D hidden, H heads, P head dim, G groups, R rank, N state size, S angles.
 """
 
@@ -35,7 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_hybrid.model.common import init_dt_bias, init_linear, upcast
+from titan_hybrid.model.common import (
+    REPLICATED_ON_LOCAL_SHARDS,
+    TPLayout,
+    init_dt_bias,
+    init_linear,
+    sharded,
+    upcast,
+)
 from titan_hybrid.model.layer_kind import LayerKind
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm, RMSNorm
@@ -79,10 +88,17 @@ class Mamba3Args:
         return (rotated - rotated % 2) // 2
 
     def in_proj_sizes(self, dim: int) -> dict[str, int]:
+        """mamba_ssm's fused in_proj, part by part, in its order."""
         inner, heads = self.d_inner(dim), self.n_heads(dim)
         bc = self.rank() * self.n_groups * self.d_state
         return {"z": inner, "x": inner, "b": bc, "c": bc, "dd_dt": heads, "dd_A": heads,
                 "trap": heads, "angles": self.angles()}
+
+
+# mamba_ssm's in_proj, split in two: the parts per head (split with the heads under TP) and the
+# parts every head reads (B, C and the angles: replicated under TP).
+PER_HEAD_PARTS = ("z", "x", "dd_dt", "dd_A", "trap")
+SHARED_PARTS = ("b", "c", "angles")
 
 
 def rotate(x_BTRHN: torch.Tensor, theta_BTHS: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
@@ -121,8 +137,11 @@ class Mamba3Mixer(nn.Module):
         super().__init__()
         self.args = args
         heads, rank, state = args.n_heads(dim), args.rank(), args.d_state
-        self.sizes = args.in_proj_sizes(dim)
-        self.in_proj = nn.Linear(dim, sum(self.sizes.values()), bias=False)
+        sizes = args.in_proj_sizes(dim)
+        self.in_proj_parts = {part: sizes[part] for part in PER_HEAD_PARTS}
+        self.in_proj = nn.Linear(dim, sum(self.in_proj_parts.values()), bias=False)
+        self.bc_proj = nn.Linear(dim, sum(sizes[part] for part in SHARED_PARTS), bias=False)
+        self._register_load_state_dict_pre_hook(self._split_mamba_ssms_in_proj)
         self.dt_bias = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         self.B_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
         self.C_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
@@ -138,12 +157,41 @@ class Mamba3Mixer(nn.Module):
                                           eps=NORM_EPS, norm_before_gate=True)
         self.out_proj = nn.Linear(args.d_inner(dim), dim, bias=False)
 
+    def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
+        """The heads split; B, C and the angles, which every head reads, replicated (one group
+        under TP: validate_tensor_parallel), as are their norms: each rank's heads use them, so
+        their gradients are partial sums over the ranks."""
+        per_head = ("dt_bias", "B_bias", "C_bias", "D") + (
+            ("mimo_x", "mimo_z", "mimo_o") if self.args.mimo else ()) + (
+            ("norm.weight",) if self.args.outproj_norm else ())
+        shared = ("bc_proj.weight", "B_norm.weight", "C_norm.weight")
+        return {"in_proj.weight": sharded(0, {f".{part}": size for part, size
+                                              in self.in_proj_parts.items()}),
+                "out_proj.weight": sharded(1), **{name: sharded(0) for name in per_head},
+                **{name: REPLICATED_ON_LOCAL_SHARDS for name in shared}}
+
+    def _split_mamba_ssms_in_proj(self, state_dict, prefix, *args) -> None:
+        """A state dict of mamba_ssm's module holds one in_proj [z | x | B | C | dd_dt | dd_A |
+        trap | angles]: its rows go to in_proj and bc_proj."""
+        fused = state_dict.get(prefix + "in_proj.weight")
+        sizes = self.args.in_proj_sizes(self.in_proj.in_features)
+        if (prefix + "bc_proj.weight" in state_dict or fused is None
+                or fused.shape[0] != sum(sizes.values())):
+            return
+        parts = dict(zip(sizes, fused.split(list(sizes.values())), strict=True))
+        state_dict[prefix + "in_proj.weight"] = torch.cat([parts[p] for p in PER_HEAD_PARTS])
+        state_dict[prefix + "bc_proj.weight"] = torch.cat([parts[p] for p in SHARED_PARTS])
+
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
         b, t, _ = x_BTD.shape
+        # local sizes from the local tensors: under TP each rank holds some of the heads
         heads, rank, p, n = self.D.shape[0], args.rank(), args.head_dim, args.d_state
-        z, x, B, C, dd_dt, dd_A, trap, angles = self.in_proj(x_BTD).split(
-            list(self.sizes.values()), -1)
+        z, x, dd_dt, dd_A, trap = self.in_proj(x_BTD).split(
+            [heads * p, heads * p, heads, heads, heads], -1)
+        group_states = rank * args.n_groups * n
+        B, C, angles = self.bc_proj(x_BTD).split([group_states, group_states, args.angles()],
+                                                 -1)
         seq_idx = None if layout is None else layout.seq_idx
         dt_BTH = F.softplus(upcast(dd_dt) + upcast(self.dt_bias))
         log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A)), max=-args.a_floor) * dt_BTH
@@ -205,6 +253,7 @@ class Mamba3Mixer(nn.Module):
         scale 1."""
         args = self.args
         init_linear(self.in_proj, std=init_std)
+        init_linear(self.bc_proj, std=init_std)
         init_linear(self.out_proj, std=out_std)
         init_dt_bias(self.dt_bias, dt_min=args.dt_min, dt_max=args.dt_max,
                      dt_floor=args.dt_init_floor)
@@ -239,9 +288,11 @@ def _validate(args: Mamba3Args, dim: int) -> None:
         raise ValueError(f"mamba3: a_floor={args.a_floor} must be > 0 (A <= -a_floor)")
 
 
-def _refuse_tensor_parallel(args: Mamba3Args) -> None:
-    raise ValueError("hybrid.m_layers 'mamba3': tensor parallelism does not split Mamba-3 "
-                     "layers yet (issue 60); use tensor_parallel_degree = 1")
+def _validate_tensor_parallel(args: Mamba3Args) -> None:
+    if args.n_groups != 1:
+        raise ValueError(f"mamba3.n_groups={args.n_groups} with tensor parallelism: Mamba-3's "
+                         "B / C projection is replicated on every TP rank, so all heads must "
+                         "read one group (n_groups = 1)")
 
 
 def _core_flops(args: Mamba3Args, dim: int, seq_len: int) -> int:
@@ -260,6 +311,7 @@ KIND = LayerKind(
     args_type=Mamba3Args,
     build=lambda args, dim, norm_eps: Mamba3Mixer(dim=dim, args=args),
     mixes_sequence=True, validate=_validate, core_flops=_core_flops,
-    validate_tensor_parallel=_refuse_tensor_parallel,
+    tensor_parallel_sizes=lambda args, dim: [("mamba3.nheads", args.n_heads(dim))],
+    validate_tensor_parallel=_validate_tensor_parallel,
     full_precision_params=("dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o"),
 )
