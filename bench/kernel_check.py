@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_hybrid.model.layout import TokenLayout
-from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
+from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Core, Mamba3Mixer
 from titan_hybrid.ops.conv import causal_depthwise_conv1d, causal_depthwise_conv1d_torch
 from titan_hybrid.ops.conv_triton import causal_depthwise_conv1d_triton
 from titan_hybrid.ops.gated_delta import chunk_gated_delta_rule, chunk_gated_delta_rule_torch
@@ -144,7 +144,7 @@ def _mamba3_kernel_path(u_BTD, mixer, layout):
 
 
 def _mamba3_torch_path(u_BTD, mixer, layout):
-    with mock.patch.object(Mamba3Mixer, "runs_kernel", lambda self, x: False):
+    with mock.patch.object(Mamba3Core, "runs_kernel", lambda self, x: False):
         return mixer(u_BTD, layout)
 
 

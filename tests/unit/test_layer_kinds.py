@@ -41,6 +41,29 @@ def _args_building(kind) -> HybridModelArgs:
     return dataclasses.replace(args, **{flag: next(v for v, k in kinds.items() if k is kind)})
 
 
+class _CoreReached(Exception):
+    pass
+
+
+def _core_arguments(layer: HybridLayer, core, names: list[str]) -> dict:
+    """The core's arguments, by name, as the (meta-device) mixer's forward calls it (stopped
+    there)."""
+    seen = {}
+
+    def capture(module, args):
+        seen.update(zip(names, args, strict=True))
+        raise _CoreReached
+
+    handle = core.register_forward_pre_hook(capture)
+    try:
+        layer.mixer(torch.zeros(1, 8, layer.mixer.out_proj.out_features, device="meta"))
+    except _CoreReached:
+        pass
+    finally:
+        handle.remove()
+    return seen
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS, ids=lambda kind: kind.name)
 def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
     sections = {f.name: f for f in dataclasses.fields(HybridModelArgs)}
@@ -63,19 +86,24 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
         if rule.gather:
             assert set(rule.gather) | {"query", "key"} <= set(names)
         elif not rule.window_halo:
-            assert isinstance(core, RecurrentCore) and core.state_passing in STATE_PASSING
-            assert names[-1] == "layout"
-            assert core.conv_input in names and is_per_token(core.conv_input)
-            assert "conv_weight_CW" in names
-            # Every argument but the layout is laid out by head. The layout reads the heads
-            # from A_log (a decay core) or the conv's weight (a conv core), the groups from the
-            # conv's width ([B, T, conv channels] inputs).
-            conv = sum(p.shape[0] for n, p in layer.mixer.named_parameters()
-                       if "conv" in n and n.endswith("weight"))
-            tensors = {name: torch.zeros(1, 8, conv, device="meta") for name in names}
-            tensors["conv_weight_CW"] = torch.zeros(conv, 4, device="meta")
-            if "A_log" in names:
-                tensors["A_log"] = layer.mixer.A_log
+            assert isinstance(core, RecurrentCore) and names[-1] == "layout"
+            if "chunkwise" in rule.linear_modes:
+                assert core.state_passing in STATE_PASSING
+            if core.conv_input is None:  # no conv (Mamba-3): the arguments of a real forward
+                tensors = _core_arguments(layer, core, names)
+                conv = None
+            else:
+                assert core.conv_input in names and is_per_token(core.conv_input)
+                assert "conv_weight_CW" in names
+                # Every argument but the layout is laid out by head. The layout reads the heads
+                # from A_log (a decay core) or the conv's weight (a conv core), the groups from
+                # the conv's width ([B, T, conv channels] inputs).
+                conv = sum(p.shape[0] for n, p in layer.mixer.named_parameters()
+                           if "conv" in n and n.endswith("weight"))
+                tensors = {name: torch.zeros(1, 8, conv, device="meta") for name in names}
+                tensors["conv_weight_CW"] = torch.zeros(conv, 4, device="meta")
+                if "A_log" in names:
+                    tensors["A_log"] = layer.mixer.A_log
             plan = rule.head_channels(core.args, tensors)
             assert (set(plan.exchanged) | set(plan.sliced) | set(plan.whole)
                     == set(names) - {"layout"})
@@ -84,7 +112,7 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
                 (_, per), = plan.sliced["A_log"]
                 assert ({HEADS: plan.heads, GROUPS: plan.groups}[per]
                         == layer.mixer.A_log.shape[0])
-            else:  # a conv alone: each channel a head
+            elif conv is not None:  # a conv alone: each channel a head
                 assert plan.heads == conv
             assert plan.heads >= plan.groups >= 1
     if kind.context_parallel is not None:

@@ -3,8 +3,8 @@ whole layer written from mamba_ssm 2.3.2.post1's module (its in_proj split, norm
 rotation pairs, trapezoid, gates; the scan's per-token recurrence: test_mamba3_scan.py), with
 every parameter perturbed: SISO, MIMO, the output norm, groups, both rope fractions, packed
 documents. Its parameters carry mamba_ssm's names and shapes; its FLOPs are what torch's FLOP
-counter sees; what tensor parallelism cannot split (groups) and what it cannot run yet
-(context parallelism) is refused by name."""
+counter sees; what tensor parallelism cannot split (groups) and what context parallelism cannot
+run yet (chunkwise) is refused by name."""
 
 from __future__ import annotations
 
@@ -184,10 +184,13 @@ def test_a_bad_option_or_layout_is_refused_by_name():
     with pytest.raises(ValueError, match=r"mamba3\.n_groups=2 with tensor parallelism: "
                                          r"Mamba-3's B / C projection is replicated"):
         validate_tensor_parallel(grouped, 2, seq_len=64, sequence_parallel=False)
-    for mode in ("head_a2a", "chunkwise"):
-        with pytest.raises(ValueError, match=rf"context parallelism \({mode}\) is not "
-                                             r"implemented for Mamba-3 \('M'\) layers"):
-            validate_context_parallel(
-                args, ParallelismSection(context_parallel_degree=2,
-                                         context_parallel_linear_mode=mode),
-                TrainingSection(seq_len=64))
+    def context_parallel(mode: str) -> None:
+        validate_context_parallel(args, ParallelismSection(context_parallel_degree=2,
+                                                           context_parallel_linear_mode=mode),
+                                  TrainingSection(seq_len=64))
+
+    context_parallel("head_a2a")  # taken
+    with pytest.raises(ValueError, match=r"parallelism\.context_parallel_linear_mode "
+                                         r"'chunkwise' with Mamba-3 \('M'\) layers: not "
+                                         r"implemented for them yet; use 'head_a2a'"):
+        context_parallel("chunkwise")

@@ -66,16 +66,21 @@ class ContextParallelRule:
     # A compressor submodule (DeepSeek-V4 `C`, `H`) whose rows every query may need, whatever
     # rank holds their tokens: parallel/context_parallel_compressed.py gathers them.
     compressor: str | None = None
+    # The linear modes (parallelism.context_parallel_linear_mode) a recurrent core runs under:
+    # chunkwise needs a state-passing algorithm for it (model/recurrent.py).
+    linear_modes: tuple[str, ...] = ("head_a2a", "chunkwise")
 
 
-HEADS, GROUPS = "heads", "groups"
+HEADS, GROUPS, SHARED = "heads", "groups", "shared"
 
 
 @dataclass(frozen=True)
 class HeadChannels:
     """A recurrent core's arguments by head, for the head exchange (ContextParallelRule). Each
     argument it names is a run of parts, each part `(channels per head or group, HEADS or
-    GROUPS)` over all `heads` or `groups` (Mamba2's B / C groups, GDN's key heads): `exchanged`
+    GROUPS)` over all `heads` or `groups` (Mamba2's B / C groups, GDN's key heads), or
+    `(channels, SHARED)`, channels every head reads (Mamba-3's angles), which every rank
+    receives whole: `exchanged`
     are per-token [B, T, channels] tensors, sent by all-to-all; `sliced` are per-channel
     parameters [channels, ...], of which each rank keeps its heads' rows; `whole` are the other
     arguments, which every rank takes as they are (Mamba1's dt / B / C norm weights: the norms

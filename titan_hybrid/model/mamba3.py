@@ -45,10 +45,19 @@ from titan_hybrid.model.common import (
     sharded,
     upcast,
 )
-from titan_hybrid.model.layer_kind import LayerKind
+from titan_hybrid.model.layer_kind import (
+    GROUPS,
+    HEADS,
+    SHARED,
+    ContextParallelRule,
+    HeadChannels,
+    LayerKind,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm, RMSNorm
+from titan_hybrid.model.recurrent import RecurrentCore
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
+from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
 from titan_hybrid.ops.mamba3_kernel import mamba3_siso
 from titan_hybrid.ops.mamba3_scan import mamba3_scan
@@ -132,6 +141,79 @@ def cumulative_angles(step_BTHS: torch.Tensor, seq_idx: torch.Tensor | None) -> 
     return theta - offset
 
 
+class Mamba3Core(RecurrentCore):
+    """Mamba-3's part that runs along time (model/recurrent.py's contract, head exchange only so
+    far): from the in-projection's per-head parts, the normed B / C and the angles to the
+    gated output [B, T, H, P]. Every per-head parameter comes in as an argument (sliced with
+    the heads under context parallelism); sizes come from the tensors (TP / CP shards)."""
+
+    conv_input = None  # no conv
+
+    def forward(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC, angles_BTS,
+                dt_bias, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight,
+                layout: TokenLayout | None) -> torch.Tensor:
+        args = self.args
+        b, t, _ = x_BTC.shape
+        heads, rank, p, n = D.shape[0], args.rank(), args.head_dim, args.d_state
+        B, C = (bc.view(b, t, rank, -1, n) for bc in (b_BTC, c_BTC))
+        seq_idx = None if layout is None else layout.seq_idx
+        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+        log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A_BTH)), max=-args.a_floor) * dt_BTH
+        x_BTHP, z_BTHP = x_BTC.view(b, t, heads, p), z_BTC.view(b, t, heads, p)
+        if not self.runs_kernel(x_BTC):
+            return self._torch_path(B, C, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
+                                    angles_BTS, seq_idx, B_bias, C_bias, D,
+                                    (mimo_x, mimo_z, mimo_o), norm_weight)
+        y_BTHP = mamba3_siso(C[:, :, 0], B[:, :, 0], x_BTHP, log_decay_BTH, dt_BTH, trap_BTH,
+                             C_bias[:, 0], B_bias[:, 0], angles_BTS, D,
+                             None if args.outproj_norm else z_BTHP, seq_idx, args.chunk_size)
+        if args.outproj_norm:
+            y_BTHP = self._gated_norm(y_BTHP, z_BTHP, norm_weight)
+        return y_BTHP
+
+    def runs_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the layer runs mamba_ssm's SISO kernels (ops/mamba3_kernel.py): on CUDA
+        where the package is usable, for SISO with an even number of angles (its kernel's
+        condition); else the torch path."""
+        args = self.args
+        return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
+                and not kernel_op_refused("mamba3_siso_fwd"))
+
+    def _gated_norm(self, y, z, norm_weight):
+        """The output norm per head, before the gate (mamba_ssm's is_outproj_norm)."""
+        return gated_group_rms_norm(y.flatten(-2), z.flatten(-2), norm_weight,
+                                    group_size=self.args.head_dim, eps=NORM_EPS,
+                                    norm_before_gate=True).view_as(y)
+
+    def _torch_path(self, B_BTRGN, C_BTRGN, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
+                    angles_BTS, seq_idx, B_bias, C_bias, D, mimo, norm_weight):
+        """ops/mamba3_scan.py, with the biases, the rotation and the gates around it."""
+        args = self.args
+        heads, groups = D.shape[0], B_BTRGN.shape[3]
+        step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
+        theta_BTHS = cumulative_angles(step_BTHS, seq_idx)
+
+        def per_head(normed, bias):  # -> biased, rotated [B, T, R, H, N]
+            normed = upcast(normed).repeat_interleave(heads // groups, dim=3)
+            return rotate(normed + upcast(bias).transpose(0, 1), theta_BTHS,
+                          interleaved=not args.mimo)
+
+        mimo_x, mimo_z, mimo_o = mimo
+        x_BTRHP = upcast(x_BTHP)[:, :, None]
+        z_BTRHP = upcast(z_BTHP)[:, :, None]
+        if args.mimo:
+            x_BTRHP = x_BTRHP * upcast(mimo_x).transpose(0, 1)
+            z_BTRHP = z_BTRHP * upcast(mimo_z).transpose(0, 1)
+        o_BTRHP = mamba3_scan(x_BTRHP, per_head(C_BTRGN, C_bias), per_head(B_BTRGN, B_bias),
+                              dt_BTH, log_decay_BTH, torch.sigmoid(upcast(trap_BTH)), D,
+                              args.chunk_size, seq_idx_BT=seq_idx)
+        y_BTRHP = (self._gated_norm(o_BTRHP, z_BTRHP, norm_weight) if args.outproj_norm
+                   else o_BTRHP * F.silu(z_BTRHP))
+        if args.mimo:
+            return (y_BTRHP * upcast(mimo_o).transpose(0, 1)).sum(2)
+        return y_BTRHP[:, :, 0]
+
+
 class Mamba3Mixer(nn.Module):
     def __init__(self, *, dim: int, args: Mamba3Args) -> None:
         super().__init__()
@@ -156,6 +238,7 @@ class Mamba3Mixer(nn.Module):
             self.norm = GatedGroupRMSNorm(args.d_inner(dim), group_size=args.head_dim,
                                           eps=NORM_EPS, norm_before_gate=True)
         self.out_proj = nn.Linear(args.d_inner(dim), dim, bias=False)
+        self.core = Mamba3Core(args)
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         """The heads split; B, C and the angles, which every head reads, replicated (one group
@@ -184,68 +267,21 @@ class Mamba3Mixer(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
-        b, t, _ = x_BTD.shape
         # local sizes from the local tensors: under TP each rank holds some of the heads
-        heads, rank, p, n = self.D.shape[0], args.rank(), args.head_dim, args.d_state
+        heads, p = self.D.shape[0], args.head_dim
         z, x, dd_dt, dd_A, trap = self.in_proj(x_BTD).split(
             [heads * p, heads * p, heads, heads, heads], -1)
-        group_states = rank * args.n_groups * n
+        group_states = args.rank() * args.n_groups * args.d_state
         B, C, angles = self.bc_proj(x_BTD).split([group_states, group_states, args.angles()],
                                                  -1)
-        seq_idx = None if layout is None else layout.seq_idx
-        dt_BTH = F.softplus(upcast(dd_dt) + upcast(self.dt_bias))
-        log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A)), max=-args.a_floor) * dt_BTH
-        # the B / C norms over N, per token, rank and group
-        B, C = (norm(bc.view(b, t, rank, args.n_groups, n))
+        # the B / C norms over N, per token, rank and group (token-wise: before the core)
+        B, C = (norm(bc.unflatten(-1, (-1, args.d_state))).flatten(-2)
                 for bc, norm in ((B, self.B_norm), (C, self.C_norm)))
-        x_BTHP, z_BTHP = x.view(b, t, heads, p), z.view(b, t, heads, p)
-        if self.runs_kernel(x_BTD):
-            y_BTHP = mamba3_siso(
-                C[:, :, 0], B[:, :, 0], x_BTHP, log_decay_BTH, dt_BTH, trap, self.C_bias[:, 0],
-                self.B_bias[:, 0], angles, self.D, None if args.outproj_norm else z_BTHP,
-                seq_idx, args.chunk_size)
-            if args.outproj_norm:
-                y_BTHP = self.norm(y_BTHP.flatten(-2), z_BTHP.flatten(-2)).view_as(y_BTHP)
-        else:
-            y_BTHP = self._torch_path(B, C, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap, angles,
-                                      seq_idx)
+        mimo = [getattr(self, name, None) for name in ("mimo_x", "mimo_z", "mimo_o")]
+        norm_weight = self.norm.weight if args.outproj_norm else None
+        y_BTHP = self.core(x, z, dd_dt, dd_A, trap, B, C, angles, self.dt_bias, self.B_bias,
+                           self.C_bias, self.D, *mimo, norm_weight, layout)
         return self.out_proj(y_BTHP.flatten(-2).type_as(x_BTD))
-
-    def runs_kernel(self, x: torch.Tensor) -> bool:
-        """Whether the layer runs mamba_ssm's SISO kernels (ops/mamba3_kernel.py): on CUDA
-        where the package is usable, for SISO with an even number of angles (its kernel's
-        condition); else the torch path."""
-        args = self.args
-        return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
-                and not kernel_op_refused("mamba3_siso_fwd"))
-
-    def _torch_path(self, B_BTRGN, C_BTRGN, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
-                    angles_BTS, seq_idx):
-        """ops/mamba3_scan.py, with the biases, the rotation and the gates around it."""
-        args = self.args
-        heads = self.D.shape[0]
-        step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
-        theta_BTHS = cumulative_angles(step_BTHS, seq_idx)
-
-        def per_head(normed, bias):  # -> biased, rotated [B, T, R, H, N]
-            normed = upcast(normed).repeat_interleave(heads // args.n_groups, dim=3)
-            return rotate(normed + upcast(bias).transpose(0, 1), theta_BTHS,
-                          interleaved=not args.mimo)
-
-        x_BTRHP = upcast(x_BTHP)[:, :, None]
-        z_BTRHP = upcast(z_BTHP)[:, :, None]
-        if args.mimo:
-            x_BTRHP = x_BTRHP * upcast(self.mimo_x).transpose(0, 1)
-            z_BTRHP = z_BTRHP * upcast(self.mimo_z).transpose(0, 1)
-        o_BTRHP = mamba3_scan(x_BTRHP, per_head(C_BTRGN, self.C_bias),
-                              per_head(B_BTRGN, self.B_bias), dt_BTH, log_decay_BTH,
-                              torch.sigmoid(upcast(trap_BTH)), self.D, args.chunk_size,
-                              seq_idx_BT=seq_idx)
-        y_BTRHP = (self.norm(o_BTRHP.flatten(-2), z_BTRHP.flatten(-2)).view_as(o_BTRHP)
-                   if args.outproj_norm else o_BTRHP * F.silu(z_BTRHP))
-        if args.mimo:
-            return (y_BTRHP * upcast(self.mimo_o).transpose(0, 1)).sum(2)
-        return y_BTRHP[:, :, 0]
 
     def init_weights(self, *, init_std: float, out_std: float) -> None:
         """mamba_ssm's initialisation: dt_bias the inverse softplus of a log-uniform step,
@@ -295,6 +331,26 @@ def _validate_tensor_parallel(args: Mamba3Args) -> None:
                          "read one group (n_groups = 1)")
 
 
+def _head_channels(args: Mamba3Args, tensors: dict) -> HeadChannels:
+    """Mamba3Core's arguments by head: x, z and the per-head gate inputs, B / C by group (rank
+    by rank: their channels are [R, G, N]), the angles whole to every rank; the per-head
+    parameters sliced; absent options (MIMO's scales, the output norm's weight: None) whole."""
+    heads, rank, n = tensors["D"].shape[0], args.rank(), args.d_state
+    per_head, channels = ((1, HEADS),), ((args.head_dim, HEADS),)
+    by_group = ((n, GROUPS),) * rank
+    exchanged = {"x_BTC": channels, "z_BTC": channels, "dd_dt_BTH": per_head,
+                 "dd_A_BTH": per_head, "trap_BTH": per_head, "b_BTC": by_group,
+                 "c_BTC": by_group, "angles_BTS": ((args.angles(), SHARED),)}
+    optional = {"mimo_x": per_head, "mimo_z": per_head, "mimo_o": per_head,
+                "norm_weight": channels}
+    sliced = {name: per_head for name in ("dt_bias", "B_bias", "C_bias", "D")}
+    sliced.update({name: parts for name, parts in optional.items()
+                   if tensors[name] is not None})
+    return HeadChannels(heads, tensors["b_BTC"].shape[-1] // (rank * n), exchanged=exchanged,
+                        sliced=sliced, whole=tuple(name for name in optional
+                                                   if tensors[name] is None))
+
+
 def _core_flops(args: Mamba3Args, dim: int, seq_len: int) -> int:
     """The chunked scan per head per token, forward (ops/mamba3_scan.py, the products torch's
     FLOP counter sees): within a chunk, the scores q k^T over R x R rank pairs (2 Q R^2 N) and
@@ -314,4 +370,11 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [("mamba3.nheads", args.n_heads(dim))],
     validate_tensor_parallel=_validate_tensor_parallel,
     full_precision_params=("dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o"),
+    # head exchange only: chunkwise state passing would carry the state, the last token's k
+    # and x and the angle across pieces (not written yet)
+    context_parallel=ContextParallelRule(
+        core="core",
+        head_groups=lambda args, dim: (("mamba3.nheads", args.n_heads(dim)),
+                                       ("mamba3.n_groups", args.n_groups)),
+        head_channels=_head_channels, linear_modes=("head_a2a",)),
 )

@@ -34,7 +34,7 @@ from titan_hybrid.compat.collectives import traceable_all_reduce
 from titan_hybrid.config.sections import ParallelismSection, section_choices
 from titan_hybrid.data.zigzag import zigzag_index
 from titan_hybrid.model.common import TensorParallelPartialSum, WholeSequenceSum
-from titan_hybrid.model.layer_kind import GROUPS, HEADS, ContextParallelRule
+from titan_hybrid.model.layer_kind import GROUPS, HEADS, SHARED, ContextParallelRule
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.model import HybridLayer
 from titan_hybrid.parallel.collectives import all_gather, all_reduce_sum, all_to_all
@@ -190,7 +190,8 @@ class ContextParallelHeadExchange(nn.Module):
 
         def channels(parts, rank: int) -> torch.Tensor:
             heads, groups = heads_of_rank(plan.heads, plan.groups, exchange.cp, rank)
-            taken = {HEADS: (heads, plan.heads), GROUPS: (groups, plan.groups)}
+            taken = {HEADS: (heads, plan.heads), GROUPS: (groups, plan.groups),
+                     SHARED: (range(1), 1)}
             return _channels([(width, *taken[which]) for width, which in parts])
 
         streams = list(plan.exchanged)
