@@ -335,7 +335,7 @@ def _head_channels(args: Mamba3Args, tensors: dict) -> HeadChannels:
     """Mamba3Core's arguments by head: x, z and the per-head gate inputs, B / C by group (rank
     by rank: their channels are [R, G, N]), the angles whole to every rank; the per-head
     parameters sliced; absent options (MIMO's scales, the output norm's weight: None) whole."""
-    heads, rank, n = tensors["D"].shape[0], args.rank(), args.d_state
+    heads, rank, n = tensors["dt_bias"].shape[0], args.rank(), args.d_state
     per_head, channels = ((1, HEADS),), ((args.head_dim, HEADS),)
     by_group = ((n, GROUPS),) * rank
     exchanged = {"x_BTC": channels, "z_BTC": channels, "dd_dt_BTH": per_head,
