@@ -1,9 +1,10 @@
 """Mamba-3 (`debug_mamba3` / `debug_mamba3_mimo`: `M-*-M-` with `m_layers = "mamba3"`) in the
 real trainer: the one-process curve under FSDP2, TP2 + SP (the heads split; B, C and the angles
-replicated), PP2 and CP2 by head exchange (the angles sent whole to each rank) with packed
-documents, SISO and MIMO (rank 2, the output norm), and the TP2 run's checkpoint resumed at
-TP1. The mixer against its float64 per-token reference: tests/unit/test_mamba3.py; what is
-refused (TP with groups, chunkwise CP) is refused there by name."""
+replicated), PP2 and CP2 in both linear modes (head exchange: the angles sent whole to each
+rank; chunkwise: the state, the angle and the last token's key and input passed between
+pieces) with packed documents, SISO and MIMO (rank 2, the output norm), and the TP2 run's
+checkpoint resumed at TP1. The mixer against its float64 per-token reference:
+tests/unit/test_mamba3.py; what TP refuses (groups) is refused there by name."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ LAYOUTS = {
     "tp2": ("--parallelism.tensor_parallel_degree", "2"),
     "pp2": ("--parallelism.pipeline_parallel_degree", "2", "--hybrid.pattern", "M-*|-M-"),
     "cp2_head_a2a": ("--parallelism.context_parallel_degree", "2"),
+    "cp2_chunkwise": ("--parallelism.context_parallel_degree", "2",
+                      "--parallelism.context_parallel_linear_mode", "chunkwise"),
 }
 # the TP2 run saves at steps 2 and 4 (with its optimizer state) for the TP1 resume
 CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ck",

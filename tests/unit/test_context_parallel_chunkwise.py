@@ -18,7 +18,8 @@ from titan_hybrid.model.kda import KDAArgs, KimiDeltaAttention
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba import Mamba2Mixer
 from titan_hybrid.model.mamba1 import Mamba1Args, Mamba1Mixer
-from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING
+from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
+from titan_hybrid.parallel.context_parallel_chunkwise import STATE_PASSING, ZigzagPieces
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,12 @@ def mamba_inputs(dtype, seq_len=48, seed=0):
 
 
 def outputs_and_grads(core, inputs, layout):
+    """The output and the gradient of every input (None: an absent option, skipped)."""
     y = core(*inputs, layout)
     y.backward(torch.cos(torch.arange(y.numel(), dtype=y.dtype)).view_as(y))
-    grads = [t.grad.clone() for t in inputs]
-    for t in inputs:
+    given = [t for t in inputs if t is not None]
+    grads = [t.grad.clone() for t in given]
+    for t in given:
         t.grad = None
     return [y.detach(), *grads]
 
@@ -103,6 +106,30 @@ def mamba1_inputs(dtype, seq_len=48, seed=0):
     return mixer.core, [t.detach().clone().requires_grad_() for t in (x, z, *params)]
 
 
+def mamba3_inputs(dtype, seq_len=48, seed=0, **options):
+    """Mamba3Core's arguments (mamba3.py's mixer order), every parameter away from its init."""
+    torch.manual_seed(seed)
+    mixer = Mamba3Mixer(dim=32, args=Mamba3Args(d_state=8, head_dim=8, chunk_size=8, **options))
+    with torch.no_grad():
+        mixer.init_weights(init_std=0.5, out_std=0.5)
+        for parameter in mixer.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    mixer.to(dtype)
+    args = mixer.args
+    heads, states = 8, args.rank() * args.n_groups * 8
+    per_token = [torch.randn(2, seq_len, size, dtype=dtype)
+                 for size in (64, 64, heads, heads, heads, states, states, args.angles())]
+    params = [getattr(mixer, name, None) for name in (
+        "dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o")]
+    params.append(mixer.norm.weight if args.outproj_norm else None)
+    return mixer.core, [None if t is None else t.detach().clone().requires_grad_()
+                        for t in (*per_token, *params)]
+
+
+MAMBA3 = ["y", "x", "z", "dd_dt", "dd_A", "trap", "b", "c", "angles", "dt_bias", "B_bias",
+          "C_bias", "D"]
+
+
 # Each kind: its inputs and the names of (output, *inputs). The wrapper is the one of the
 # state passing its core declares (model/recurrent.py): KDA's transition is GDN's with a
 # decay per key channel, the same wrapper.
@@ -113,6 +140,10 @@ KINDS = {
     "kda": (kda_inputs, ["o", "qkv", "f", "beta", "conv_weight", "A_log", "dt_bias"]),
     "mamba1": (mamba1_inputs, ["y", "x", "z", "conv_weight", "conv_bias", "x_proj", "dt_proj",
                                "dt_proj_bias", "A_log", "D", "dt_norm", "b_norm", "c_norm"]),
+    "mamba3": (mamba3_inputs, MAMBA3),
+    "mamba3_mimo": (lambda dtype, **kw: mamba3_inputs(dtype, mimo=True, mimo_rank=2,
+                                                      n_groups=2, outproj_norm=True, **kw),
+                    [*MAMBA3, "mimo_x", "mimo_z", "mimo_o", "norm"]),
 }
 
 
@@ -133,8 +164,36 @@ def test_two_pieces_with_state_passing_equal_the_whole_sequence_float64(one_rank
         assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
 
 
+@pytest.mark.parametrize("broken", ["the angle restarts at each piece",
+                                    "the last token's second share is dropped"])
+def test_mamba3s_pieces_need_the_angle_and_the_last_tokens_share(one_rank_group, monkeypatch,
+                                                                  broken):
+    """What Mamba-3's state passing carries besides the state, each shown to matter: zeroing
+    the angle entering a piece, or the last token's key and input entering the next piece,
+    moves the pieces' outputs far from the whole sequence's."""
+    core, inputs = mamba3_inputs(torch.float64)
+    want = core(*inputs, None).detach()
+    h_size = 8 * 8 * 8  # heads x head dim x state: the state entering is [h | k | x]
+    original, calls = ZigzagPieces.incoming_states, []
+
+    def incoming_states(self, *args):
+        entering = original(self, *args)
+        calls.append(entering)
+        if broken.startswith("the angle") and len(calls) == 1:
+            return torch.zeros_like(entering)
+        if broken.startswith("the last token") and len(calls) == 2:
+            return torch.cat((entering[:, :h_size], torch.zeros_like(entering[:, h_size:])), 1)
+        return entering
+
+    monkeypatch.setattr(ZigzagPieces, "incoming_states", incoming_states)
+    got = chunkwise(core, one_rank_group)(*inputs, None).detach()
+    assert len(calls) == 2 and calls[0].abs().max() > 0 and calls[1][:, h_size:].abs().max() > 0
+    assert (got - want).abs().max() > 1e-2 * want.abs().max()
+
+
 @pytest.mark.triton_interpreter
-@pytest.mark.parametrize("kind", list(KINDS))
+# (Mamba-3's pieces run its torch path: mamba_ssm's SISO kernels take no angle entering a piece)
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if not kind.startswith("mamba3")])
 def test_state_passing_through_the_kernels_matches_the_torch_path(one_rank_group, kind):
     """The pieces' scans run in the kernels, with documents, against the whole-sequence torch
     path, float32: mamba_ssm's (final states out, and their gradient in), and fla's (the

@@ -86,9 +86,8 @@ def test_every_kind_has_its_args_section_and_builds_a_layer_named_by_it(kind):
         if rule.gather:
             assert set(rule.gather) | {"query", "key"} <= set(names)
         elif not rule.window_halo:
-            assert isinstance(core, RecurrentCore) and names[-1] == "layout"
-            if "chunkwise" in rule.linear_modes:
-                assert core.state_passing in STATE_PASSING
+            assert isinstance(core, RecurrentCore) and core.state_passing in STATE_PASSING
+            assert names[-1] == "layout"
             if core.conv_input is None:  # no conv (Mamba-3): the arguments of a real forward
                 tensors = _core_arguments(layer, core, names)
                 conv = None

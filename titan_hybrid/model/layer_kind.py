@@ -66,9 +66,6 @@ class ContextParallelRule:
     # A compressor submodule (DeepSeek-V4 `C`, `H`) whose rows every query may need, whatever
     # rank holds their tokens: parallel/context_parallel_compressed.py gathers them.
     compressor: str | None = None
-    # The linear modes (parallelism.context_parallel_linear_mode) a recurrent core runs under:
-    # chunkwise needs a state-passing algorithm for it (model/recurrent.py).
-    linear_modes: tuple[str, ...] = ("head_a2a", "chunkwise")
 
 
 HEADS, GROUPS, SHARED = "heads", "groups", "shared"

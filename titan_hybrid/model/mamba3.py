@@ -55,7 +55,7 @@ from titan_hybrid.model.layer_kind import (
 )
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.norms import GatedGroupRMSNorm, RMSNorm
-from titan_hybrid.model.recurrent import RecurrentCore
+from titan_hybrid.model.recurrent import TrapezoidalCore
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
 from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
@@ -141,35 +141,25 @@ def cumulative_angles(step_BTHS: torch.Tensor, seq_idx: torch.Tensor | None) -> 
     return theta - offset
 
 
-class Mamba3Core(RecurrentCore):
-    """Mamba-3's part that runs along time (model/recurrent.py's contract, head exchange only so
-    far): from the in-projection's per-head parts, the normed B / C and the angles to the
-    gated output [B, T, H, P]. Every per-head parameter comes in as an argument (sliced with
-    the heads under context parallelism); sizes come from the tensors (TP / CP shards)."""
-
-    conv_input = None  # no conv
+class Mamba3Core(TrapezoidalCore):
+    """Mamba-3's part that runs along time (model/recurrent.py's TrapezoidalCore): from the
+    in-projection's per-head parts, the normed B / C and the angles to the gated output
+    [B, T, H, P]. Every per-head parameter comes in as an argument (sliced with the heads
+    under context parallelism's head exchange); sizes come from the tensors (TP / CP shards).
+    Chunkwise CP calls `angles`, `entry_weights` and `scan` (the torch path) itself."""
 
     def forward(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC, angles_BTS,
                 dt_bias, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight,
                 layout: TokenLayout | None) -> torch.Tensor:
-        args = self.args
-        b, t, _ = x_BTC.shape
-        heads, rank, p, n = D.shape[0], args.rank(), args.head_dim, args.d_state
-        B, C = (bc.view(b, t, rank, -1, n) for bc in (b_BTC, c_BTC))
         seq_idx = None if layout is None else layout.seq_idx
-        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
-        log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A_BTH)), max=-args.a_floor) * dt_BTH
-        x_BTHP, z_BTHP = x_BTC.view(b, t, heads, p), z_BTC.view(b, t, heads, p)
-        if not self.runs_kernel(x_BTC):
-            return self._torch_path(B, C, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
-                                    angles_BTS, seq_idx, B_bias, C_bias, D,
-                                    (mimo_x, mimo_z, mimo_o), norm_weight)
-        y_BTHP = mamba3_siso(C[:, :, 0], B[:, :, 0], x_BTHP, log_decay_BTH, dt_BTH, trap_BTH,
-                             C_bias[:, 0], B_bias[:, 0], angles_BTS, D,
-                             None if args.outproj_norm else z_BTHP, seq_idx, args.chunk_size)
-        if args.outproj_norm:
-            y_BTHP = self._gated_norm(y_BTHP, z_BTHP, norm_weight)
-        return y_BTHP
+        if self.runs_kernel(x_BTC):
+            return self._kernel_path(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
+                                     angles_BTS, dt_bias, B_bias, C_bias, D, norm_weight,
+                                     seq_idx)
+        theta_BTHS = self.angles(dd_dt_BTH, dt_bias, angles_BTS, seq_idx)
+        return self.scan(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC, dt_bias,
+                         B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight, seq_idx,
+                         theta_BTHS)
 
     def runs_kernel(self, x: torch.Tensor) -> bool:
         """Whether the layer runs mamba_ssm's SISO kernels (ops/mamba3_kernel.py): on CUDA
@@ -179,39 +169,89 @@ class Mamba3Core(RecurrentCore):
         return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
                 and not kernel_op_refused("mamba3_siso_fwd"))
 
+    def _steps(self, dd_dt_BTH, dd_A_BTH, dt_bias):
+        """(dt, the log decay) per token and head."""
+        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+        log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A_BTH)), max=-self.args.a_floor)
+        return dt_BTH, log_decay_BTH * dt_BTH
+
+    def angles(self, dd_dt_BTH, dt_bias, angles_BTS, seq_idx):
+        """theta [B, T, H, S]: tanh(angles) * pi * dt summed from each document's start."""
+        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+        step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
+        return cumulative_angles(step_BTHS, seq_idx)
+
+    def entry_weights(self, dd_dt_BTH, dd_A_BTH, trap_BTH, dt_bias):
+        dt_BTH, log_decay_BTH = self._steps(dd_dt_BTH, dd_A_BTH, dt_bias)
+        return log_decay_BTH, (1 - torch.sigmoid(upcast(trap_BTH[:, 0]))) * dt_BTH[:, 0]
+
+    def _kernel_path(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
+                     angles_BTS, dt_bias, B_bias, C_bias, D, norm_weight, seq_idx):
+        """mamba_ssm's SISO kernels: the biases, the angles, the rotation and (without the
+        output norm) the gate inside them."""
+        args = self.args
+        b, t, _ = x_BTC.shape
+        heads, p = D.shape[0], args.head_dim
+        dt_BTH, log_decay_BTH = self._steps(dd_dt_BTH, dd_A_BTH, dt_bias)
+        x_BTHP, z_BTHP = x_BTC.view(b, t, heads, p), z_BTC.view(b, t, heads, p)
+        B, C = (bc.view(b, t, -1, args.d_state) for bc in (b_BTC, c_BTC))  # [B, T, G, N]
+        y_BTHP = mamba3_siso(C, B, x_BTHP, log_decay_BTH, dt_BTH, trap_BTH, C_bias[:, 0],
+                             B_bias[:, 0], angles_BTS, D,
+                             None if args.outproj_norm else z_BTHP, seq_idx, args.chunk_size)
+        if args.outproj_norm:
+            y_BTHP = self._gated_norm(y_BTHP, z_BTHP, norm_weight)
+        return y_BTHP
+
     def _gated_norm(self, y, z, norm_weight):
         """The output norm per head, before the gate (mamba_ssm's is_outproj_norm)."""
         return gated_group_rms_norm(y.flatten(-2), z.flatten(-2), norm_weight,
                                     group_size=self.args.head_dim, eps=NORM_EPS,
                                     norm_before_gate=True).view_as(y)
 
-    def _torch_path(self, B_BTRGN, C_BTRGN, x_BTHP, z_BTHP, dt_BTH, log_decay_BTH, trap_BTH,
-                    angles_BTS, seq_idx, B_bias, C_bias, D, mimo, norm_weight):
-        """ops/mamba3_scan.py, with the biases, the rotation and the gates around it."""
+    def scan(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC, dt_bias, B_bias,
+             C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight, seq_idx, theta_BTHS,
+             initial_state=None, return_final_state=False):
+        """The torch path: ops/mamba3_scan.py, with the biases, the rotation by theta and the
+        gates around it."""
         args = self.args
-        heads, groups = D.shape[0], B_BTRGN.shape[3]
-        step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
-        theta_BTHS = cumulative_angles(step_BTHS, seq_idx)
+        b, t, _ = x_BTC.shape
+        heads, rank, p, n = D.shape[0], args.rank(), args.head_dim, args.d_state
+        dt_BTH, log_decay_BTH = self._steps(dd_dt_BTH, dd_A_BTH, dt_bias)
 
-        def per_head(normed, bias):  # -> biased, rotated [B, T, R, H, N]
-            normed = upcast(normed).repeat_interleave(heads // groups, dim=3)
+        def per_head(bc_BTC, bias):  # -> biased, rotated [B, T, R, H, N]
+            normed = upcast(bc_BTC).view(b, t, rank, -1, n)
+            normed = normed.repeat_interleave(heads // normed.shape[3], dim=3)
             return rotate(normed + upcast(bias).transpose(0, 1), theta_BTHS,
                           interleaved=not args.mimo)
 
-        mimo_x, mimo_z, mimo_o = mimo
-        x_BTRHP = upcast(x_BTHP)[:, :, None]
-        z_BTRHP = upcast(z_BTHP)[:, :, None]
+        x_BTRHP = upcast(x_BTC).view(b, t, 1, heads, p)
+        z_BTRHP = upcast(z_BTC).view(b, t, 1, heads, p)
         if args.mimo:
             x_BTRHP = x_BTRHP * upcast(mimo_x).transpose(0, 1)
             z_BTRHP = z_BTRHP * upcast(mimo_z).transpose(0, 1)
-        o_BTRHP = mamba3_scan(x_BTRHP, per_head(C_BTRGN, C_bias), per_head(B_BTRGN, B_bias),
+        scanned = mamba3_scan(x_BTRHP, per_head(c_BTC, C_bias), per_head(b_BTC, B_bias),
                               dt_BTH, log_decay_BTH, torch.sigmoid(upcast(trap_BTH)), D,
-                              args.chunk_size, seq_idx_BT=seq_idx)
+                              args.chunk_size, seq_idx_BT=seq_idx, initial_state=initial_state,
+                              return_final_state=return_final_state)
+        o_BTRHP, final = scanned if return_final_state else (scanned, None)
         y_BTRHP = (self._gated_norm(o_BTRHP, z_BTRHP, norm_weight) if args.outproj_norm
                    else o_BTRHP * F.silu(z_BTRHP))
-        if args.mimo:
-            return (y_BTRHP * upcast(mimo_o).transpose(0, 1)).sum(2)
-        return y_BTRHP[:, :, 0]
+        y_BTHP = ((y_BTRHP * upcast(mimo_o).transpose(0, 1)).sum(2) if args.mimo
+                  else y_BTRHP[:, :, 0])
+        return (y_BTHP, final) if return_final_state else y_BTHP
+
+
+def _split_mamba_ssms_in_proj(mixer: "Mamba3Mixer", state_dict, prefix, *_) -> None:
+    """A load_state_dict pre-hook: a state dict of mamba_ssm's module holds one in_proj [z | x |
+    B | C | dd_dt | dd_A | trap | angles], whose rows go to the mixer's in_proj and bc_proj."""
+    fused = state_dict.get(prefix + "in_proj.weight")
+    sizes = mixer.args.in_proj_sizes(mixer.in_proj.in_features)
+    if (prefix + "bc_proj.weight" in state_dict or fused is None
+            or fused.shape[0] != sum(sizes.values())):
+        return
+    parts = dict(zip(sizes, fused.split(list(sizes.values())), strict=True))
+    state_dict[prefix + "in_proj.weight"] = torch.cat([parts[p] for p in PER_HEAD_PARTS])
+    state_dict[prefix + "bc_proj.weight"] = torch.cat([parts[p] for p in SHARED_PARTS])
 
 
 class Mamba3Mixer(nn.Module):
@@ -223,7 +263,7 @@ class Mamba3Mixer(nn.Module):
         self.in_proj_parts = {part: sizes[part] for part in PER_HEAD_PARTS}
         self.in_proj = nn.Linear(dim, sum(self.in_proj_parts.values()), bias=False)
         self.bc_proj = nn.Linear(dim, sum(sizes[part] for part in SHARED_PARTS), bias=False)
-        self._register_load_state_dict_pre_hook(self._split_mamba_ssms_in_proj)
+        self.register_load_state_dict_pre_hook(_split_mamba_ssms_in_proj)
         self.dt_bias = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         self.B_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
         self.C_bias = nn.Parameter(torch.empty(heads, rank, state, dtype=torch.float32))
@@ -252,18 +292,6 @@ class Mamba3Mixer(nn.Module):
                                               in self.in_proj_parts.items()}),
                 "out_proj.weight": sharded(1), **{name: sharded(0) for name in per_head},
                 **{name: REPLICATED_ON_LOCAL_SHARDS for name in shared}}
-
-    def _split_mamba_ssms_in_proj(self, state_dict, prefix, *args) -> None:
-        """A state dict of mamba_ssm's module holds one in_proj [z | x | B | C | dd_dt | dd_A |
-        trap | angles]: its rows go to in_proj and bc_proj."""
-        fused = state_dict.get(prefix + "in_proj.weight")
-        sizes = self.args.in_proj_sizes(self.in_proj.in_features)
-        if (prefix + "bc_proj.weight" in state_dict or fused is None
-                or fused.shape[0] != sum(sizes.values())):
-            return
-        parts = dict(zip(sizes, fused.split(list(sizes.values())), strict=True))
-        state_dict[prefix + "in_proj.weight"] = torch.cat([parts[p] for p in PER_HEAD_PARTS])
-        state_dict[prefix + "bc_proj.weight"] = torch.cat([parts[p] for p in SHARED_PARTS])
 
     def forward(self, x_BTD: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         args = self.args
@@ -370,11 +398,9 @@ KIND = LayerKind(
     tensor_parallel_sizes=lambda args, dim: [("mamba3.nheads", args.n_heads(dim))],
     validate_tensor_parallel=_validate_tensor_parallel,
     full_precision_params=("dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o"),
-    # head exchange only: chunkwise state passing would carry the state, the last token's k
-    # and x and the angle across pieces (not written yet)
     context_parallel=ContextParallelRule(
         core="core",
         head_groups=lambda args, dim: (("mamba3.nheads", args.n_heads(dim)),
                                        ("mamba3.n_groups", args.n_groups)),
-        head_channels=_head_channels, linear_modes=("head_a2a",)),
+        head_channels=_head_channels),
 )

@@ -26,7 +26,10 @@ core's arguments by NAME, never by position:
   - `DeltaRuleCore` ("delta_rule": the delta rule's K x K transition matrices, GDN, KDA, GDP,
     GDN2): `delta_rule_inputs` and `delta_rule`; its `forward` is written here once;
   - `ConvolutionCore` ("convolution": no state beyond the conv's window, LFM2's short conv):
-    the conv alone, its output [B, T, C] (channels as heads of width 1).
+    the conv alone, its output [B, T, C] (channels as heads of width 1);
+  - `TrapezoidalCore` ("trapezoidal": a scalar decay per head and step, each token's inputs
+    taken in two shares, the second at the next token, with keys rotated by a running angle;
+    Mamba-3, no conv: `conv_input` None): `angles`, `entry_weights` and `scan`.
 The head exchange (mode head_a2a) calls only `forward`, with the arguments cut by the kind's
 `HeadChannels` (layer_kind.py).
 
@@ -48,7 +51,8 @@ from torch import nn
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.ops.conv import causal_depthwise_conv1d
 
-DECAY, DIAGONAL, DELTA_RULE, CONVOLUTION = "decay", "diagonal", "delta_rule", "convolution"
+DECAY, DIAGONAL, DELTA_RULE, CONVOLUTION, TRAPEZOIDAL = (
+    "decay", "diagonal", "delta_rule", "convolution", "trapezoidal")
 
 
 def is_per_token(argument: str) -> bool:
@@ -129,6 +133,36 @@ class DiagonalDecayCore(RecurrentCore):
     def step_sizes(self, x_conv_BTC, *args) -> tuple[torch.Tensor, torch.Tensor]:
         """(dt [B, T, C], A [C, N]) as the scan computes them: each step's log decay is
         dt[..., None] * A."""
+
+
+class TrapezoidalCore(RecurrentCore):
+    """A state [H, P, N] that decays by one scalar per head and step and takes token t's
+    inputs (x_t k_t^T) in two shares (the exponential-trapezoidal rule): one at t, the other
+    at t + 1 (weighted by that token's `first_weight`) when it is of the same document; its
+    keys and read-out vectors are rotated by an angle summed from each document's start. So a
+    piece of a sequence depends on what comes before it through the state, the last token's
+    key and input, and the angle. No conv. The methods take the forward's other arguments by
+    name."""
+
+    state_passing = TRAPEZOIDAL
+    conv_input = None
+
+    @abc.abstractmethod
+    def angles(self, seq_idx, **inputs) -> torch.Tensor:
+        """theta [B, T, H, S]: the running angle, from each document's start."""
+
+    @abc.abstractmethod
+    def entry_weights(self, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the log decay [B, T, H], `first_weight` [B, H]: what the row's first token takes
+        of the token before it), as the scan computes them."""
+
+    @abc.abstractmethod
+    def scan(self, seq_idx, theta_BTHS, initial_state=None, return_final_state=False,
+             **inputs):
+        """y [B, T, H, P] with the keys rotated by theta; `initial_state` (h [B, H, P, N], the
+        previous token's k [B, R, H, N] and x [B, R, H, P], as its rank R inputs) enters each
+        row's leading document; with `return_final_state`, (y, that triple after each row's
+        last token)."""
 
 
 class DeltaRuleCore(RecurrentCore):

@@ -11,7 +11,8 @@ that enters it:
 where y_0 and S_0 come from running the piece from a zero state, and M is the piece's
 transition: a ScalarDecayCore's total decay (a number per head, Mamba2), a DiagonalDecayCore's
 (a number per channel and state entry, Mamba1), a DeltaRuleCore's product of delta-rule steps
-(a K x K matrix per head, GDN and its kin). A forward runs:
+(a K x K matrix per head, GDN and its kin), a TrapezoidalCore's total decay (Mamba-3, whose
+pieces also pass their running angle and their last token's key and input). A forward runs:
 
 1. the conv's left context: every rank all-gathers the last width-1 conv inputs of every piece,
    and each piece's conv reads those of the piece before it in row order (as its initial
@@ -48,6 +49,7 @@ from titan_hybrid.model.recurrent import (
     DECAY,
     DELTA_RULE,
     DIAGONAL,
+    TRAPEZOIDAL,
     RecurrentCore,
     call_by_name,
     is_per_token,
@@ -176,15 +178,24 @@ class ChunkwiseStatePassing(nn.Module, metaclass=abc.ABCMeta):
         core = self.core
         named = dict(self.signature.bind(*args).arguments)
         layout = named.pop("layout")
-        x_BTC = named.pop(core.conv_input)
-        conv = {name: named.pop(name) for name in ("conv_weight_CW", "conv_bias_C")
-                if name in named}
-        pieces = ZigzagPieces(self.group, x_BTC.shape[1], x_BTC.shape[0])
-        x, seq_idx, continues = pieces.conv_with_left_context(
-            x_BTC, layout, conv["conv_weight_CW"].shape[-1],
-            lambda x, seq_idx, halo, seq_halo: call_by_name(
-                core.conv, conv, x, seq_idx=seq_idx, initial_states=halo,
-                initial_seq_idx=seq_halo))
+        if core.conv_input is None:  # no conv: only whether each piece continues a document
+            first = next(value for name, value in named.items() if is_per_token(name))
+            pieces = ZigzagPieces(self.group, first.shape[1], first.shape[0])
+            x = None
+            seq_idx = None if layout is None or layout.seq_idx is None else pieces.stack(
+                layout.seq_idx)
+            _, _, continues = pieces.left_context(
+                first.new_zeros(2 * pieces.batch, pieces.length, 1), seq_idx, 2)
+        else:
+            x_BTC = named.pop(core.conv_input)
+            conv = {name: named.pop(name) for name in ("conv_weight_CW", "conv_bias_C")
+                    if name in named}
+            pieces = ZigzagPieces(self.group, x_BTC.shape[1], x_BTC.shape[0])
+            x, seq_idx, continues = pieces.conv_with_left_context(
+                x_BTC, layout, conv["conv_weight_CW"].shape[-1],
+                lambda x, seq_idx, halo, seq_halo: call_by_name(
+                    core.conv, conv, x, seq_idx=seq_idx, initial_states=halo,
+                    initial_seq_idx=seq_halo))
         inputs = {name: pieces.stack(value) if is_per_token(name) else value
                   for name, value in named.items()}
         return pieces.unstack(self.pass_states(x, inputs, seq_idx, continues, pieces))
@@ -268,6 +279,53 @@ class ChunkwiseDeltaRule(ChunkwiseStatePassing):
         return o + added.to(o.dtype)
 
 
+class ChunkwiseTrapezoidal(ChunkwiseStatePassing):
+    """A TrapezoidalCore (Mamba-3). Two things cross a piece boundary besides the state h: the
+    running angle, chained first (each piece's keys are rotated by the angle entering it plus
+    its own), and the last token's key and input, whose second share the next piece's first
+    token takes (its `first_weight`). Each piece's summary is (its total decay and
+    first_weight; h, k and x after its last token from a zero start), and the state entering
+    it is (h, k, x), chained as h' = decay (h + first_weight x k^T) + h_0. The pieces' scans
+    then run again from those states, as for the diagonal decay."""
+
+    def pass_states(self, x_conv, inputs, seq_idx, continues, pieces):
+        core = self.core
+        # The piece's documents numbered from 0: the scan's initial state enters the first.
+        seq_idx = None if seq_idx is None else seq_idx - seq_idx[:, :1]
+        theta = call_by_name(core.angles, inputs, seq_idx=seq_idx)  # [2B, L, H, S]
+        in_first = first_document(seq_idx)
+        # 0 where a document starts inside the piece: neither angle nor state gets through
+        through = (theta.new_ones(theta.shape[0]) if in_first is None
+                   else in_first[:, -1].to(theta.dtype))
+        offset = pieces.incoming_states(through[:, None, None].expand_as(theta[:, -1]),
+                                        theta[:, -1], continues.to(theta.dtype), torch.mul)
+        reach = 1 if in_first is None else in_first[..., None, None].to(theta.dtype)
+        theta = theta + offset[:, None] * reach
+        _, (h0, k_last, x_last) = call_by_name(core.scan, inputs, seq_idx=seq_idx,
+                                               theta_BTHS=theta, return_final_state=True)
+        log_decay, first_weight = call_by_name(core.entry_weights, inputs)
+        decay = log_decay.sum(1).exp() * through[:, None]  # [2B, H]
+        shapes = [h0.shape[1:], k_last.shape[1:], x_last.shape[1:]]
+        sizes = [h0[0].numel(), k_last[0].numel(), x_last[0].numel()]
+
+        def split(state):  # [rows, h | k | x] -> (h, k, x)
+            return [part.unflatten(1, shape) for part, shape
+                    in zip(state.split(sizes, 1), shapes, strict=True)]
+
+        def after_piece(transition, state):  # h' - h_0 = decay (h + first_weight x k^T)
+            decay, first_weight = transition.to(state.dtype).unbind(1)
+            h, k, x = split(state)
+            entering = h + first_weight[..., None, None] * torch.einsum("brhp,brhn->bhpn", x, k)
+            return torch.cat(((decay[..., None, None] * entering).flatten(1),
+                              state.new_zeros(state.shape[0], sizes[1] + sizes[2])), 1)
+
+        exit_state = torch.cat([part.flatten(1) for part in (h0, k_last, x_last)], 1)
+        state_in = pieces.incoming_states(torch.stack((decay, first_weight), 1), exit_state,
+                                          continues.to(exit_state.dtype), after_piece)
+        return call_by_name(core.scan, inputs, seq_idx=seq_idx, theta_BTHS=theta,
+                            initial_state=tuple(split(state_in)))
+
+
 class ChunkwiseConvolution(ChunkwiseStatePassing):
     """A ConvolutionCore (LFM2's short conv): the conv with each piece's left context is all
     of it; no state passes between pieces."""
@@ -282,4 +340,5 @@ STATE_PASSING: dict[str, type[ChunkwiseStatePassing]] = {
     DIAGONAL: ChunkwiseDiagonalDecay,
     DELTA_RULE: ChunkwiseDeltaRule,
     CONVOLUTION: ChunkwiseConvolution,
+    TRAPEZOIDAL: ChunkwiseTrapezoidal,
 }

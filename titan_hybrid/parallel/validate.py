@@ -146,11 +146,6 @@ def validate_context_parallel(model_args: HybridModelArgs, p: ParallelismSection
                 f"parallelism.context_parallel_degree={cp} with pattern '{model_args.pattern}': "
                 f"context parallelism ({mode}) is not implemented for {kind.title} "
                 f"('{kind.symbol}') layers; use CP = 1")
-        if mode not in rule.linear_modes:
-            raise ValueError(
-                f"parallelism.context_parallel_linear_mode '{mode}' with {kind.title} "
-                f"('{kind.symbol}') layers: not implemented for them yet; use "
-                + " or ".join(f"'{name}'" for name in rule.linear_modes))
         section = model_args.section(kind)
         if rule.head_groups is not None and mode == "head_a2a":
             (heads_field, heads), (groups_field, groups) = rule.head_groups(section,
