@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.triton_kernels import DEVICE, kernels_on
+from tests.triton_kernels import DEVICE, kernels_on, mamba3_kernels_on
 from tests.unit.test_compile import loss_and_grads, tiny_model
 from titan_hybrid.config.sections import ActivationCheckpointSection as ActivationCheckpoint
 from titan_hybrid.model.args import hybrid_flavors
@@ -181,6 +181,31 @@ def test_selective_ac_keeps_mamba1s_scan_kernel_output():
     tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
     scan = "titan_hybrid.triton_selective_scan_fwd"
     with kernels_on():
+        loss, grads, plain = _run(model, tokens.to(DEVICE))
+        runs = {"none": plain[scan]}
+        for mode in ("full", "selective op"):
+            ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
+            runs[mode] = counts[scan]
+            assert torch.equal(ac_loss, loss), mode
+            for name, grad in grads.items():
+                assert torch.equal(ac_grads[name], grad), (mode, name)
+    assert runs == {"none": 1, "full": 2, "selective op": 1}
+
+
+@pytest.mark.triton_interpreter
+def test_selective_ac_keeps_mamba3s_kernel_output():
+    """Mamba-3 (m_layers "mamba3", SISO) on mamba_ssm's kernels: full AC runs the forward kernel
+    again in the backward, per-op selective AC keeps its output; gradients bit for bit."""
+    args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_mamba3"]), pattern="M-",
+                               dim=64, vocab_size=128, max_seq_len=64)
+    args.mamba3 = dataclasses.replace(args.mamba3, d_state=16, head_dim=16, chunk_size=16)
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    scan = "titan_hybrid.mamba3_siso_fwd"
+    with mamba3_kernels_on():
         loss, grads, plain = _run(model, tokens.to(DEVICE))
         runs = {"none": plain[scan]}
         for mode in ("full", "selective op"):

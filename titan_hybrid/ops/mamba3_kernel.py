@@ -123,7 +123,8 @@ def _backward(dy: torch.Tensor, C: torch.Tensor, B: torch.Tensor, x: torch.Tenso
                                                     chunk_size=chunk_size)
     dq_mid, dk_mid, dv, dadt, dqk, dD, _ = kernel_packages.mamba3_siso_bwd_dqkv(
         q=q_rotated, k=k_scaled, v=v, da_cs=decay_cumsum, da_cs_sum=decay_sums,
-        qk_dot=qk_dot, SSM_States=states, do=do, D=D.float(), chunk_size=chunk_size,
+        qk_dot=qk_dot, SSM_States=states.to(q_rotated.dtype), do=do, D=D.float(),
+        chunk_size=chunk_size,
         Cu_Seqlens=cu_seqlens)
     dq, dk, dC_bias, dB_bias, dcumulative, dscale, dgamma = (
         kernel_packages.mamba3_siso_bwd_rotation(
@@ -163,7 +164,8 @@ def _setup_context(ctx, inputs, output):
                           *output[1:])
 
 
-def _autograd_backward(ctx, dy, *_):
+def _autograd_backward(ctx, grads):
+    dy = grads[0]  # the op returns one list: y, then residuals, which take no gradient
     C, B, x, dt, trap, C_bias, B_bias, angles, D, z, seq_idx, *residuals = ctx.saved_tensors
     (dC, dB, dx, dlog_decay, ddt, dtrap, dC_bias, dB_bias, dangles, dD, dz) = _backward(
         dy, C, B, x, dt, trap, C_bias, B_bias, angles, D, z, seq_idx, ctx.chunk_size,
