@@ -168,53 +168,45 @@ def test_selective_ac_keeps_the_scan_kernels_outputs():
     assert runs == {"none": [1, 1, 1], "full": [2, 2, 2], "selective op": [1, 1, 1]}
 
 
+def _forward_kernel_runs(args, op: str, kernels) -> dict[str, int]:
+    """How often the `M-` model of ARGS runs the forward kernel OP under no AC, full AC and
+    per-op selective AC (inside KERNELS), asserting that every mode's loss and gradients are
+    no AC's bit for bit."""
+    torch.manual_seed(0)
+    model = HybridModel(args)
+    model.init_weights()
+    model = model.to(DEVICE)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
+    with kernels():
+        loss, grads, plain = _run(model, tokens.to(DEVICE))
+        runs = {"none": plain[op]}
+        for mode in ("full", "selective op"):
+            ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
+            runs[mode] = counts[op]
+            assert torch.equal(ac_loss, loss), mode
+            for name, grad in grads.items():
+                assert torch.equal(ac_grads[name], grad), (mode, name)
+    return runs
+
+
 @pytest.mark.triton_interpreter
 def test_selective_ac_keeps_mamba1s_scan_kernel_output():
     """Mamba1 (m_layers "mamba1") on our Triton selective scan: full AC runs the scan's forward
     again in the backward, per-op selective AC keeps its output; gradients bit for bit."""
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug"]), pattern="M-", dim=64,
                                vocab_size=128, max_seq_len=64, m_layers="mamba1")
-    torch.manual_seed(0)
-    model = HybridModel(args)
-    model.init_weights()
-    model = model.to(DEVICE)
-    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
-    scan = "titan_hybrid.triton_selective_scan_fwd"
-    with kernels_on():
-        loss, grads, plain = _run(model, tokens.to(DEVICE))
-        runs = {"none": plain[scan]}
-        for mode in ("full", "selective op"):
-            ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
-            runs[mode] = counts[scan]
-            assert torch.equal(ac_loss, loss), mode
-            for name, grad in grads.items():
-                assert torch.equal(ac_grads[name], grad), (mode, name)
-    assert runs == {"none": 1, "full": 2, "selective op": 1}
+    assert _forward_kernel_runs(args, "titan_hybrid.triton_selective_scan_fwd", kernels_on) == {
+        "none": 1, "full": 2, "selective op": 1}
 
 
 @pytest.mark.triton_interpreter
 def test_selective_ac_keeps_mamba3s_kernel_output():
-    """Mamba-3 (m_layers "mamba3", SISO) on mamba_ssm's kernels: full AC runs the forward kernel
-    again in the backward, per-op selective AC keeps its output; gradients bit for bit."""
+    """Mamba-3 (m_layers "mamba3", SISO) on mamba_ssm's kernels: the same."""
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_mamba3"]), pattern="M-",
                                dim=64, vocab_size=128, max_seq_len=64)
     args.mamba3 = dataclasses.replace(args.mamba3, d_state=16, head_dim=16, chunk_size=16)
-    torch.manual_seed(0)
-    model = HybridModel(args)
-    model.init_weights()
-    model = model.to(DEVICE)
-    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
-    scan = "titan_hybrid.mamba3_siso_fwd"
-    with mamba3_kernels_on():
-        loss, grads, plain = _run(model, tokens.to(DEVICE))
-        runs = {"none": plain[scan]}
-        for mode in ("full", "selective op"):
-            ac_loss, ac_grads, counts = _run(_checkpointed(model, mode), tokens.to(DEVICE))
-            runs[mode] = counts[scan]
-            assert torch.equal(ac_loss, loss), mode
-            for name, grad in grads.items():
-                assert torch.equal(ac_grads[name], grad), (mode, name)
-    assert runs == {"none": 1, "full": 2, "selective op": 1}
+    assert _forward_kernel_runs(args, "titan_hybrid.mamba3_siso_fwd", mamba3_kernels_on) == {
+        "none": 1, "full": 2, "selective op": 1}
 
 
 def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
