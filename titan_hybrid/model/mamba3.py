@@ -141,6 +141,10 @@ def cumulative_angles(step_BTHS: torch.Tensor, seq_idx: torch.Tensor | None) -> 
     return theta - offset
 
 
+def _step_size(dd_dt_BTH: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    return F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+
+
 class Mamba3Core(TrapezoidalCore):
     """Mamba-3's part that runs along time (model/recurrent.py's TrapezoidalCore): from the
     in-projection's per-head parts, the normed B / C and the angles to the gated output
@@ -171,13 +175,13 @@ class Mamba3Core(TrapezoidalCore):
 
     def _steps(self, dd_dt_BTH, dd_A_BTH, dt_bias):
         """(dt, the log decay) per token and head."""
-        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+        dt_BTH = _step_size(dd_dt_BTH, dt_bias)
         log_decay_BTH = torch.clamp(-F.softplus(upcast(dd_A_BTH)), max=-self.args.a_floor)
         return dt_BTH, log_decay_BTH * dt_BTH
 
     def angles(self, dd_dt_BTH, dt_bias, angles_BTS, seq_idx):
         """theta [B, T, H, S]: tanh(angles) * pi * dt summed from each document's start."""
-        dt_BTH = F.softplus(upcast(dd_dt_BTH) + upcast(dt_bias))
+        dt_BTH = _step_size(dd_dt_BTH, dt_bias)
         step_BTHS = torch.tanh(upcast(angles_BTS))[:, :, None] * math.pi * dt_BTH[..., None]
         return cumulative_angles(step_BTHS, seq_idx)
 
