@@ -151,7 +151,7 @@ def test_bad_modes_are_named(config, message):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # fla: "Triton is not supported on ... CPU"
 def test_selective_ac_keeps_the_scan_kernels_outputs():
     model = tiny_model("M-G-K-").to(DEVICE)
-    tokens = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(2))
     scans = ("titan_hybrid.mamba2_core_fwd", "titan_hybrid.fla_gated_delta_fwd",
              "titan_hybrid.fla_kda_fwd")
     with kernels_on():
