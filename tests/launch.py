@@ -6,8 +6,8 @@ torchtitan and titan_hybrid, the launcher process is forked from a per-session f
 imported them once (tests/zygote.py), and the trainer's launcher forks its workers in turn
 (titan_hybrid.launch does that on CPU-only hosts); worker scripts and modules (torchtitan
 0.3's `torchrun -m torchtitan.train`) are forked by the same server under torchrun's
-environment contract. A launch whose environment differs from the one
-the fork server imported with runs as a fresh subprocess instead, as does everything when
+environment contract. A launch whose environment differs from the one the fork server
+imported with runs as a fresh subprocess instead, as does everything when
 TITAN_HYBRID_TEST_FORK=0.
 """
 

@@ -313,10 +313,10 @@ class ChunkwiseTrapezoidal(ChunkwiseStatePassing):
                     in zip(state.split(sizes, 1), shapes, strict=True)]
 
         def after_piece(transition, state):  # h' - h_0 = decay (h + first_weight x k^T)
-            decay, first_weight = transition.to(state.dtype).unbind(1)
+            piece_decay, weight = transition.to(state.dtype).unbind(1)
             h, k, x = split(state)
-            entering = h + first_weight[..., None, None] * torch.einsum("brhp,brhn->bhpn", x, k)
-            return torch.cat(((decay[..., None, None] * entering).flatten(1),
+            entering = h + weight[..., None, None] * torch.einsum("brhp,brhn->bhpn", x, k)
+            return torch.cat(((piece_decay[..., None, None] * entering).flatten(1),
                               state.new_zeros(state.shape[0], sizes[1] + sizes[2])), 1)
 
         exit_state = torch.cat([part.flatten(1) for part in (h0, k_last, x_last)], 1)
