@@ -7,10 +7,11 @@ one leg.
 - A test marked triton_interpreter runs on shard 1, the leg of the lent GPU machine's torch and
   Triton, whose interpreter is the one that matters.
 - Every other test runs where its module goes, so a module's shared runs (its module-scoped
-  fixtures) are made once. Modules are placed longest first, each on the shard whose such
-  modules take the least time so far, so each torch runs about a quarter of them. A test's
-  time is read from .ci/durations.json (`python3 .ci/durations.py` writes it from JUnit
-  reports: the tests of a second or more); a test missing there counts SHORT_TEST_SECONDS.
+  fixtures) are made once: a module with extended tests goes to shard 0 with them, the others
+  longest first, each to the shard whose such tests take the least time so far, so each torch
+  runs about a quarter of the default suite. A test's time is read from .ci/durations.json
+  (`python3 .ci/durations.py` writes it from JUnit reports: the tests of a second or more); a
+  test missing there counts SHORT_TEST_SECONDS.
 
 The legs run one after the other, so the split does not change CI's time: the balance spreads
 the default suite over the torches. The plan is a function of the collected tests alone, so
@@ -57,8 +58,12 @@ def plan(items: list, count: int, durations: dict[str, float]) -> list[int]:
             shards[position] = shard % count
     module_seconds = {module: sum(seconds[position] for position in positions)
                       for module, positions in free.items()}
-    for module in sorted(free, key=lambda name: (-module_seconds[name], name)):
-        shard = min(range(count), key=lambda index: (load[index], index))
+    with_extended = {item.nodeid.split("::")[0] for item in items
+                     if item.get_closest_marker("extended")}
+    for module in sorted(free, key=lambda name: (name not in with_extended,
+                                                 -module_seconds[name], name)):
+        shard = (REFERENCE_SHARD if module in with_extended
+                 else min(range(count), key=lambda index: (load[index], index)))
         load[shard] += module_seconds[module]
         for position in free[module]:
             shards[position] = shard

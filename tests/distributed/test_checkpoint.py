@@ -67,9 +67,9 @@ def check_resumed(losses, uninterrupted):
 
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
-    ("1", "tp2"), ("fsdp2", "1"),
+    pytest.param("1", "tp2", marks=pytest.mark.extended), ("fsdp2", "1"),
     # Chunkwise CP keeps nothing layout-dependent: its checkpoint resumes in one process.
-    ("cp2_chunkwise", "1"),
+    pytest.param("cp2_chunkwise", "1", marks=pytest.mark.extended),
     # Same code paths in the other direction, or through ZeRO-1: kept for the slow run.
     pytest.param("zero1_2", "tp2", marks=pytest.mark.slow),
     pytest.param("tp2", "1", marks=pytest.mark.slow),
@@ -96,6 +96,7 @@ def test_four_process_fsdp_x_tp_checkpoint_loads_in_one_process(tmp_path, uninte
     check_resumed(losses, uninterrupted)
 
 
+@pytest.mark.extended
 def test_grouped_pattern_saves_logical_keys_and_resumes_under_tp(tmp_path):
     grouped = ("--hybrid.pattern", "[M*][M-][G-]")
     saving = run_training(tmp_path, "--training.steps", "4", *STEPS, *CHECKPOINT, *grouped).check()
@@ -139,6 +140,7 @@ def test_unfinished_save_is_not_taken_as_the_latest(tmp_path, saved_in_one_proce
     assert len(resumed.losses) == 2
 
 
+@pytest.mark.extended
 def test_transformer_checkpoint_loads_into_grouped_and_hybrid_patterns_by_order(tmp_path):
     flat, grouped = ("--hybrid.pattern", "*-*-"), ("--hybrid.pattern", "[*-][*-]")
     run_training(tmp_path / "flat", "--training.steps", "2", *STEPS, *CHECKPOINT, *flat).check()

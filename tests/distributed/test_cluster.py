@@ -58,6 +58,7 @@ def curve(tmp_path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in lines]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", [
     (), pytest.param(("--parallelism.tensor_parallel_degree", "2"), marks=pytest.mark.slow)],
     ids=["fsdp2", "fsdp2_tp2"])
@@ -78,6 +79,7 @@ def agent_log(tmp_path: Path, node: int = 0) -> Path:
     return tmp_path / "outputs" / "launcher" / f"node{node}.log"
 
 
+@pytest.mark.extended
 def test_a_node_that_never_arrives_ends_the_rendezvous_with_one_line(tmp_path):
     lonely = launch(tmp_path, "node0", *SMALL_JOB, NNODES="2", NODE_RANK="0", NGPU="2",
                     RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_TIMEOUT="3")
@@ -132,6 +134,7 @@ def test_a_killed_worker_is_restarted_and_resumes_onto_the_uninterrupted_curve(t
     assert curve(tmp_path) == uninterrupted  # bitwise, as if nothing had happened
 
 
+@pytest.mark.extended
 def test_after_max_restarts_failures_the_job_stops_with_one_line(tmp_path):
     job = ("--training.steps", "40", *SMALL_JOB[2:], *CHECKPOINT)
     launcher = launch(tmp_path, "job", *job, NGPU="2", MAX_RESTARTS="1")
@@ -149,6 +152,7 @@ def test_after_max_restarts_failures_the_job_stops_with_one_line(tmp_path):
     assert "restart worker group" in agent_log(tmp_path).read_text()
 
 
+@pytest.mark.extended
 def test_a_bug_in_one_worker_is_named_with_its_rank_and_exception(tmp_path):
     # Rank 1 raises as step 2 begins; rank 0, waiting for it in step 2's first collective,
     # fails on the broken connection milliseconds later. The first failure is named.

@@ -28,8 +28,9 @@ def compiled_and_eager(tmp_path, reference_run, *args, nproc=1, config="hybrid.t
 
 
 # fp32 compile is also checked bitwise by the in-process unit test and the slow layouts here;
-# bf16 (the split-precision units) is the richer case for the default run.
-@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
+# bf16 (the split-precision units) is the richer case for CI's extended run.
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow),
+                                       pytest.param("bf16", marks=pytest.mark.extended)])
 def test_compiled_fsdp_run_matches_eager_bitwise(tmp_path, reference_run, precision):
     # bf16: Mamba2 / GDN projections are FSDP units inside their layers, which then compile
     # in parts (parallel/compile.py).
@@ -38,6 +39,7 @@ def test_compiled_fsdp_run_matches_eager_bitwise(tmp_path, reference_run, precis
     assert compiled == eager
 
 
+@pytest.mark.extended
 def test_compiled_packed_documents_match_eager_bitwise(tmp_path, reference_run):
     """`--hybrid.document_masking` with Mamba2, attention and gated DeltaNet layers (SMALL_JOB's
     pattern) compiles, each layer one graph, and gives the eager curve bit for bit. pydoc's
@@ -73,6 +75,7 @@ def test_compile_composes_with(tmp_path, reference_run, layout):
 MOE = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2")
 
 
+@pytest.mark.extended
 def test_bf16_moe_compiles_as_one_graph_per_layer_under_fsdp(tmp_path, reference_run):
     """bf16 FSDP2 without EP: each MoE layer is one graph, grouped GEMMs included (graphs
     counted in tests/unit/test_compile.py), inside the trainer with FSDP's hooks around it."""

@@ -126,6 +126,7 @@ ODD_HEADS = ("--model.flavor", "debug_odd_heads", "--training.steps", "4",
 CHUNKWISE = ("--parallelism.context_parallel_linear_mode", "chunkwise")
 
 
+@pytest.mark.extended
 def test_trainer_cp2_chunkwise_matches_one_process(tmp_path, reference_run):
     single = reference_run(*ODD_HEADS)
     cp = run_training(tmp_path, *ODD_HEADS, *CHUNKWISE,

@@ -26,8 +26,10 @@ def single_process_curve(tmp_path_factory):
 
 
 # ZeRO-2 differs from ZeRO-3 only in when FSDP2 reshards: kept for the slow run.
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params",
-                                      pytest.param("optim_grads", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", [
+    pytest.param("no_shard", marks=pytest.mark.extended),
+    pytest.param("optim", marks=pytest.mark.extended), "optim_grads_params",
+    pytest.param("optim_grads", marks=pytest.mark.slow)])
 def test_strategy_matches_single_process_bitwise(tmp_path, single_process_curve, strategy):
     result = run_training(tmp_path, *STEPS, "--parallelism.data_parallel_sharding_strategy",
                           strategy, nproc=2).check()
@@ -41,6 +43,7 @@ def test_strategy_matches_single_process_bitwise(tmp_path, single_process_curve,
             assert a == pytest.approx(b, rel=1e-6)
 
 
+@pytest.mark.extended
 def test_pure_replication_degree_is_ddp(tmp_path, single_process_curve):
     result = run_training(tmp_path, *STEPS, "--parallelism.data_parallel_replicate_degree", "2",
                           "--parallelism.data_parallel_shard_degree", "1", nproc=2).check()
@@ -87,6 +90,7 @@ def test_zero_stages_shard_what_they_promise():
         assert max(r[key] for r in zero3) < 0.55 * single[key]
 
 
+@pytest.mark.extended
 def test_moe_mtp_job_under_fsdp_matches_single_process(tmp_path):
     # The load-balancing loss is per microbatch, so both runs keep microbatches of 8.
     args = ("--training.steps", "3", "--training.local_batch_size", "8",
@@ -100,7 +104,8 @@ def test_moe_mtp_job_under_fsdp_matches_single_process(tmp_path):
         assert a == pytest.approx(b, rel=1e-6)
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["autocast, 1 process", "FSDP2 policy"])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.extended)],
+                         ids=["autocast, 1 process", "FSDP2 policy"])
 def test_bf16_curve_stays_near_fp32(tmp_path, reference_run, nproc):
     """bf16 compute (FSDP's MixedPrecisionPolicy, or torchtitan's autocast on one process) with
     the SSM parameters and their math in fp32: the loss curve stays within 1e-3 relative of

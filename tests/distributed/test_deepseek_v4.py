@@ -41,8 +41,9 @@ EXTENDED = pytest.mark.extended
 
 
 @pytest.mark.parametrize("flavor", ["debug_v4_all_moe"])
-@pytest.mark.parametrize("layout", [pytest.param(layout, marks=EXTENDED) if "compile" in layout
-                                    else layout for layout in LAYOUTS])
+# FSDP2 in the default suite, the other layouts in the extended one
+@pytest.mark.parametrize("layout", [layout if layout == "fsdp2" else
+                                    pytest.param(layout, marks=EXTENDED) for layout in LAYOUTS])
 def test_two_process_layouts_give_the_one_process_curve(tmp_path, reference_run, layout, flavor):
     job = ("--model.flavor", flavor, *STEPS)
     reference_job = job
@@ -64,6 +65,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
               "--checkpoint.no_last_save_model_only")
 
 
+@EXTENDED
 def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
     """Heads and output groups are split under TP; the checkpoint holds whole tensors, so a
     TP2 save resumes in one process onto the uninterrupted curve."""
@@ -81,7 +83,8 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path, reference_run):
 
 
 @pytest.mark.parametrize("documents, extra", [
-    pytest.param(False, (), id="plain"), pytest.param(True, (), id="documents"),
+    pytest.param(False, (), id="plain", marks=EXTENDED),
+    pytest.param(True, (), id="documents", marks=EXTENDED),
     pytest.param(True, ("--activation_checkpoint.mode", "full", "--compile.enable",
                         "--compile.backend", "aot_eager"), id="documents-ac-compile",
                  marks=EXTENDED)])

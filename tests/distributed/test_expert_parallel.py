@@ -36,14 +36,15 @@ def worst(errors: dict) -> tuple[str, float]:
     # 3 MoE layers: the threads cross inside one layer, which they must take in turn.
     pytest.param(("--pattern", "M*EME/*E"), marks=pytest.mark.slow),
     # Bracket groups, activation checkpointing (recomputed all-to-alls hand over too).
-    ("--pattern", "[M*E]E[ME]/*E", "--activation-checkpoint", "1"),
+    pytest.param(("--pattern", "[M*E]E[ME]/*E", "--activation-checkpoint", "1"),
+                 marks=pytest.mark.extended),
     # DeepSeek-V3-style MLA + MoE layers (the overlap hides each E's all-to-alls behind the
     # other microbatch's MLA), and a DSA MTP depth.
-    ("--pattern", "+E+E/D-"),
+    pytest.param(("--pattern", "+E+E/D-"), marks=pytest.mark.extended),
     pytest.param(("--strategy", "optim_grads"), marks=pytest.mark.slow),
     # Nemotron 3's squared-ReLU experts and biased, group-limited, scaled sigmoid routing, with
     # Nemotron 3 Super's latent experts (the all-to-alls move latent tokens).
-    ("--nemotron-3-moe", "--latent-dim", "24"),
+    pytest.param(("--nemotron-3-moe", "--latent-dim", "24"), marks=pytest.mark.extended),
 ])
 def test_expert_parallel_and_overlap_gradients(args):
     result = run_worker(WORKER, *args)
@@ -72,7 +73,7 @@ def _router_stats(tmp: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k.startswith("moe/")} for row in rows]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_expert_parallel_training_matches_one_process(tmp_path, single_process, overlap):
     extra = ("--parallelism.expert_parallel_overlap",) if overlap else ()
     result = run_training(tmp_path, *BATCH, *EP2, *extra, nproc=2, **MOE).check()
@@ -107,7 +108,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
 
 
 @pytest.mark.parametrize("saved_under, resumed_under", [
-    ((2, EP2), (1, ())),
+    pytest.param((2, EP2), (1, ()), marks=pytest.mark.extended),
     pytest.param((1, ()), (2, EP2), marks=pytest.mark.slow),
     pytest.param((4, EP2_TP2), (2, EP2), marks=pytest.mark.slow)])
 def test_checkpoint_moves_between_expert_layouts(tmp_path, single_process, saved_under,

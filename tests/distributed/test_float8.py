@@ -59,13 +59,14 @@ SHARDED_UPDATE_REL = 1e-5
 
 
 @pytest.mark.parametrize("float8, layout, sharded_update", [
-    (FLOAT8, (), True),  # FSDP2 over both processes
+    pytest.param(FLOAT8, (), True, marks=pytest.mark.extended),  # FSDP2 over both processes
     # ... gathering the weights in float8, their scales computed after each optimizer step
     # (tests/unit/test_float8.py checks the gather's float8 bytes and scales in the default run)
     pytest.param(FLOAT8, ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
                           "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
                  True, marks=pytest.mark.extended),
-    (FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), False),
+    pytest.param(FLOAT8, ("--parallelism.tensor_parallel_degree", "2"), False,
+                 marks=pytest.mark.extended),
     # measured 1.4e-6 at step 2, 5.1e-5 at most (tests/unit/test_mxfp8.py checks the GEMMs)
     pytest.param(MXFP8, (), True, marks=pytest.mark.extended),
     pytest.param(MXFP8, ("--parallelism.tensor_parallel_degree", "2"), False,

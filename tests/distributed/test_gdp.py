@@ -35,6 +35,7 @@ CHECKPOINT = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint
               "--checkpoint.no_last_save_model_only")
 
 
+@pytest.mark.extended
 def test_fsdp2_and_chunkwise_cp2_give_the_one_process_curve(tmp_path, reference_run):
     single = reference_run(*JOB).losses
     for name, layout in LAYOUTS.items():

@@ -84,7 +84,7 @@ def single_process_loss(tmp_path_factory, hf_checkpoint):
     return round_trip(tmp_path_factory.mktemp("hf_1"), hf_checkpoint, "1")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "fsdp2",
+@pytest.mark.parametrize("layout", [pytest.param("tp2", marks=pytest.mark.extended), "fsdp2",
                                     pytest.param("fsdp2_tp2", marks=pytest.mark.slow)])
 def test_hf_checkpoint_round_trips_under_each_layout(tmp_path, hf_checkpoint,
                                                      single_process_loss, layout):
@@ -129,7 +129,8 @@ def model_entries(folder) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("pattern, layout", [("+-+-", "1"), ("D-D-", "1"), ("D-D-", "tp2")])
+@pytest.mark.parametrize("pattern, layout", [
+    ("+-+-", "1"), ("D-D-", "1"), pytest.param("D-D-", "tp2", marks=pytest.mark.extended)])
 def test_deepseek_export_of_a_run_loads_into_transformers_with_our_logits(tmp_path, pattern,
                                                                           layout):
     """Step 1 is saved as our checkpoint, step 2 (the last) in HF format; at lr=0 both hold

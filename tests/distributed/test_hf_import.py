@@ -1,8 +1,8 @@
-"""The job `python -m titan_hybrid.hf import` writes trains in the real trainer: FSDP2 over 2
-and TP 2 give the one-process loss curve from the imported weights (whose logits equal
-transformers': tests/unit/test_hf_command.py). A job can also name the HF folder itself as its
-model (`hybrid.model_config`) and start from its weights (`initial_load_in_hf`): the same
-curve."""
+"""The job `python -m titan_hybrid.hf import` writes trains in the real trainer from the
+imported weights (whose logits equal transformers': tests/unit/test_hf_command.py). A job can
+also name the HF folder itself as its model (`hybrid.model_config`) and start from its weights
+(`initial_load_in_hf`): in one process it repeats the imported job's curve bit for bit, and
+under FSDP2, TP2 or EP2 over two processes it gives that curve too."""
 
 from __future__ import annotations
 
@@ -57,61 +57,38 @@ FSDP2 = ()  # over both processes
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 # Each family trains under TP2, where its imported shapes meet the tensor-parallel plans (FSDP2
-# shards any model alike: the layouts' own tests run every kind under it), but these.
-LAYOUTS = {"nemotron_h_moe": (FSDP2, TP2), "jamba": (FSDP2, EP2)}
+# shards any model alike: the layouts' own tests run every kind under it), but these. Under EP2
+# DeepSeek-V4's MoE layers (the hash-routed one too) split their experts over the two ranks,
+# with the hyper-connection streams and V4's attention around them; Jamba's too.
+LAYOUTS = {"nemotron_h_moe": (FSDP2, TP2), "deepseek_v4": (TP2, EP2), "jamba": (FSDP2, EP2)}
 
 
-def test_the_imported_job_trains_with_the_one_process_curve(imported, tmp_path, request):
-    job, _, single, _ = imported
+def from_the_hf_folder(hf_dir: Path) -> tuple[str, ...]:
+    """A job's model is the HF folder itself, and it starts from the folder's weights."""
+    return ("--hybrid.model_config", str(hf_dir), "--checkpoint.initial_load_path", str(hf_dir),
+            "--checkpoint.initial_load_in_hf")
+
+
+def test_the_hf_folder_trains_under_each_layout_on_the_imported_curve(imported, tmp_path,
+                                                                       request):
+    """Each layout's two ranks read their pieces of the HF folder's tensors in place (DCP's HF
+    reader), also where a tensor of theirs joins several of ours (Qwen3-Next's in_proj_qkvz
+    takes its rows key-head group by group from four of our components, its conv1d from
+    three), and train on the curve of the imported job in one process."""
+    job, hf_dir, single, _ = imported
     for layout in LAYOUTS.get(request.node.callspec.params["imported"], (TP2,)):
-        result = run_training(tmp_path / str(len(layout)), *STEPS, *layout, config=job,
-                              nproc=2).check()
+        result = run_training(tmp_path / str(len(layout)), *STEPS, *from_the_hf_folder(hf_dir),
+                              *layout, config=job, nproc=2).check()
         assert len(result.losses) == len(single.losses) == 3
         for ours, reference in zip(result.losses, single.losses):
             assert ours == pytest.approx(reference, rel=1e-5)
 
 
-@pytest.mark.extended
-@pytest.mark.once_per_ci
-@pytest.mark.parametrize("imported", ["deepseek_v4"], indirect=True)
-def test_an_imported_deepseek_v4_trains_under_expert_parallelism(imported, tmp_path):
-    """DeepSeek-V4's MoE layers (the hash-routed one too) with their experts split over two
-    ranks, the hyper-connection streams and V4's attention around them: the one-process
-    curve."""
-    job, _, single, _ = imported
-    result = run_training(tmp_path, *STEPS, "--parallelism.expert_parallel_degree", "2",
-                          config=job, nproc=2).check()
-    assert result.losses == pytest.approx(single.losses, rel=1e-5)
-
-
-@pytest.mark.parametrize("nproc", [1, 2])  # 2: FSDP2, each rank reading its shards
-def test_a_job_can_start_from_the_hf_folder_itself(imported, tmp_path, nproc):
+@pytest.mark.parametrize("imported", ["nemotron_h_moe"], indirect=True)
+def test_one_process_from_the_hf_folder_repeats_the_imported_curve_bitwise(imported, tmp_path):
     job, hf_dir, single, _ = imported
-    result = run_training(tmp_path, *STEPS, "--hybrid.model_config", str(hf_dir),
-                          "--checkpoint.initial_load_path", str(hf_dir),
-                          "--checkpoint.initial_load_in_hf", config=job, nproc=nproc).check()
-    if nproc == 1:
-        assert result.losses == single.losses
-    for ours, reference in zip(result.losses, single.losses, strict=True):
-        assert ours == pytest.approx(reference, rel=1e-5)
-
-
-@pytest.mark.extended
-@pytest.mark.once_per_ci
-@pytest.mark.parametrize("imported", ["qwen3_next"], indirect=True)
-def test_a_tp_job_starts_from_an_hf_folder_whose_tensors_join_several_of_ours(imported,
-                                                                              tmp_path):
-    """Qwen3-Next's in_proj_qkvz takes its rows key-head group by group from four of our
-    components, and its conv1d joins three: under TP each rank reads its pieces of them in
-    place (DCP's HF reader), and the run gives the one-process curve."""
-    job, hf_dir, single, _ = imported
-    result = run_training(tmp_path, *STEPS, "--hybrid.model_config", str(hf_dir),
-                          "--checkpoint.initial_load_path", str(hf_dir),
-                          "--checkpoint.initial_load_in_hf",
-                          "--parallelism.tensor_parallel_degree", "2", config=job,
-                          nproc=2).check()
-    for ours, reference in zip(result.losses, single.losses, strict=True):
-        assert ours == pytest.approx(reference, rel=1e-5)
+    result = run_training(tmp_path, *STEPS, *from_the_hf_folder(hf_dir), config=job).check()
+    assert result.losses == single.losses
 
 
 @pytest.mark.extended
@@ -136,7 +113,8 @@ def test_post_norm_layers_train_under_pp_and_cp_with_the_one_process_curve(impor
 
 
 @pytest.mark.parametrize("layout, nproc", [
-    ((), 1), (("--parallelism.tensor_parallel_degree", "2"), 2)])
+    ((), 1), pytest.param(("--parallelism.tensor_parallel_degree", "2"), 2,
+                          marks=pytest.mark.extended)])
 def test_the_trainers_hf_export_gives_the_hf_folder_back_bitwise(tmp_path, layout, nproc):
     """A Qwen3-Next run reads the HF folder and writes its last step in HF format
     (`last_save_in_hf`) at lr 0: every tensor comes back bit for bit. DCP's HF writer keeps

@@ -57,6 +57,7 @@ def _assert_same_curve(expected: list[float], got: list[float], rel: float = 1e-
         assert b == pytest.approx(a, rel=rel)
 
 
+@pytest.mark.extended
 def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_at_tp1(
         tmp_path, reference_run):
     single = reference_run(*JOB)

@@ -68,6 +68,7 @@ def test_dense_mask_rejected_under_cp2(two_ranks):
         assert "use causal masking, or packed sequences (THD" in message
 
 
+@pytest.mark.slow  # four processes
 def test_cp2_x_sp2(four_ranks):
     labels = {r: zigzag_by_hand([(0, 16)], 2, r) for r in (0, 1)}
     assert labels == {0: [0, 1, 2, 3, 12, 13, 14, 15], 1: [4, 5, 6, 7, 8, 9, 10, 11]}
@@ -76,6 +77,7 @@ def test_cp2_x_sp2(four_ranks):
                lambda c, t: [2, c, 2, t])
 
 
+@pytest.mark.slow  # four processes
 def test_thd_cp2_x_sp2(four_ranks):
     labels = {r: zigzag_by_hand([(0, 4), (4, 12), (16, 8)], 2, r) for r in (0, 1)}
     check_case(four_ranks["thd_cp2_sp2"], labels,

@@ -48,8 +48,8 @@ def _assert_same_run(single, result, flavor):
 
 # DSA's every-layout run (18 s) in the extended run, which every CI leg runs too (the default
 # suite's 12 minutes); MLA's, whose layouts DSA's share, in the default suite.
-@pytest.mark.parametrize("flavor", ["debug_mla",
-                                    pytest.param("debug_dsa", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("flavor", [pytest.param(flavor, marks=pytest.mark.extended)
+                                    for flavor in ("debug_mla", "debug_dsa")])
 def test_every_layout_gives_the_one_process_curve_and_tp2_checkpoints_resume_anywhere(
         tmp_path, reference_run, flavor):
     job = ("--model.flavor", flavor, *JOB)

@@ -33,7 +33,9 @@ def test_the_readme_shows_the_commands_this_file_runs():
 
 
 # The README's text is the same under every torch (the trainer's runs under each are other
-# tests'): CI runs these on its first torch leg.
+# tests'): CI runs these on its first torch leg, in its extended run (the default suite's
+# tests/distributed/test_train.py trains the first command's job).
+@pytest.mark.extended
 @pytest.mark.once_per_ci
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_training_command_runs_as_written(tmp_path, command):

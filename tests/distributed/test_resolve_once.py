@@ -29,6 +29,7 @@ def plain_torchtitan_job(tmp_path):
     return config
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("entry, pipeline", [
     ("titan_hybrid.train", 1), ("titan_hybrid.train", 2), ("torchtitan.train", 2)])
 def test_job_and_model_args_resolved_and_layout_validated_once(tmp_path, entry, pipeline):

@@ -47,6 +47,7 @@ def test_finished_run_extends_with_more_steps(extended):
     assert len(extended.losses) == 2
 
 
+@pytest.mark.extended
 def test_model_only_checkpoint_needs_the_fresh_optimizer_flag(tmp_path, extended):
     run_training(tmp_path, "--training.steps", "6", *SMALL, *CHECKPOINT,
                  "--checkpoint.last_save_model_only").check()
@@ -235,7 +236,10 @@ def _stop_at(launcher: subprocess.Popen, moment) -> None:
         os.killpg(launcher.pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("trial", ["after_steps", "mid_save", "early", "mid_async_save"])
+@pytest.mark.parametrize("trial", [pytest.param(trial, marks=pytest.mark.extended)
+                                   if trial != "mid_save" else trial
+                                   for trial in ("after_steps", "mid_save", "early",
+                                                 "mid_async_save")])
 def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uninterrupted,
                                                                    trial):
     ck = tmp_path / "outputs" / "ck"
@@ -278,6 +282,7 @@ def _groups_readme_documents(async_mode: str) -> list[str]:
             if when == "always" or f"`--checkpoint.async_mode {async_mode}`" in when]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_a_run_makes_each_process_group_once_as_the_readme_lists(tmp_path, async_mode):
     run = run_training(tmp_path, "--training.steps", "4", *SMALL, *CHECKPOINT,

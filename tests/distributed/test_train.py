@@ -34,6 +34,7 @@ def test_seed_and_deterministic_mode_reproduce_bitwise(tmp_path):
     assert other_seed.losses[0] != first.losses[0]
 
 
+@pytest.mark.extended
 def test_pattern_override_and_moe_mtp_job(tmp_path):
     grouped = run_training(tmp_path, "--training.steps", "2",
                            "--hybrid.pattern", "[M*]-G").check()

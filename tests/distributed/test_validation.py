@@ -45,7 +45,8 @@ def single_process(tmp_path_factory):
                         "--validation.steps", "2").check()
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "pp2",
+@pytest.mark.parametrize("layout", ["fsdp2", pytest.param("tp2", marks=pytest.mark.extended),
+                                    pytest.param("pp2", marks=pytest.mark.extended),
                                     pytest.param("pp2_zbv", marks=pytest.mark.slow)])
 def test_validation_loss_is_the_same_under_every_layout(tmp_path, single_process, layout):
     result = run_training(tmp_path, *COMMON, *LAYOUTS[layout], nproc=2).check()

@@ -39,6 +39,38 @@ def registry_with(*replacements: tuple[str, str]) -> str:
                           "import HybridDataLoader, HybridLoss, model_spec")
 
 
+# The debug flavors, then the GPU-sized ones (0.9-2B parameters) at width 256 on one row of 64
+# tokens, their layers and sections otherwise as they are: two halves of about equal time,
+# which the leg's two workers take first (the module's first tests: the leg's longest).
+FLAVOR_HALVES = {
+    "debug": [name for name, args in hybrid_flavors.items() if args.dim <= 256],
+    "gpu_sized": [f"{name}:dim=256:local_batch_size=1" for name, args in hybrid_flavors.items()
+                  if args.dim > 256]}
+
+
+@pytest.mark.parametrize("half", FLAVOR_HALVES)
+def test_every_flavor_trains_a_step_in_a_users_job(tmp_path, half):
+    """The README's registry with each flavor of the flavor table, one step each in one
+    process."""
+    flavors = FLAVOR_HALVES[half]
+    (tmp_path / "my_registry.py").write_text(readme_registry())
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "torchtitan_0_3" / "user_job_flavors.py"),
+         str(tmp_path / "out"), *flavors], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=900, cwd=REPO_ROOT, env=env)  # one stream: the markers in order
+    assert result.returncode == 0, result.stdout[-3000:]
+    output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)
+    runs = re.split(r"^== ", output, flags=re.MULTILINE)[1:]
+    assert [run.split()[0] for run in runs] == [f.split(":")[0] for f in flavors]
+    for run in runs:
+        flavor = run.split()[0]
+        loss = re.search(r"step:\s+1\s+loss:\s+([0-9.]+)", run)
+        assert loss and 0 < float(loss.group(1)) < 20, flavor
+        assert f"{flavor} trained" in run
+
+
 def test_the_readmes_block_trains_an_moe_mtp_flavor_on_0_3s_default_backend(tmp_path):
     """As written (debug_moe on spmd_types, torchtitan's loader): one process and TP2 (the
     README's command) give the same curve. (FSDP2 on this backend: the next test, on a loader
@@ -137,27 +169,3 @@ def test_what_a_backend_cannot_run_is_one_line_on_each_rank(tmp_path, args, line
     assert result.returncode != 0
     # both ranks print it (their lines may interleave in the one stderr pipe)
     assert result.stderr.count(line) == 2, result.stderr[-3000:]
-
-
-def test_every_flavor_trains_a_step_in_a_users_job(tmp_path):
-    """The README's registry with each flavor of the flavor table, one step each in one
-    process; the GPU-sized flavors (0.9-2B parameters) at width 256 on one row of 64 tokens,
-    their layers and sections otherwise as they are."""
-    (tmp_path / "my_registry.py").write_text(readme_registry())
-    flavors = [name if args.dim <= 256 else f"{name}:dim=256:local_batch_size=1"
-               for name, args in hybrid_flavors.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "torchtitan_0_3" / "user_job_flavors.py"),
-         str(tmp_path / "out"), *flavors], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=900, cwd=REPO_ROOT, env=env)  # one stream: the markers in order
-    assert result.returncode == 0, result.stdout[-3000:]
-    output = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)
-    runs = re.split(r"^== ", output, flags=re.MULTILINE)[1:]
-    assert [run.split()[0] for run in runs] == [f.split(":")[0] for f in flavors]
-    for run in runs:
-        flavor = run.split()[0]
-        loss = re.search(r"step:\s+1\s+loss:\s+([0-9.]+)", run)
-        assert loss and 0 < float(loss.group(1)) < 20, flavor
-        assert f"{flavor} trained" in run

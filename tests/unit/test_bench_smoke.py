@@ -18,8 +18,9 @@ from titan_hybrid.model.args import hybrid_flavors
 from titan_hybrid.model.pattern import parse_hybrid_pattern
 
 
-@pytest.mark.parametrize("op", ["ssd", "mixer", "gdn", "kda", "mla", "dsa", "v4",
-                                "short_conv", "mamba1"])
+@pytest.mark.parametrize("op", [
+    "ssd", "mixer", "gdn", pytest.param("kda", marks=pytest.mark.extended), "mla", "dsa", "v4",
+    "short_conv", pytest.param("mamba1", marks=pytest.mark.extended)])
 def test_compare_small(op):
     pytest.importorskip("transformers")
     from bench.mixers_vs_transformers import compare
@@ -63,6 +64,7 @@ def test_gpu_check_exits_cleanly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+@pytest.mark.extended
 def test_gpu_check_parses_the_trainers_log(tmp_path):
     """A real run (the debug job, 2 steps on CPU, ~10 s) through gpu_check's own helpers: the
     numbers parsed from each step line are the ones torchtitan printed."""
@@ -269,6 +271,7 @@ def test_gpu_profile_job_variants_become_trainer_options(tmp_path):
         job_command("nemotron_h_1b:ac_half", args, tmp_path)
 
 
+@pytest.mark.extended
 def test_mamba_layer_bench_runs_ours_small():
     """bench/mamba_layer.py small: ours always; the fused baseline where CUDA and causal-conv1d
     are there (then first, ours agreeing with it), else the report says why it did not run."""
@@ -290,7 +293,8 @@ def test_mamba_layer_bench_runs_ours_small():
 # Compiled, the bench's inductor runs take ~45 s: once a CI run, as the FP8 rows above (the
 # Triton conv's custom ops under compile are tests/unit/test_conv_triton.py's, on every torch).
 @pytest.mark.parametrize("compiled", [
-    False, pytest.param(True, marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
+    pytest.param(False, marks=pytest.mark.extended),
+    pytest.param(True, marks=[pytest.mark.extended, pytest.mark.once_per_ci])])
 def test_conv_kernels_bench_counts_each_path(compiled):
     """bench/conv_kernels.py small: our Triton conv is two launches (forward, backward) and no
     ATen convolution work; the torch path's documents cost many ATen calls in eager; compiled,

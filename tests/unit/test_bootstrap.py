@@ -102,6 +102,7 @@ class Checkout:
         return self.venv / ".install-lock"
 
 
+@pytest.mark.extended
 def test_concurrent_bootstraps_install_the_venv_once(tmp_path):
     checkout = Checkout(tmp_path, gpu=False)
     # Both start at once, through a barrier: a FIFO that the test holds open, so each process's
@@ -131,6 +132,7 @@ def test_concurrent_bootstraps_install_the_venv_once(tmp_path):
     assert not checkout.lock.exists()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("holder_host", [
     "this host",
     # Another node's pid cannot be looked up: its lock goes stale when its heartbeat stops
@@ -163,6 +165,7 @@ def test_lock_of_a_killed_bootstrap_is_taken_over(tmp_path, holder_host):
     assert not checkout.lock.exists()
 
 
+@pytest.mark.extended
 def test_gpu_host_is_told_which_kernel_packages_are_missing(tmp_path):
     checkout = Checkout(tmp_path, gpu=True)
     # Installed or not in this suite's venv, which the copy's venv sees (read from their

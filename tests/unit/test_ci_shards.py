@@ -1,6 +1,6 @@
 """CI's split of the tests over its torch legs (tests/ci_shards.py): each test on exactly one
 leg, the reference leg's and the interpreter leg's tests where they belong, a module's other
-tests together, and the default suite's time spread evenly."""
+tests together (with its extended ones), and the default suite's time spread evenly."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def test_each_test_runs_once_forced_ones_where_they_belong_and_a_module_stays_to
     assert shards[1] == ci_shards.INTERPRETER_SHARD
     assert shards[3] == shards[4] == ci_shards.REFERENCE_SHARD
     assert shards[0] == shards[2]  # test_a's free tests share a leg (its module fixtures)
-    # four free modules of equal (unknown) time: one on each leg
-    assert sorted({shards[0], shards[5], shards[6], shards[7]}) == [0, 1, 2, 3]
+    # test_b's free test goes with its extended one (their module fixtures), and the three
+    # free modules of equal (unknown) time to the other legs
+    assert shards[5] == ci_shards.REFERENCE_SHARD
+    assert sorted({shards[0], shards[6], shards[7]}) == [1, 2, 3]
     assert ci_shards.plan(list(reversed(items)), 4, {}) == list(reversed(shards))
 
 

@@ -48,7 +48,8 @@ SLOW_CASES = ("[M*][G-]", "M*E/-")
 
 
 @pytest.mark.parametrize("pattern", [
-    pytest.param(pattern, marks=pytest.mark.slow) if pattern in SLOW_CASES else pattern
+    pytest.param(pattern, marks=pytest.mark.slow) if pattern in SLOW_CASES
+    else pytest.param(pattern, marks=pytest.mark.extended) if pattern == "M+D-" else pattern
     for pattern in CASES])
 def test_compiled_units_match_eager_bitwise(pattern):
     eager = tiny_model(pattern)
@@ -74,6 +75,7 @@ def test_compiled_units_match_eager_bitwise(pattern):
             assert torch.equal(compiled_grads[name], grad), name
 
 
+@pytest.mark.extended
 def test_split_precision_compiles_mamba_and_gdn_in_parts():
     """Under bf16 data parallelism their projections are FSDP units inside the layer: the layer
     norm, the sequence core and the gated norm are compiled instead of the whole layer."""
@@ -120,7 +122,7 @@ def test_packed_documents_compile_for_every_sequence_mixer():
         assert torch.equal(compiled_grads[name], grad), name
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_moe_is_one_graph_in_bf16_without_expert_parallelism(expert_parallel):
     """In bf16 (grouped_mm traces there) and without EP's host-side dispatch, a MoE layer is
     one graph, its grouped GEMMs included; with EP (or in fp32, the test above) it compiles

@@ -331,6 +331,7 @@ def test_import_gives_transformers_logits_and_export_gives_them_back_bitwise(tmp
     assert all(torch.equal(exported[key], value) for key, value in original.items())
 
 
+@pytest.mark.extended
 @pytest.mark.once_per_ci  # the command line's own behaviour: the same under every torch
 def test_the_commands_run_as_modules_and_a_user_error_is_one_line(tmp_path):
     """The documented command lines, in a fresh interpreter: an import works; a second import
@@ -630,6 +631,7 @@ def test_the_trainer_refuses_to_write_an_hf_tensor_held_in_several_pieces(tmp_pa
     assert torch.equal(written, torch.cat([source[3:], source[:3]]))
 
 
+@pytest.mark.extended
 @pytest.mark.once_per_ci  # the README's text: the same under every torch
 def test_the_readme_commands_run_as_written(tmp_path):
     """The two command lines of docs/checkpoints_and_hf.md (the README's tour repeats the first),

@@ -135,7 +135,7 @@ def test_full_rank_gates_are_megatrons_layout():
     assert full.f_proj.weight.shape == (HEADS * HEAD_DIM, DIM)
 
 
-@pytest.mark.parametrize("gate_lower_bound", [0.0, -5.0])
+@pytest.mark.parametrize("gate_lower_bound", [0.0, pytest.param(-5.0, marks=pytest.mark.extended)])
 def test_the_layer_compiles_as_one_graph(gate_lower_bound):
     """fullgraph (aot_eager), forward and backward equal to eager bit for bit; with the op's
     strided gradients flowing back through the gate."""
