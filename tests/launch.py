@@ -28,9 +28,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Variables that may differ between a launch and the fork server without changing what the
-# launch imports: pytest's per-test marker, and output buffering (the server's children write
-# unbuffered, as run_training asks for).
-_ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED"}
+# launch imports: pytest's per-test marker, output buffering (the server's children write
+# unbuffered, as run_training asks for), and the address inductor sets in a process that
+# compiled in place (a test's torch.compile), before each compiled module it loads there.
+_ENV_IGNORED = {"PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED",
+                "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 # Variables a forked child applies itself as a fresh interpreter would: PYTHONPATH's entries go
 # in front of sys.path (tests/zygote.py). Modules the server imported stay as imported, so a
 # test's PYTHONPATH adds modules of its own (a user's registry), never other copies of these.
@@ -312,7 +314,9 @@ def launch_workers(script: Path, *args: str, nproc: int = 2,
     torchrun's environment contract (forked by the fork server where it can be)."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(script), *args]
-    return _run(command, _launch_env(), timeout,
+    # A script's own folder is its sys.path[0]: the repository goes on the path for `tests`.
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return _run(command, _launch_env(PYTHONPATH=path), timeout,
                 call=("tests.zygote:fork_workers", [str(script), str(nproc), *args]))
 
 

@@ -76,7 +76,8 @@ def test_the_hf_folder_trains_under_each_layout_on_the_imported_curve(imported, 
     takes its rows key-head group by group from four of our components, its conv1d from
     three), and train on the curve of the imported job in one process."""
     job, hf_dir, single, _ = imported
-    for index, layout in enumerate(LAYOUTS.get(request.node.callspec.params["imported"], (TP2,))):
+    layouts = LAYOUTS.get(request.node.callspec.params["imported"], (TP2,))
+    for index, layout in enumerate(layouts):
         result = run_training(tmp_path / str(index), *STEPS, *from_the_hf_folder(hf_dir),
                               *layout, config=job, nproc=2).check()
         assert len(result.losses) == len(single.losses) == 3

@@ -385,7 +385,11 @@ def test_launcher_keeps_autotune_results(monkeypatch):
     from titan_hybrid import launch
 
     seen = {}
-    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    # setenv first: the undo then restores the variable as the test found it (a delenv of an
+    # unset variable records nothing, and the launcher's setdefault would outlive the test,
+    # keeping this worker's later launches off the tests' fork server).
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "")
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING")
     monkeypatch.setattr(launch, "run_here", lambda job_args: seen.update(
         value=launch.os.environ.get("TRITON_CACHE_AUTOTUNING")))
     assert launch.main(["--job.config_file", "train_configs/hybrid.toml"]) == 0
