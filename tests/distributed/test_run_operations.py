@@ -236,10 +236,9 @@ def _stop_at(launcher: subprocess.Popen, moment) -> None:
         os.killpg(launcher.pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("trial", [pytest.param(trial, marks=pytest.mark.extended)
-                                   if trial != "mid_save" else trial
-                                   for trial in ("after_steps", "mid_save", "early",
-                                                 "mid_async_save")])
+@pytest.mark.parametrize("trial", ["mid_save", *(pytest.param(trial, marks=pytest.mark.extended)
+                                                for trial in ("after_steps", "early",
+                                                              "mid_async_save"))])
 def test_kill_9_at_any_moment_resumes_onto_the_uninterrupted_curve(tmp_path, uninterrupted,
                                                                    trial):
     ck = tmp_path / "outputs" / "ck"
