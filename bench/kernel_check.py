@@ -129,14 +129,18 @@ def _selective_scan(dtype, gen):  # jamba_hybrid_2b's Mamba1 at 512 channels: st
             dict(seq_idx=seq_idx, dt_softplus=True, return_final_state=True))
 
 
-def _mamba3_layer(dtype, gen):  # mamba3_hybrid_1b's Mamba-3 layer at 512 wide, documents
+def _mamba3_layer(dtype, gen, **options):  # mamba3_hybrid_1b's Mamba-3 layer, 512 wide
     torch.manual_seed(0)
-    mixer = Mamba3Mixer(dim=512, args=Mamba3Args()).to(DEVICE)
+    mixer = Mamba3Mixer(dim=512, args=Mamba3Args(**options)).to(DEVICE)
     mixer.init_weights(init_std=0.02, out_std=0.02)
     seq_idx = torch.zeros(2, 200, dtype=torch.int32, device=DEVICE)
     seq_idx[:, 130:] = 1
     return (dict(u_BTD=_rand(gen, 2, 200, 512, dtype=dtype)),
             dict(mixer=mixer.to(dtype), layout=TokenLayout(positions=None, seq_idx=seq_idx)))
+
+
+def _mamba3_mimo_layer(dtype, gen):  # the same with MIMO of rank 4 (kernel chunks of 16)
+    return _mamba3_layer(dtype, gen, mimo=True, mimo_rank=4)
 
 
 def _mamba3_kernel_path(u_BTD, mixer, layout):
@@ -177,6 +181,10 @@ CASES = (
     # take q, k, x, z and the angles in bfloat16 whatever the layer's dtype (as its module does)
     Case("Mamba-3 SISO layer (mamba_ssm's kernels)", "mamba_ssm", _mamba3_kernel_path,
          _mamba3_torch_path, _mamba3_layer, ("mamba3_siso_fwd", "mamba3_siso_bwd"),
+         {torch.float32: 3e-2, torch.bfloat16: 5e-2}),
+    # ... and its MIMO TileLang kernels (tilelang installed), bfloat16 inside the same way
+    Case("Mamba-3 MIMO layer (mamba_ssm's TileLang kernels)", "tilelang", _mamba3_kernel_path,
+         _mamba3_torch_path, _mamba3_mimo_layer, ("mamba3_mimo_fwd", "mamba3_mimo_bwd"),
          {torch.float32: 3e-2, torch.bfloat16: 5e-2}),
 )
 
@@ -250,7 +258,7 @@ def check(case: Case, dtype: torch.dtype, compile_: bool = False) -> float:
 
 def run_kernel_checks() -> bool:
     """Prints one line per case and a total; False when a check failed."""
-    unusable = probe_kernels()
+    unusable = probe_kernels(on_demand=True)
     runs = [(case, dtype, False) for case in CASES for dtype in (torch.float32, torch.bfloat16)]
     runs.append((CASES[0], torch.float32, True))  # torch.compile(fullgraph) over the kernel path
     failed, skipped, start = 0, 0, time.perf_counter()

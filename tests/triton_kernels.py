@@ -35,6 +35,10 @@ the library):
   Triton modules are imported through a bare package module instead.
 - causal-conv1d is CUDA C++ only: its stand-in (tests/stand_ins/, the same functions in torch)
   takes its place, so layers run their conv through our custom ops too.
+- mamba_ssm's Mamba-3 MIMO kernels are TileLang's, which compiles for CUDA only: where they cannot
+  run (on CPU, or without tilelang) their stand-in (tests/stand_ins/tilelang_mamba3_mimo.py)
+  takes the place of their four modules and of `tilelang`; the Triton kernels around them
+  (the decay sums, the angles' running sum) are mamba_ssm's own.
 The interpreter has no bfloat16 arithmetic (bf16 values are held as their uint16 bit patterns
 and only converted at loads, stores and casts: a bf16 `tl.dot` multiplies bit patterns), so
 kernels whose dots take bf16 operands are checked in float32 there, and in bf16 only on CUDA.
@@ -175,10 +179,35 @@ def _interpreter():
         yield
 
 
+# mamba_ssm's TileLang modules, which the stand-in replaces where they cannot run.
+TILELANG_MODULES = tuple(f"mamba_ssm.ops.tilelang.mamba3.{name}" for name in (
+    "mamba3_mimo_fwd", "mamba3_mimo_fwd_varlen", "mamba3_mimo_bwd", "mamba3_mimo_bwd_varlen"))
+
+
+@contextlib.contextmanager
+def _tilelang_stand_in():
+    if not INTERPRETED and importlib.util.find_spec("tilelang") is not None:
+        yield
+        return
+    sys.path.insert(0, str(STAND_INS))
+    try:
+        stand_in = importlib.import_module("tilelang_mamba3_mimo")
+    finally:
+        sys.path.remove(str(STAND_INS))
+    names = (*TILELANG_MODULES, "tilelang")
+    sys.modules.update(dict.fromkeys(names, stand_in))
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
 @contextlib.contextmanager
 def kernels_on():
     """Our ops call the GPU kernels inside: on CUDA directly, on CPU in Triton's interpreter."""
-    with _interpreter() if INTERPRETED else contextlib.nullcontext(), force_kernels():
+    with _interpreter() if INTERPRETED else contextlib.nullcontext(), _tilelang_stand_in(), \
+            force_kernels():
         yield
 
 

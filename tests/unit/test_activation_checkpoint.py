@@ -200,12 +200,16 @@ def test_selective_ac_keeps_mamba1s_scan_kernel_output():
 
 
 @pytest.mark.triton_interpreter
-def test_selective_ac_keeps_mamba3s_kernel_output():
-    """Mamba-3 (m_layers "mamba3", SISO) on mamba_ssm's kernels: the same."""
+@pytest.mark.parametrize("mimo", [False, True], ids=["siso", "mimo"])
+def test_selective_ac_keeps_mamba3s_kernel_output(mimo):
+    """Mamba-3 (m_layers "mamba3") on mamba_ssm's kernels, SISO (Triton) and MIMO (TileLang;
+    on CPU their stand-in, tests/triton_kernels.py): the same."""
     args = dataclasses.replace(copy.deepcopy(hybrid_flavors["debug_mamba3"]), pattern="M-",
                                dim=64, vocab_size=128, max_seq_len=64)
-    args.mamba3 = dataclasses.replace(args.mamba3, d_state=16, head_dim=16, chunk_size=16)
-    assert _forward_kernel_runs(args, "titan_hybrid.mamba3_siso_fwd", mamba3_kernels_on) == {
+    args.mamba3 = dataclasses.replace(args.mamba3, d_state=16, head_dim=16, chunk_size=16,
+                                      mimo=mimo)
+    op = f"titan_hybrid.mamba3_{'mimo' if mimo else 'siso'}_fwd"
+    assert _forward_kernel_runs(args, op, mamba3_kernels_on) == {
         "none": 1, "full": 2, "selective op": 1}
 
 
@@ -222,7 +226,9 @@ def test_the_scan_kernels_declare_themselves_kept_by_selective_ac():
              torch.ops.titan_hybrid.fla_gated_delta_fwd.default,
              torch.ops.titan_hybrid.fla_kda_fwd.default,
              torch.ops.titan_hybrid.fla_gdn2_fwd.default,
-             torch.ops.titan_hybrid.triton_selective_scan_fwd.default}
+             torch.ops.titan_hybrid.triton_selective_scan_fwd.default,
+             torch.ops.titan_hybrid.mamba3_siso_fwd.default,
+             torch.ops.titan_hybrid.mamba3_mimo_fwd.default}
     assert scans <= selective_ac_saved_ops()
     assert torch.ops.titan_hybrid.causal_conv1d_fwd.default not in selective_ac_saved_ops()
 

@@ -323,11 +323,11 @@ def test_keyword_parameters_are_checked_by_name_not_place(monkeypatch, tmp_path)
 
 @pytest.mark.triton_interpreter
 def test_the_tested_releases_pass_the_launcher_check():
-    """The mamba-ssm and fla-core the triton_interpreter tests install (and causal-conv1d's
-    stand-in) are accepted by version and by every launcher's signature: the probe finds all
-    three usable."""
+    """The mamba-ssm and fla-core the triton_interpreter tests install (and the stand-ins of
+    causal-conv1d and of mamba-ssm's TileLang kernels) are accepted by version and by every
+    launcher's signature: the probe finds all four usable."""
     with kernels_on():
-        assert kernels.probe_kernels() == dict.fromkeys(kernels.KERNEL_PACKAGES)
+        assert kernels.probe_kernels(on_demand=True) == dict.fromkeys(kernels.KERNEL_PACKAGES)
         for package in kernel_packages.ACCEPTED_VERSIONS:
             launchers = kernel_packages.launchers_of(package)
             assert launchers and all(launcher.mismatch() is None for launcher in launchers)

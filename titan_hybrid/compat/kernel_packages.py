@@ -11,6 +11,7 @@ results carry no promise between releases. So a package is used only when both h
 - Its version is in the accepted range, the same as pyproject.toml's gpu extra:
 
       mamba-ssm >=2.3.2.post1,<2.4   fla-core >=0.6.0,<0.7   causal-conv1d >=1.7.0,<1.8
+      tilelang ==0.1.8 (what mamba-ssm 2.3.2.post1 pins: its Mamba-3 MIMO kernels)
 
   The floor is the version the triton_interpreter tests run (scripts/bootstrap.sh; causal-
   conv1d's stand-in has its signatures): nothing older was checked, and an older one may lack
@@ -63,6 +64,7 @@ ACCEPTED_VERSIONS = {
     "mamba_ssm": AcceptedVersions("mamba-ssm", ">=2.3.2.post1,<2.4"),
     "fla": AcceptedVersions("fla-core", ">=0.6.0,<0.7"),
     "causal_conv1d": AcceptedVersions("causal-conv1d", ">=1.7.0,<1.8"),
+    "tilelang": AcceptedVersions("tilelang", "==0.1.8"),
 }
 
 
@@ -256,6 +258,39 @@ MAMBA3_SISO_STEPS = (mamba3_angles_fwd, mamba3_siso_fwd, mamba3_siso_bwd_dz,
                      mamba3_siso_bwd_dqkv, mamba3_siso_bwd_rotation, mamba3_siso_bwd_steps,
                      mamba3_angles_bwd)
 
+# ... and what its Mamba-3 MIMO function (_Mamba3Function in mamba_ssm.ops.tilelang.mamba3.
+# mamba3_mimo) calls: TileLang kernels, so they are grouped under the import name "tilelang",
+# probed apart from mamba_ssm's Triton kernels (tilelang is an optional install, and its
+# kernels compile on first use, on CUDA only). The chunks' decay sums (Triton) -> (within-chunk
+# cumulative sums, the reverse sums, the segment sums); the scan -> (out, final state, final k:
+# None unless asked); the backward -> (dq, dk, dv, dADT, ddt, dtrap, dq_bias, dk_bias, dmimo_v,
+# dmimo_z, dmimo_o, dangles, dD, dz), with dq / dk summed over the heads of one group. Packed
+# documents take the _varlen twins, with cu_seqlens.
+_MIMO = "mamba_ssm.ops.tilelang.mamba3"
+_MIMO_DECAYS = "mamba_ssm.ops.triton.mamba3.mamba3_mimo_utils"
+_MIMO_FWD_ARGS = ("q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "z", "D", "mimo_z",
+                  "angles", "dA_cs", "dA_cs_rev", "dt", "trap", "segsum", "chunk_size",
+                  "rotary_dim_divisor", "dtype")
+_MIMO_BWD_ARGS = ("dout", "q", "k", "v", "q_bias", "k_bias", "mimo_v", "mimo_o", "z", "mimo_z",
+                  "angles", "dA_cs", "dA_cs_rev", "dt", "trap", "D", "segsum", "chunk_size",
+                  "rotary_dim_divisor", "dtype")
+mamba3_mimo_decays = Launcher("tilelang", _MIMO_DECAYS, "compute_dacs_segsum_triton",
+                              ("da", "chunk_size"))
+mamba3_mimo_decays_varlen = Launcher("tilelang", _MIMO_DECAYS,
+                                     "compute_dacs_segsum_triton_varlen", ("da", "chunk_size"),
+                                     ("cu_seqlens",))
+mamba3_mimo_fwd = Launcher("tilelang", f"{_MIMO}.mamba3_mimo_fwd", "mamba_mimo_forward",
+                           _MIMO_FWD_ARGS)
+mamba3_mimo_fwd_varlen = Launcher("tilelang", f"{_MIMO}.mamba3_mimo_fwd_varlen",
+                                  "mamba_mimo_forward_varlen", _MIMO_FWD_ARGS, ("cu_seqlens",))
+mamba3_mimo_bwd = Launcher("tilelang", f"{_MIMO}.mamba3_mimo_bwd", "mamba_mimo_bwd_combined",
+                           _MIMO_BWD_ARGS)
+mamba3_mimo_bwd_varlen = Launcher("tilelang", f"{_MIMO}.mamba3_mimo_bwd_varlen",
+                                  "mamba_mimo_bwd_combined_varlen", _MIMO_BWD_ARGS,
+                                  ("cu_seqlens",))
+MAMBA3_MIMO_STEPS = (mamba3_mimo_decays, mamba3_mimo_decays_varlen, mamba3_mimo_fwd,
+                     mamba3_mimo_fwd_varlen, mamba3_mimo_bwd, mamba3_mimo_bwd_varlen)
+
 # fla-core 0.6.0: what its ChunkGatedDeltaRuleFunction calls. Forward -> (g cumulative, o, A,
 # final_state, initial_state, g_input); backward -> (dq, dk, dv, dbeta, dg, dh0, dA_log,
 # ddt_bias). The backward raises on Hopper with triton >= 3.4.0, < 3.7.1, where the runtime
@@ -297,7 +332,7 @@ causal_conv1d_bwd = Launcher("causal_conv1d", _CONV, "causal_conv1d_bwd_function
     "return_dinitial_states", "silu_activation"))
 
 LAUNCHERS = (ssd_scan_fwd, *SSD_BACKWARD_STEPS, gated_rms_norm_fwd, gated_rms_norm_bwd,
-             *MAMBA3_SISO_STEPS,
+             *MAMBA3_SISO_STEPS, *MAMBA3_MIMO_STEPS,
              gated_delta_rule_fwd, gated_delta_rule_bwd, kda_fwd, kda_bwd, gdn2_fwd, gdn2_bwd,
              l2norm_fwd, l2norm_bwd, prepare_chunk_indices, causal_conv1d_fwd, causal_conv1d_bwd)
 

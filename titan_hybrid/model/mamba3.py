@@ -19,12 +19,14 @@ reads R outputs. The output: y * silu(z) (SISO), or sum_r mimo_o[r] * o_r * silu
 plain gate. Then out_proj.
 
 On CUDA, where mamba_ssm is usable, SISO runs its Triton kernels (ops/mamba3_kernel.py: the
-biases, angles, rotation and gate inside them), in bfloat16 as its module does; MIMO, and any
-layer elsewhere, the torch path. What differs from mamba_ssm's module: its SISO kernel computes
-q, k, x, z and the angles in bfloat16 whatever the model's dtype; the torch path computes in
-float32. The angle's running sum is not taken modulo 2 pi (the same rotation). mamba_ssm
-ignores unknown options and `seq_idx`; here packed documents restart the state, the previous
-token's term and the angle, as its kernels do for `cu_seqlens`.
+biases, angles, rotation and gate inside them), and MIMO its TileLang kernels where tilelang is
+installed too (ops/mamba3_mimo_kernel.py: x's up-projection, the gate and read-out inside as
+well), in bfloat16 as its module does; any other layer the torch path. What differs from
+mamba_ssm's module: its kernels compute q, k, x, z (and SISO the angles) in bfloat16 whatever
+the model's dtype; the torch path computes in float32. The angle's running sum is not taken
+modulo 2 pi (the same rotation). mamba_ssm ignores unknown options and `seq_idx`; here packed
+documents restart the state, the previous token's term and the angle, as its kernels do for
+`cu_seqlens`.
 Legend: B batch, T time, D hidden, H heads, P head dim, G groups, R rank, N state size, S angles.
 """
 
@@ -58,8 +60,9 @@ from titan_hybrid.model.norms import GatedGroupRMSNorm, RMSNorm
 from titan_hybrid.model.recurrent import TrapezoidalCore
 from titan_hybrid.model.symbols import MIXER, LayerSymbol
 from titan_hybrid.ops.gated_norm import gated_group_rms_norm
-from titan_hybrid.ops.kernels import kernel_op_refused, use_kernel
+from titan_hybrid.ops.kernels import kernel_op_refused, request_kernel_package, use_kernel
 from titan_hybrid.ops.mamba3_kernel import mamba3_siso
+from titan_hybrid.ops.mamba3_mimo_kernel import mamba3_mimo
 from titan_hybrid.ops.mamba3_scan import mamba3_scan
 
 ROPE_FRACTIONS = (0.5, 1.0)
@@ -156,22 +159,47 @@ class Mamba3Core(TrapezoidalCore):
                 dt_bias, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight,
                 layout: TokenLayout | None) -> torch.Tensor:
         seq_idx = None if layout is None else layout.seq_idx
-        if self.runs_kernel(x_BTC):
-            return self._kernel_path(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
-                                     angles_BTS, dt_bias, B_bias, C_bias, D, norm_weight,
-                                     seq_idx)
+        if not self.args.mimo and self.runs_kernel(x_BTC):
+            return self._siso_kernel_path(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC,
+                                          c_BTC, angles_BTS, dt_bias, B_bias, C_bias, D,
+                                          norm_weight, seq_idx)
+        if self.args.mimo and self._mimo_kernel_takes(x_BTC, b_BTC, D, seq_idx) \
+                and self.runs_kernel(x_BTC):
+            return self._mimo_kernel_path(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC,
+                                          c_BTC, angles_BTS, dt_bias, B_bias, C_bias, D,
+                                          mimo_x, mimo_z, mimo_o, norm_weight, seq_idx)
         theta_BTHS = self.angles(dd_dt_BTH, dt_bias, angles_BTS, seq_idx)
         return self.scan(x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC, dt_bias,
                          B_bias, C_bias, D, mimo_x, mimo_z, mimo_o, norm_weight, seq_idx,
                          theta_BTHS)
 
     def runs_kernel(self, x: torch.Tensor) -> bool:
-        """Whether the layer runs mamba_ssm's SISO kernels (ops/mamba3_kernel.py): on CUDA
-        where the package is usable, for SISO with an even number of angles (its kernel's
-        condition); else the torch path."""
+        """Whether the layer may run mamba_ssm's kernels, on CUDA where they are usable: SISO
+        its Triton kernels (ops/mamba3_kernel.py) with an even number of angles (their
+        condition); MIMO its TileLang kernels (ops/mamba3_mimo_kernel.py: tilelang installed
+        too), for the shapes `_mimo_kernel_takes`. Else the torch path."""
         args = self.args
-        return (not args.mimo and args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
+        if args.mimo:
+            return use_kernel(x, "mamba_ssm") and use_kernel(x, "tilelang")
+        return (args.angles() % 2 == 0 and use_kernel(x, "mamba_ssm")
                 and not kernel_op_refused("mamba3_siso_fwd"))
+
+    def mimo_kernel_chunk(self) -> int:
+        """The MIMO kernels' chunk: they hold chunk * R rows in shared memory, so chunks of
+        64 / R tokens (mamba_ssm's recommendation), at most chunk_size, at least 8, a power of
+        two (their decay sums' condition). The torch path's chunk stays chunk_size."""
+        limit = max(8, min(self.args.chunk_size, 64 // self.args.rank()))
+        return 1 << (limit.bit_length() - 1)
+
+    def _mimo_kernel_takes(self, x_BTC, b_BTC, D, seq_idx) -> bool:
+        """The shapes mamba_ssm's MIMO kernels compute right: N even (the half-split pairs),
+        one group or one per head (its backward), and without documents a length that is a
+        multiple of the chunk (its dense backward drops a partial last chunk's dt / trapezoid
+        gradients)."""
+        args, heads = self.args, D.shape[0]
+        groups = b_BTC.shape[-1] // (args.rank() * args.d_state)
+        return (args.d_state % 2 == 0 and groups in (1, heads)
+                and (seq_idx is not None or x_BTC.shape[1] % self.mimo_kernel_chunk() == 0))
 
     def _steps(self, dd_dt_BTH, dd_A_BTH, dt_bias):
         """(dt, the log decay) per token and head."""
@@ -189,8 +217,8 @@ class Mamba3Core(TrapezoidalCore):
         dt_BTH, log_decay_BTH = self._steps(dd_dt_BTH, dd_A_BTH, dt_bias)
         return log_decay_BTH, (1 - torch.sigmoid(upcast(trap_BTH[:, 0]))) * dt_BTH[:, 0]
 
-    def _kernel_path(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
-                     angles_BTS, dt_bias, B_bias, C_bias, D, norm_weight, seq_idx):
+    def _siso_kernel_path(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
+                          angles_BTS, dt_bias, B_bias, C_bias, D, norm_weight, seq_idx):
         """mamba_ssm's SISO kernels: the biases, the angles, the rotation and (without the
         output norm) the gate inside them."""
         args = self.args
@@ -205,6 +233,30 @@ class Mamba3Core(TrapezoidalCore):
         if args.outproj_norm:
             y_BTHP = self._gated_norm(y_BTHP, z_BTHP, norm_weight)
         return y_BTHP
+
+    def _mimo_kernel_path(self, x_BTC, z_BTC, dd_dt_BTH, dd_A_BTH, trap_BTH, b_BTC, c_BTC,
+                          angles_BTS, dt_bias, B_bias, C_bias, D, mimo_x, mimo_z, mimo_o,
+                          norm_weight, seq_idx):
+        """mamba_ssm's MIMO kernels: the biases, the angles, the rotation, x's up-projection
+        and (without the output norm) the gate and read-out inside them; with it, the kernels
+        return each rank's output and the norm, gate and read-out follow here, as in its
+        module."""
+        args = self.args
+        b, t, _ = x_BTC.shape
+        heads, rank, p = D.shape[0], args.rank(), args.head_dim
+        dt_BTH, log_decay_BTH = self._steps(dd_dt_BTH, dd_A_BTH, dt_bias)
+        x_BTHP, z_BTHP = x_BTC.view(b, t, heads, p), z_BTC.view(b, t, heads, p)
+        B, C = (bc.view(b, t, rank, -1, args.d_state) for bc in (b_BTC, c_BTC))
+        norm = args.outproj_norm
+        y = mamba3_mimo(C, B, x_BTHP, log_decay_BTH, dt_BTH, trap_BTH, C_bias, B_bias, mimo_x,
+                        mimo_z, None if norm else mimo_o, angles_BTS, D,
+                        None if norm else z_BTHP, seq_idx, self.mimo_kernel_chunk(),
+                        round(2 / args.rope_fraction))
+        if not norm:
+            return y
+        z_BTRHP = upcast(z_BTHP)[:, :, None] * upcast(mimo_z).transpose(0, 1)
+        y_BTRHP = self._gated_norm(y, z_BTRHP, norm_weight)
+        return (y_BTRHP * upcast(mimo_o).transpose(0, 1)).sum(2)
 
     def _gated_norm(self, y, z, norm_weight):
         """The output norm per head, before the gate (mamba_ssm's is_outproj_norm)."""
@@ -283,6 +335,8 @@ class Mamba3Mixer(nn.Module):
                                           eps=NORM_EPS, norm_before_gate=True)
         self.out_proj = nn.Linear(args.d_inner(dim), dim, bias=False)
         self.core = Mamba3Core(args)
+        if args.mimo:  # its kernels' package is probed only for a model that calls it
+            request_kernel_package("tilelang")
 
     def tensor_parallel_layouts(self) -> dict[str, TPLayout]:
         """The heads split; B, C and the angles, which every head reads, replicated (one group

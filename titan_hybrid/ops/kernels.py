@@ -1,4 +1,5 @@
-"""Which path an op takes: a GPU kernel (mamba_ssm, fla, causal-conv1d) or its pure-torch twin.
+"""Which path an op takes: a GPU kernel (mamba_ssm, its TileLang kernels, fla, causal-conv1d) or
+its pure-torch twin.
 
 By default an op calls its kernel for CUDA tensors when the kernel's package is usable here, and
 its torch path otherwise. Inside ``force_kernels()`` the ops call the kernels for CPU tensors too:
@@ -163,6 +164,10 @@ class KernelPackage:
     serves: str  # the ops that fall back to their torch paths without it
     fallback: str = "the torch path"  # what runs them instead
     refuses_ops: Callable[[], tuple[RefusedOp, ...]] = tuple  # of this runtime, once usable
+    # Probed, and reported, only once a layer asks for it (`request_kernel_package` when it is
+    # built, `use_kernel`): most models never call it, its import is slow (tilelang and
+    # mamba_ssm's TileLang modules: ~10 s), and its absence says nothing about their speed.
+    on_demand: bool = False
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -179,11 +184,15 @@ KERNEL_PACKAGES = {package.name: package for package in (
     KernelPackage("causal_conv1d", kernel_packages.launchers_of("causal_conv1d"),
                   "the Mamba2 / GDN causal convolution",
                   fallback="titan_hybrid's Triton kernel (ops/conv_triton.py)"),
+    KernelPackage("tilelang", kernel_packages.launchers_of("tilelang"),
+                  "Mamba-3's MIMO scan (mamba_ssm's TileLang kernels)",
+                  on_demand=True),
 )}
 
 _forced = False
 _unusable: dict[str, str | None] = {}  # package -> why it is unusable (None: usable)
 _refused: dict[str, tuple[RefusedOp, ...]] = {}  # usable package -> its ops this runtime refuses
+_asked: set[str] = set()  # the on-demand packages a layer has asked for in this process
 
 
 def kernels_forced() -> bool:
@@ -237,10 +246,21 @@ def _probe(name: str) -> str | None:
     return _unusable[name]
 
 
-def probe_kernels() -> dict[str, str | None]:
-    """Every kernel package: None when the ops may call it here, else why not. Imports each
-    package once per process (the result is kept)."""
-    return {name: _probe(name) for name in KERNEL_PACKAGES}
+def probe_kernels(*, on_demand: bool = False) -> dict[str, str | None]:
+    """Every kernel package but the on-demand ones no layer has asked for (all of them with
+    `on_demand`): None when the ops may call it here, else why not. Imports each package once
+    per process (the result is kept)."""
+    return {name: _probe(name) for name, package in KERNEL_PACKAGES.items()
+            if on_demand or not package.on_demand or name in _asked}
+
+
+def request_kernel_package(name: str) -> None:
+    """A layer that calls the on-demand package `name` says so when it is built, outside any
+    traced code: the package is probed now (on a GPU: elsewhere no kernel is called) and
+    reported from then on."""
+    _asked.add(name)
+    if _on_gpu():
+        _probe(name)
 
 
 def refused_ops() -> dict[str, RefusedOp]:
@@ -294,6 +314,7 @@ def kernel_path_field() -> str | None:
 # entry points probe before compiling, so this only reads the kept result.
 @torch.compiler.assume_constant_result
 def _package_usable(package: str) -> bool:
+    _asked.add(package)
     return _probe(package) is None
 
 

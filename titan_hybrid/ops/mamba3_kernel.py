@@ -36,20 +36,38 @@ def sequence_starts(seq_idx_BT: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([positions, end]).to(torch.int32)
 
 
-def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
+def kernel_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.is_cuda else x.dtype
 
 
-def _one_row(tensor: torch.Tensor | None, cu_seqlens) -> torch.Tensor | None:
+def one_row(tensor: torch.Tensor | None, cu_seqlens) -> torch.Tensor | None:
     """[B, T, ...] -> [1, B*T, ...] when the rows are laid end to end."""
     if tensor is None or cu_seqlens is None:
         return tensor
     return tensor.reshape(1, -1, *tensor.shape[2:])
 
 
-def _per_head_time(tensor: torch.Tensor, cu_seqlens) -> torch.Tensor:
+def per_head_time(tensor: torch.Tensor, cu_seqlens) -> torch.Tensor:
     """[B, T, H] -> mamba_ssm's [B, H, T] (one row when the rows are laid end to end)."""
-    return _one_row(tensor, cu_seqlens).transpose(1, 2).contiguous()
+    return one_row(tensor, cu_seqlens).transpose(1, 2).contiguous()
+
+
+def like_input(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A gradient in mamba_ssm's layout (one row with documents) -> the input's shape and
+    dtype."""
+    return grad.reshape(like.shape).to(like.dtype)
+
+
+def from_per_head_time(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B or 1, H, T] -> the input's [B, T, H] and dtype."""
+    return grad.transpose(1, 2).reshape(like.shape).to(like.dtype)
+
+
+def angles_gradient(grad_BTHS: torch.Tensor, angles_BTS: torch.Tensor) -> torch.Tensor:
+    """The angles' gradient: mamba_ssm's per head [B or 1, T, H, S], summed over the heads that
+    share them."""
+    b, t, s = angles_BTS.shape
+    return grad_BTHS.reshape(b, t, -1, s).sum(2).to(angles_BTS.dtype)
 
 
 def _kernel_inputs(C, B, x, dt, trap, angles, z, seq_idx):
@@ -57,11 +75,11 @@ def _kernel_inputs(C, B, x, dt, trap, angles, z, seq_idx):
     dt, the trapezoid, the angles per head, z or None)."""
     b, t, h, _ = x.shape
     cu_seqlens = sequence_starts(seq_idx)
-    low = _kernel_dtype(x)
-    q, k, v = (_one_row(tensor.to(low), cu_seqlens).contiguous() for tensor in (C, B, x))
-    gate = None if z is None else _one_row(z.to(low), cu_seqlens).contiguous()
-    step, trap_ = (_per_head_time(tensor, cu_seqlens) for tensor in (dt.float(), trap.to(low)))
-    angle = _one_row(angles.to(low)[:, :, None].expand(b, t, h, -1), cu_seqlens).contiguous()
+    low = kernel_dtype(x)
+    q, k, v = (one_row(tensor.to(low), cu_seqlens).contiguous() for tensor in (C, B, x))
+    gate = None if z is None else one_row(z.to(low), cu_seqlens).contiguous()
+    step, trap_ = (per_head_time(tensor, cu_seqlens) for tensor in (dt.float(), trap.to(low)))
+    angle = one_row(angles.to(low)[:, :, None].expand(b, t, h, -1), cu_seqlens).contiguous()
     return cu_seqlens, q, k, v, step, trap_, angle, gate
 
 
@@ -75,7 +93,7 @@ def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch
     rotated, k rotated and scaled, q . k, the trapezoid's scale and gamma (mamba_ssm's)."""
     cu_seqlens, q, k, v, step, trap_, angle, gate = _kernel_inputs(C, B, x, dt, trap, angles,
                                                                    z, seq_idx)
-    adt = _per_head_time(log_decay.float(), cu_seqlens)
+    adt = per_head_time(log_decay.float(), cu_seqlens)
     cumulative = kernel_packages.mamba3_angles_fwd(angle, step, chunk_size=chunk_size,
                                                    cu_seqlens=cu_seqlens)
     out, *residuals, _ = kernel_packages.mamba3_siso_fwd(
@@ -87,7 +105,7 @@ def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch
 @_forward.register_fake
 def _(C, B, x, log_decay, dt, trap, C_bias, B_bias, angles, D, z, seq_idx, chunk_size):
     b, t, h, p = x.shape
-    n, low = C.shape[-1], _kernel_dtype(x)
+    n, low = C.shape[-1], kernel_dtype(x)
     if seq_idx is None:
         chunks = -(-t // chunk_size)
     else:  # one row; the kernel's chunks restart at each sequence: as many as the data says
@@ -111,12 +129,11 @@ def _backward(dy: torch.Tensor, C: torch.Tensor, B: torch.Tensor, x: torch.Tenso
               residuals: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of C, B, x, the log decay, dt, the trapezoid, the biases, the angles, D
     and z (empty without z), each in its input's dtype."""
-    b, t, h, _ = x.shape
     (cumulative, out_before_gate, states, decay_cumsum, decay_sums, q_rotated, k_scaled,
      qk_dot, scale, gamma) = residuals
     cu_seqlens, q, k, v, step, trap_, angle, gate = _kernel_inputs(C, B, x, dt, trap, angles,
                                                                    z, seq_idx)
-    do = _one_row(dy.to(_kernel_dtype(x)), cu_seqlens).contiguous()
+    do = one_row(dy.to(kernel_dtype(x)), cu_seqlens).contiguous()
     dz = None
     if z is not None:
         dz, do = kernel_packages.mamba3_siso_bwd_dz(do, gate, out_before_gate,
@@ -136,18 +153,11 @@ def _backward(dy: torch.Tensor, C: torch.Tensor, B: torch.Tensor, x: torch.Tenso
     dangle, ddt_angles, _ = kernel_packages.mamba3_angles_bwd(
         grad_out=dcumulative, angle=angle, dt=step, chunk_size=chunk_size,
         cu_seqlens=cu_seqlens)
-
-    def back(grad, like):  # mamba_ssm's layout -> the input's
-        return grad.reshape(like.shape).to(like.dtype)
-
-    def back_per_head_time(grad, like):  # [B or 1, H, T] -> [B, T, H]
-        return grad.transpose(1, 2).reshape(like.shape).to(like.dtype)
-
-    return [back(dq, C), back(dk, B), back(dv, x), back_per_head_time(dadt, dt),
-            back_per_head_time(ddt + ddt_angles, dt), back_per_head_time(dtrap, trap),
-            dC_bias.to(C_bias.dtype), dB_bias.to(B_bias.dtype),
-            dangle.reshape(b, t, h, -1).sum(2).to(angles.dtype), dD.to(D.dtype),
-            x.new_empty(0) if dz is None else back(dz, z)]
+    return [like_input(dq, C), like_input(dk, B), like_input(dv, x),
+            from_per_head_time(dadt, dt), from_per_head_time(ddt + ddt_angles, dt),
+            from_per_head_time(dtrap, trap), dC_bias.to(C_bias.dtype), dB_bias.to(B_bias.dtype),
+            angles_gradient(dangle, angles), dD.to(D.dtype),
+            x.new_empty(0) if dz is None else like_input(dz, z)]
 
 
 @_backward.register_fake
