@@ -30,18 +30,21 @@ from titan_hybrid.ops import kernels
 
 pytestmark = pytest.mark.triton_interpreter
 
-DIM, LENGTH = 32, 48  # 4 heads of 16; 48 tokens: three chunks of the kernels' 16 (64 / R)
+# 2 heads of 32 (the smallest sizes mamba_ssm tested the kernels on); 48 tokens: three chunks
+# of the kernels' 16 (64 / R, at most chunk_size)
+DIM, LENGTH = 32, 48
 OPTIONS = {
     "rank4": dict(),
-    "rank2-group-per-head-rope1-norm": dict(mimo_rank=2, n_groups=4, rope_fraction=1.0,
+    "rank2-group-per-head-rope1-norm": dict(mimo_rank=2, n_groups=2, rope_fraction=1.0,
                                             outproj_norm=True),
 }
 
 
-def _layer(options: str) -> Mamba3Mixer:
+def _layer(options: str, **sizes) -> Mamba3Mixer:
     torch.manual_seed(0)
-    args = Mamba3Args(d_state=16, head_dim=16, chunk_size=16, mimo=True,
-                      **{"mimo_rank": 4, **OPTIONS[options]})
+    args = Mamba3Args(chunk_size=16, mimo=True,
+                      **{"d_state": 32, "head_dim": 32, "mimo_rank": 4, **sizes,
+                         **OPTIONS[options]})
     layer = Mamba3Mixer(dim=DIM, args=args)
     layer.init_weights(init_std=0.2, out_std=0.2)
     with torch.no_grad():
@@ -85,13 +88,17 @@ def test_our_mimo_layer_on_their_kernels_gives_the_torch_paths_output_and_gradie
 
 def test_shapes_their_kernels_do_not_take_run_the_torch_path():
     """Without documents a length that is not a multiple of the kernels' chunk (their dense
-    backward drops a partial chunk's dt / trapezoid gradients), and groups that are neither one
-    nor one per head (their backward refuses them), take the torch path."""
-    two_groups = Mamba3Mixer(dim=DIM, args=Mamba3Args(d_state=16, head_dim=16, mimo=True,
-                                                      n_groups=2))
+    backward asserts it), groups that are neither one nor one per head (their backward refuses
+    them), and sizes mamba_ssm did not test them on (a head dim of 16; a state of 16 with a
+    head dim of 32, which it says fails to compile) take the torch path."""
+    two_groups = Mamba3Mixer(dim=2 * DIM, args=Mamba3Args(d_state=32, head_dim=32, mimo=True,
+                                                          n_groups=2))
     two_groups.init_weights(init_std=0.2, out_std=0.2)
-    for layer, length in ((_layer("rank4"), 37), (two_groups, LENGTH)):
-        u = torch.randn(2, length, DIM)
+    for layer, length in ((_layer("rank4"), 37), (two_groups, LENGTH),
+                          (_layer("rank4", head_dim=16), LENGTH),
+                          (_layer("rank4", d_state=16), LENGTH)):
+        dim = layer.in_proj.in_features
+        u = torch.randn(2, length, dim)
         want = layer(u)
         with mamba3_kernels_on(), expect_custom_ops(not_run=("mamba3_mimo_fwd",)):
             got = layer(u)

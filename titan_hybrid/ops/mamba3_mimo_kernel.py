@@ -13,7 +13,8 @@ then z None too: y is [B, T, R, H, P], one output per rank), the angles [B, T, S
 The kernels run chunks of `chunk_size` tokens (mamba_ssm recommends 64 / R: their shared
 memory holds chunk_size * R rows); the caller picks it (model/mamba3.py). Their backward
 supports one group, or one per head, and without documents a length that is a multiple of
-the chunk: the caller takes the torch path otherwise. As mamba_ssm's module does, q, k, x, z
+the chunk, and TileLang may fail to compile sizes mamba_ssm did not test: the caller takes
+the torch path for those. As mamba_ssm's module does, q, k, x, z
 and the trapezoid enter in bfloat16 on a GPU; on CPU (tests: tests/triton_kernels.py's
 stand-in for the TileLang kernels) in their own dtype. Documents become mamba_ssm's cu_seqlens,
 the rows laid end to end. The backward is mamba_ssm's (its _Mamba3Function.backward, its steps
