@@ -250,6 +250,26 @@ def assert_close_rel(got, want, tol: float, what: str) -> float:
     return worst
 
 
+def layer_outputs_and_grads(layer, u: torch.Tensor, *args) -> dict[str, torch.Tensor]:
+    """`layer(u, *args)` ("output") and the gradients of a fixed projection of it with respect
+    to its input ("input", which requires grad) and every parameter (by name)."""
+    leaves = {"input": u, **dict(layer.named_parameters())}
+    y = layer(u, *args)
+    grads = torch.autograd.grad((y * torch.cos(torch.arange(y.numel()).view_as(y))).sum(),
+                                list(leaves.values()))
+    return {"output": y.detach(), **dict(zip(leaves, grads, strict=True))}
+
+
+def assert_close_to_scale(got: dict, want: dict, tolerance) -> None:
+    """Each tensor of `got` within `tolerance(name)` times the largest magnitude of `want`'s
+    (which must not be zero: no comparison is vacuous)."""
+    assert got.keys() == want.keys()
+    for name, reference in want.items():
+        scale = reference.abs().max().item()
+        error = (got[name] - reference).abs().max().item()
+        assert scale > 0 and error <= tolerance(name) * scale, (name, error / scale)
+
+
 @contextlib.contextmanager
 def expect_custom_ops(*names: str, not_run: tuple[str, ...] = ()):
     """Asserts that the custom ops `names` (titan_hybrid::..., the kernel calls' forward and

@@ -18,7 +18,12 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.triton_kernels import expect_custom_ops, mamba3_kernels_on
+from tests.triton_kernels import (
+    assert_close_to_scale,
+    expect_custom_ops,
+    layer_outputs_and_grads,
+    mamba3_kernels_on,
+)
 from titan_hybrid.model.layout import TokenLayout
 from titan_hybrid.model.mamba3 import Mamba3Args, Mamba3Mixer
 
@@ -112,24 +117,12 @@ def test_our_layer_on_their_kernels_gives_the_torch_paths_output_and_gradients(o
         seq_idx = torch.zeros(2, LENGTH, dtype=torch.long)
         seq_idx[:, 7:], seq_idx[1:, 8:], seq_idx[:, 30:] = 1, 2, 3
         layout = TokenLayout(positions=None, seq_idx=seq_idx)
-    leaves = {"input": u, **dict(ours.named_parameters())}
-
-    def output_and_grads():
-        y = ours(u, layout)
-        grads = torch.autograd.grad((y * torch.cos(torch.arange(y.numel()).view_as(y))).sum(),
-                                    list(leaves.values()))
-        return y.detach(), dict(zip(leaves, grads, strict=True))
-
-    want = output_and_grads()
+    want = layer_outputs_and_grads(ours, u, layout)
     with mamba3_kernels_on(), expect_custom_ops("mamba3_siso_fwd", "mamba3_siso_bwd"):
         assert ours.core.runs_kernel(u)
-        got = output_and_grads()
-    for name, a, b in [("output", got[0], want[0]),
-                       *((name, got[1][name], want[1][name]) for name in leaves)]:
-        scale = b.abs().max().item()
-        tolerance = THROUGH_THE_STATES if name in READ_THE_STATES else 1e-4
-        assert scale > 0 and (a - b).abs().max().item() <= tolerance * scale, (
-            name, (a - b).abs().max().item() / scale)
+        got = layer_outputs_and_grads(ours, u, layout)
+    assert_close_to_scale(got, want, lambda name: THROUGH_THE_STATES
+                          if name in READ_THE_STATES else 1e-4)
 
 
 def test_their_kernels_compile_into_one_graph_with_documents_and_without():

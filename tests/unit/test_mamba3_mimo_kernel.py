@@ -21,7 +21,9 @@ import torch
 from tests.triton_kernels import (
     KERNEL_SITE,
     TILELANG_MODULES,
+    assert_close_to_scale,
     expect_custom_ops,
+    layer_outputs_and_grads,
     mamba3_kernels_on,
 )
 from titan_hybrid.model.layout import TokenLayout
@@ -67,23 +69,11 @@ def test_our_mimo_layer_on_their_kernels_gives_the_torch_paths_output_and_gradie
     length = 37 if documents else LENGTH  # documents take any length
     u = torch.randn(2, length, DIM, requires_grad=True)
     layout = _documents(length) if documents else None
-    leaves = {"input": u, **dict(layer.named_parameters())}
-
-    def output_and_grads():
-        y = layer(u, layout)
-        grads = torch.autograd.grad((y * torch.cos(torch.arange(y.numel()).view_as(y))).sum(),
-                                    list(leaves.values()))
-        return y.detach(), dict(zip(leaves, grads, strict=True))
-
-    want = output_and_grads()
+    want = layer_outputs_and_grads(layer, u, layout)
     with mamba3_kernels_on(), expect_custom_ops("mamba3_mimo_fwd", "mamba3_mimo_bwd"):
         assert layer.core.runs_kernel(u)
-        got = output_and_grads()
-    for name, a, b in [("output", got[0], want[0]),
-                       *((name, got[1][name], want[1][name]) for name in leaves)]:
-        scale = b.abs().max().item()
-        assert scale > 0 and (a - b).abs().max().item() <= 1e-4 * scale, (
-            name, (a - b).abs().max().item() / scale)
+        got = layer_outputs_and_grads(layer, u, layout)
+    assert_close_to_scale(got, want, lambda name: 1e-4)
 
 
 def test_shapes_their_kernels_do_not_take_run_the_torch_path():
