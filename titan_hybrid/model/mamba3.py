@@ -67,8 +67,11 @@ from titan_hybrid.ops.mamba3_scan import mamba3_scan
 
 ROPE_FRACTIONS = (0.5, 1.0)
 # The sizes mamba_ssm 2.3.2.post1 tested its MIMO TileLang kernels on (its mamba3_mimo warns
-# outside them): N, P, R, and the (N, P) pairs it says fail to compile.
-MIMO_TESTED_SIZES = ((16, 32, 64, 128, 256), (32, 64, 128), (1, 2, 4, 8), ((16, 32), (256, 128)))
+# outside them), and the (N, P) pairs it says fail to compile.
+MIMO_KERNEL_STATE_SIZES = (16, 32, 64, 128, 256)
+MIMO_KERNEL_HEAD_DIMS = (32, 64, 128)
+MIMO_KERNEL_RANKS = (1, 2, 4, 8)
+MIMO_KERNEL_FAILING_SIZES = ((16, 32), (256, 128))
 NORM_EPS = 1e-5  # mamba_ssm's B / C norms and output norm
 
 
@@ -196,14 +199,14 @@ class Mamba3Core(TrapezoidalCore):
 
     def _mimo_kernel_takes(self, x_BTC, b_BTC, D, seq_idx) -> bool:
         """The shapes mamba_ssm's MIMO kernels compute right: the sizes it tested them on
-        (MIMO_TESTED_SIZES: TileLang may fail to compile others mid-run), one group or one per
-        head (their backward), and without documents a length that is a multiple of the chunk
+        (MIMO_KERNEL_*: TileLang may fail to compile others mid-run), one group or one per head
+        (their backward), and without documents a length that is a multiple of the chunk
         (their dense backward asserts it)."""
         args, heads = self.args, D.shape[0]
         groups = b_BTC.shape[-1] // (args.rank() * args.d_state)
-        state_sizes, head_dims, ranks, failing = MIMO_TESTED_SIZES
-        return (args.d_state in state_sizes and args.head_dim in head_dims
-                and args.rank() in ranks and (args.d_state, args.head_dim) not in failing
+        return (args.d_state in MIMO_KERNEL_STATE_SIZES and args.head_dim in MIMO_KERNEL_HEAD_DIMS
+                and args.rank() in MIMO_KERNEL_RANKS
+                and (args.d_state, args.head_dim) not in MIMO_KERNEL_FAILING_SIZES
                 and groups in (1, heads)
                 and (seq_idx is not None or x_BTC.shape[1] % self.mimo_kernel_chunk() == 0))
 
