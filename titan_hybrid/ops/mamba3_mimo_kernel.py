@@ -10,15 +10,14 @@ biases [H, R, N], mimo_x / mimo_z / mimo_o [H, R, P] (mimo_o None with the outpu
 then z None too: y is [B, T, R, H, P], one output per rank), the angles [B, T, S], D, z
 [B, T, H, P]; packed documents as `seq_idx`. It returns y [B, T, H, P] in x's dtype.
 
-The kernels run chunks of `chunk_size` tokens (mamba_ssm recommends 64 / R: their shared
-memory holds chunk_size * R rows); the caller picks it (model/mamba3.py). Their backward
-supports one group, or one per head, and without documents a length that is a multiple of
-the chunk, and TileLang may fail to compile sizes mamba_ssm did not test: the caller takes
-the torch path for those. As mamba_ssm's module does, q, k, x, z
-and the trapezoid enter in bfloat16 on a GPU; on CPU (tests: tests/triton_kernels.py's
-stand-in for the TileLang kernels) in their own dtype. Documents become mamba_ssm's cu_seqlens,
-the rows laid end to end. The backward is mamba_ssm's (its _Mamba3Function.backward, its steps
-called one by one), without entering or final states.
+The kernels run chunks of `chunk_size` tokens (mamba_ssm recommends 64 / R: their shared memory
+holds chunk_size * R rows); the caller picks it (model/mamba3.py). Their backward supports one
+group, or one per head, and without documents a length that is a multiple of the chunk, and
+TileLang may fail to compile sizes mamba_ssm did not test: the caller takes the torch path for
+those. As mamba_ssm's module does, q, k, x, z and the trapezoid enter in bfloat16 on a GPU; on
+CPU (tests: tests/triton_kernels.py's stand-in for the TileLang kernels) in their own dtype.
+Documents become mamba_ssm's cu_seqlens, the rows laid end to end. The backward is mamba_ssm's
+(its _Mamba3Function.backward, its steps called one by one), without entering or final states.
 """
 
 from __future__ import annotations
@@ -38,13 +37,21 @@ from titan_hybrid.ops.mamba3_kernel import (
 )
 
 
+def _dense_or_varlen(dense: kernel_packages.Launcher, varlen: kernel_packages.Launcher,
+                     cu_seqlens, named: dict):
+    """The dense launcher, or with packed documents its _varlen twin (the same positional
+    parameters, then cu_seqlens), called with the arguments in `named`."""
+    args = [named[name] for name in dense.positional]
+    return dense(*args) if cu_seqlens is None else varlen(*args, cu_seqlens=cu_seqlens)
+
+
 def _decays(log_decay, cu_seqlens, chunk_size):
     """mamba_ssm's chunk decay sums of the log decay [B, T, H]: (cumulative, reverse,
     segment sums)."""
     adt = per_head_time(log_decay.float(), cu_seqlens)
-    if cu_seqlens is None:
-        return kernel_packages.mamba3_mimo_decays(adt, chunk_size)
-    return kernel_packages.mamba3_mimo_decays_varlen(adt, chunk_size, cu_seqlens=cu_seqlens)
+    return _dense_or_varlen(kernel_packages.mamba3_mimo_decays,
+                            kernel_packages.mamba3_mimo_decays_varlen, cu_seqlens,
+                            dict(da=adt, chunk_size=chunk_size))
 
 
 def _kernel_args(C, B, x, log_decay, dt, trap, C_bias, B_bias, mimo_x, mimo_z, mimo_o,
@@ -67,12 +74,6 @@ def _kernel_args(C, B, x, log_decay, dt, trap, C_bias, B_bias, mimo_x, mimo_z, m
     return cu_seqlens, angle, named
 
 
-def _in_order(launcher: kernel_packages.Launcher, named: dict, **more) -> list:
-    """The launcher's positional arguments, in its declared order."""
-    named = {**named, **more}
-    return [named[name] for name in launcher.positional]
-
-
 @kernel_op("mamba3_mimo_fwd", saved_by_selective_ac=True)
 def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch.Tensor,
              dt: torch.Tensor, trap: torch.Tensor, C_bias: torch.Tensor, B_bias: torch.Tensor,
@@ -87,13 +88,10 @@ def _forward(C: torch.Tensor, B: torch.Tensor, x: torch.Tensor, log_decay: torch
                                             chunk_size)
     cumulative = kernel_packages.mamba3_angles_fwd(angle, named["dt"], chunk_size=chunk_size,
                                                    cu_seqlens=cu_seqlens)
-    more = dict(angles=cumulative, chunk_size=chunk_size,
-                rotary_dim_divisor=rotary_dim_divisor, dtype=named["q"].dtype)
-    if cu_seqlens is None:
-        launcher, keywords = kernel_packages.mamba3_mimo_fwd, {}
-    else:
-        launcher, keywords = kernel_packages.mamba3_mimo_fwd_varlen, dict(cu_seqlens=cu_seqlens)
-    out, _, _ = launcher(*_in_order(launcher, named, **more), **keywords)
+    out, _, _ = _dense_or_varlen(
+        kernel_packages.mamba3_mimo_fwd, kernel_packages.mamba3_mimo_fwd_varlen, cu_seqlens,
+        dict(named, angles=cumulative, chunk_size=chunk_size,
+             rotary_dim_divisor=rotary_dim_divisor, dtype=named["q"].dtype))
     return [out.reshape(_output_shape(x, C, mimo_o)).to(x.dtype), cumulative]
 
 
@@ -127,14 +125,11 @@ def _backward(dy: torch.Tensor, C: torch.Tensor, B: torch.Tensor, x: torch.Tenso
                                             mimo_x, mimo_z, mimo_o, angles, D, z, seq_idx,
                                             chunk_size)
     low = named["q"].dtype
-    more = dict(dout=one_row(dy.to(low), cu_seqlens).contiguous(), angles=cumulative,
-                chunk_size=chunk_size, rotary_dim_divisor=rotary_dim_divisor, dtype=low)
-    if cu_seqlens is None:
-        launcher, keywords = kernel_packages.mamba3_mimo_bwd, {}
-    else:
-        launcher, keywords = kernel_packages.mamba3_mimo_bwd_varlen, dict(cu_seqlens=cu_seqlens)
     (dq, dk, dv, dadt, ddt, dtrap, dC_bias, dB_bias, dmimo_x, dmimo_z, dmimo_o, dcumulative,
-     dD, dz) = launcher(*_in_order(launcher, named, **more), **keywords)
+     dD, dz) = _dense_or_varlen(
+        kernel_packages.mamba3_mimo_bwd, kernel_packages.mamba3_mimo_bwd_varlen, cu_seqlens,
+        dict(named, dout=one_row(dy.to(low), cu_seqlens).contiguous(), angles=cumulative,
+             chunk_size=chunk_size, rotary_dim_divisor=rotary_dim_divisor, dtype=low))
     dangle, ddt_angles, _ = kernel_packages.mamba3_angles_bwd(
         grad_out=dcumulative, angle=angle, dt=named["dt"], chunk_size=chunk_size,
         cu_seqlens=cu_seqlens)
