@@ -31,8 +31,9 @@ the library):
   top-level modules leave sys.modules), because transformers switches its own torch paths
   (Qwen3-Next's gated delta rule, NemotronH's SSD, which other tests and bench/ compare against)
   to these packages whenever they import, on any device.
-- mamba_ssm's package __init__ imports its compiled CUDA extensions (not built here); its
-  Triton modules are imported through a bare package module instead.
+- mamba_ssm's package __init__ imports its compiled CUDA extension (not built here); its
+  Triton modules are imported through the bare package that compat enters where that extension
+  is missing (`kernel_packages.import_kernel_module`), as on a GPU host with torch >= 2.14.
 - causal-conv1d is CUDA C++ only: its stand-in (tests/stand_ins/, the same functions in torch)
   takes its place, so layers run their conv through our custom ops too.
 - mamba_ssm's Mamba-3 MIMO kernels are TileLang's, which compiles for CUDA only: where they cannot
@@ -61,6 +62,7 @@ from unittest import mock
 
 import torch
 
+from titan_hybrid.compat import kernel_packages
 from titan_hybrid.ops.kernels import force_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,14 +114,9 @@ def _kernel_packages_importable():
     sys.path[:0] = [str(KERNEL_SITE), str(STAND_INS)]
     sys.modules.update(_hidden)
     try:
-        if "mamba_ssm" not in sys.modules:
-            # A bare package: mamba_ssm.ops.triton.* import without the package __init__
-            # (which needs the compiled selective-scan extension).
-            spec = importlib.util.find_spec("mamba_ssm")
-            package = types.ModuleType("mamba_ssm")
-            package.__path__ = list(spec.submodule_search_locations)
-            package.__spec__ = spec
-            sys.modules["mamba_ssm"] = package
+        # mamba_ssm's package __init__ needs its compiled Mamba1 scan, not built here: the
+        # package is entered bare, as on a GPU host that installed it without (compat).
+        kernel_packages.import_kernel_module("mamba_ssm")
         yield
     finally:
         sys.path.remove(str(KERNEL_SITE))

@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import sys
+import types
 from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
@@ -111,6 +113,30 @@ def launcher_refusal(package: str, launchers: tuple[Launcher, ...]) -> str | Non
     return None
 
 
+# mamba-ssm's package __init__ first imports its compiled Mamba1 scan (selective_scan_cuda), which
+# does not build against torch >= 2.14: its setup.py compiles with -std=c++17, and torch 2.14's
+# headers require C++20 (docs/gpu_and_performance.md has the recorded builds). titan_hybrid calls
+# none of it, only the Triton and TileLang kernels, which install without it
+# (MAMBA_SKIP_CUDA_BUILD=TRUE). Where that extension is not installed, the package is entered
+# bare (its module, with its __path__, without running its __init__), so its kernel modules
+# import; where it is installed, the package imports as usual.
+_EXTENSION_THE_INIT_IMPORTS = {"mamba_ssm": "selective_scan_cuda"}
+
+
+def import_kernel_module(name: str) -> types.ModuleType:
+    """`importlib.import_module(name)` for a module of a kernel package, entering mamba_ssm bare
+    where its package __init__ could not import (above)."""
+    if (module := sys.modules.get(name)) is not None:
+        return module
+    package = name.partition(".")[0]
+    extension = _EXTENSION_THE_INIT_IMPORTS.get(package)
+    if extension and package not in sys.modules and importlib.util.find_spec(extension) is None:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations is not None:
+            sys.modules[package] = importlib.util.module_from_spec(spec)
+    return importlib.import_module(name)
+
+
 _BY_POSITION = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -132,13 +158,13 @@ class Launcher:
     def __call__(self, *args, **kwargs):
         assert len(args) == len(self.positional) and kwargs.keys() == set(self.keywords), (
             f"{self.name}: the call differs from the parameters declared for the launcher check")
-        return getattr(importlib.import_module(self.module), self.name)(*args, **kwargs)
+        return getattr(import_kernel_module(self.module), self.name)(*args, **kwargs)
 
     def mismatch(self) -> str | None:
         """Why the installed function would not take the ops' call (its module must import):
         it is missing, a parameter passed by position has another name or place, one passed by
         keyword is gone, or one the ops do not pass has no default. None when it takes it."""
-        function = getattr(importlib.import_module(self.module), self.name, None)
+        function = getattr(import_kernel_module(self.module), self.name, None)
         if function is None:
             return f"{self.module} has no {self.name}, which titan_hybrid's custom ops call"
         where = f"{self.module}.{self.name}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 
 import titan_hybrid.compat  # noqa: F401  (the torch / torchtitan version check)
+from titan_hybrid.compat.kernel_packages import import_kernel_module
 
 # mamba_ssm 2.3.2.post1: where its SSD scan's autotuned kernels are defined.
 SSD_MODULES = tuple(f"mamba_ssm.ops.triton.ssd_{name}" for name in
@@ -44,7 +45,7 @@ def ssd_autotuners() -> dict:
     autotuner_type = importlib.import_module("triton.runtime.autotuner").Autotuner
     found = {}
     for module in SSD_MODULES:
-        for value in vars(importlib.import_module(module)).values():
+        for value in vars(import_kernel_module(module)).values():
             if (autotuner := _autotuner_in(value, autotuner_type)) is not None:
                 found[autotuner.base_fn.__name__] = autotuner
     return found

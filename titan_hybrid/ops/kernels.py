@@ -229,7 +229,7 @@ def _why_unusable(package: KernelPackage) -> str | None:
         return refusal
     for module in package.modules:
         try:
-            importlib.import_module(module)
+            kernel_packages.import_kernel_module(module)
         except Exception as error:  # a broken extension raises OSError / RuntimeError too
             first_line = (str(error).strip().splitlines() or [""])[0]
             return f"{module} does not import ({type(error).__name__}: {first_line})"
