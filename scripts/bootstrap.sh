@@ -257,8 +257,9 @@ print(" / ".join(p for m, p in packages.items() if importlib.util.find_spec(m) i
         case "$missing" in *" / "*) verb=are ;; *) verb=is ;; esac
         echo "note: $missing $verb not installed in $VENV_NAME: the run takes the torch paths" \
             "(about 3x slower); install them (README, \"GPU path\") with: cd $REPO_ROOT &&" \
-            "$VENV_NAME/bin/pip install wheel ninja && $VENV_NAME/bin/pip install" \
-            "--no-build-isolation -e \".[gpu]\" \"$torch_requirement\"" >&2
+            "$VENV_NAME/bin/pip install wheel ninja && MAMBA_SKIP_CUDA_BUILD=TRUE" \
+            "$VENV_NAME/bin/pip install --no-build-isolation -e \".[gpu]\"" \
+            "\"$torch_requirement\"" >&2
     fi
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 46's GPU figures (items 1, 2, 3, 6, 7) in one device call, sized for a lend of 15
-# minutes of device time (the machine's start included) with room for one rerun:
+# The GPU figures owed first (issue 56; issue 46's items 1, 2, 3, 6, 7) in one device call, sized
+# for a lend of 15 minutes of device time (the machine's start included) with room for a rerun:
 #
 #   device run, carry [".device"], timeout 540:
-#     source .device/setup.sh; bash bench/gpu_issue46.sh
+#     source .device/setup.sh; bash bench/gpu_figures.sh
 #
 # Each step writes its log under $OUT (the device tool brings it back) and has its own
 # timeout, so a slow step costs only itself:
@@ -16,9 +16,9 @@
 # 3. bench/gpu_profile.py, cold (no caches unpacked; the shipped autotune picks installed):
 #    the first step's seconds (item 6), then the trainer rows of item 7 beside the twins.
 set -u
-OUT="${OUT:-outputs/gpu_issue46}"
+OUT="${OUT:-outputs/gpu_figures}"
 mkdir -p "$OUT"
-echo "gpu_issue46: $(date -u +%FT%TZ) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')"
+echo "gpu_figures: $(date -u +%FT%TZ) $(python3 -c 'import torch; print(torch.cuda.get_device_name())')"
 
 timeout 150 python3 -c "import sys; from bench.kernel_check import run_kernel_checks
 sys.exit(0 if run_kernel_checks() else 1)" > "$OUT/kernel_check.log" 2>&1
