@@ -40,8 +40,8 @@ def registry_with(*replacements: tuple[str, str]) -> str:
 
 
 # The debug flavors as they are, the GPU-sized ones (0.9-2B parameters) at width 256 on one row
-# of 64 tokens, their layers and sections otherwise as they are. In two parts that the leg's two
-# workers take first (the module's first tests: the leg's longest), of about equal time: the
+# of 64 tokens, their layers and sections otherwise as they are. In two parts of about equal
+# time, so that the leg's two workers can share them (.ci/run steals work between them): the
 # GPU-sized ones take ~19 s each, the debug ones ~4 s (measured: 86 s for the 21 debug ones,
 # 173 s for the 9 GPU-sized ones), so the debug ones go with two GPU-sized ones.
 FLAVOR_ENTRIES = [name if args.dim <= 256 else f"{name}:dim=256:local_batch_size=1"
