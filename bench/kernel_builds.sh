@@ -9,9 +9,10 @@
 # does. 2.13 is missing: the registry serves its CPU build only. The packages' setup.py files
 # list their own -gencode flags (nine architectures under CUDA 13; TORCH_CUDA_ARCH_LIST is not
 # read), so the copy built here keeps sm_90 alone: the same sources and compiler flags, for one
-# architecture (causal-conv1d took 678 s so on 2 cores). A log keeps the build's commands,
-# warnings and errors; ptxas's per-kernel lines (-Xptxas -v) are left out. OUT/summary.txt has
-# one line per build: package, torch, exit status, seconds.
+# architecture (causal-conv1d took 574-678 s so on 2 cores). A log keeps the build's commands,
+# warnings and errors (of a failed build, the first 200 lines and the last 40); ptxas's
+# per-kernel lines (-Xptxas -v) are left out. OUT/summary.txt has one line per build: package,
+# torch, exit status, seconds.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$REPO_ROOT/bench/kernel_builds}"
@@ -68,8 +69,14 @@ PY
             -w "$work/dist" . 2>&1)
         status=$?
         echo "# exit status $status after $((SECONDS - started)) s"
-    } | grep -v -E "ptxas info|bytes stack frame|^\s*$" > "$log"
-    status=$(tail -1 "$log" | awk '{print $4}')
+    } | grep -v -E "ptxas info|bytes stack frame|^\s*$" > "$log.full"
+    status=$(tail -1 "$log.full" | awk '{print $4}')
+    if [ "$status" = 0 ] || [ "$(wc -l < "$log.full")" -le 260 ]; then
+        mv "$log.full" "$log"
+    else  # a failed build repeats its errors in every file: the first ones and the end
+        { head -200 "$log.full"; echo "[... $(($(wc -l < "$log.full") - 240)) lines ...]"
+          tail -40 "$log.full"; } > "$log" && rm "$log.full"
+    fi
     printf '%-24s torch %-7s exit %-3s %5d s\n' "${1%%==*}" "$2" "$status" \
         $((SECONDS - started)) | tee -a "$OUT/summary.txt"
 }

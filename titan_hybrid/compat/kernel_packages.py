@@ -114,7 +114,7 @@ def launcher_refusal(package: str, launchers: tuple[Launcher, ...]) -> str | Non
 
 
 # mamba-ssm's package __init__ first imports its compiled Mamba1 scan (selective_scan_cuda), which
-# does not build against torch >= 2.14: its setup.py compiles it as C++17, and torch 2.14's
+# does not build against torch >= 2.14: its build compiles it as C++17, and torch 2.14's
 # headers require C++20 (docs/gpu_and_performance.md has the recorded builds). titan_hybrid calls
 # none of it, only the Triton and TileLang kernels, which install without it
 # (MAMBA_SKIP_CUDA_BUILD=TRUE). Where that extension is not installed, the package is entered
