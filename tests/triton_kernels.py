@@ -114,8 +114,9 @@ def _kernel_packages_importable():
     sys.path[:0] = [str(KERNEL_SITE), str(STAND_INS)]
     sys.modules.update(_hidden)
     try:
-        # mamba_ssm's package __init__ needs its compiled Mamba1 scan, not built here: the
-        # package is entered bare, as on a GPU host that installed it without (compat).
+        # mamba_ssm's package __init__ needs its compiled Mamba1 scan, not built here: compat
+        # enters the package bare, as on a GPU host that installed it with
+        # MAMBA_SKIP_CUDA_BUILD=TRUE.
         kernel_packages.import_kernel_module("mamba_ssm")
         yield
     finally:
